@@ -1,0 +1,55 @@
+# lorafleet developer entry points. Every target creates the venv itself when missing.
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+PROTO_OUT := packages/lorafleet/src
+PROTOS := $(wildcard proto/lorafleet/v1/*.proto)
+PKGS := -e packages/lorafleet -e packages/lorafleet-models -e packages/lorafleet-cli -e services/controller \
+        -e services/trainer -e services/rollout -e services/gateway
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: help venv proto proto-check lint fmt test test-fast demo ci clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+.venv/.installed: requirements.txt requirements-dev.txt $(wildcard packages/*/pyproject.toml services/*/pyproject.toml)
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q --no-deps --no-build-isolation $(PKGS)
+	touch $@
+
+venv: .venv/.installed  ## create .venv with the pinned requirements and editable packages
+
+proto: .venv/.installed  ## regenerate the checked-in gRPC code from proto/
+	$(PY) -m grpc_tools.protoc -I proto --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+	  --pyi_out=$(PROTO_OUT) $(PROTOS)
+
+proto-check: .venv/.installed  ## fail if the checked-in generated code drifts from proto/
+	@tmp=$$(mktemp -d); \
+	$(PY) -m grpc_tools.protoc -I proto --python_out=$$tmp --grpc_python_out=$$tmp --pyi_out=$$tmp $(PROTOS) && \
+	if diff -r -x __init__.py -x __pycache__ $$tmp/lorafleet/v1 $(PROTO_OUT)/lorafleet/v1; then echo "proto-check: generated code is up to date"; rm -rf $$tmp; \
+	else echo "proto-check: generated code drifts from proto/: run 'make proto'"; rm -rf $$tmp; exit 1; fi
+
+lint: .venv/.installed  ## ruff check + format check
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+fmt: .venv/.installed  ## ruff format + autofix
+	.venv/bin/ruff format .
+	.venv/bin/ruff check --fix .
+
+test: .venv/.installed  ## the whole suite, slow tiers included (what CI runs)
+	$(PY) -m pytest -q -m "not gpu and not sglang"
+
+test-fast: .venv/.installed  ## the suite without the slow tiers
+	$(PY) -m pytest -q -m "not gpu and not sglang and not slow"
+
+demo: .venv/.installed  ## build the tiny model, bring up the fleet, run a training-and-sampling job
+	$(PY) -m lorafleet_models.cli demo
+
+ci: proto-check lint test  ## what .ci/run runs
+
+clean:  ## remove the venv and caches
+	rm -rf .venv .cache

@@ -1,0 +1,59 @@
+"""Fixtures shared by every test: free ports, a private redis-server, the tiny model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lorafleet.testing import RedisServer, free_port, start_redis
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests skip themselves without CUDA; `sglang` tests without SGLANG_URL."""
+    cuda = None
+    for item in items:
+        if "gpu" in item.keywords:
+            cuda = _has_cuda() if cuda is None else cuda
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if "sglang" in item.keywords and not os.environ.get("SGLANG_URL"):
+            item.add_marker(pytest.mark.skip(reason="needs a real SGLang server (SGLANG_URL)"))
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private redis-server on a free loopback port, stopped by its PID afterwards."""
+    server = start_redis(tmp_path / "redis")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The ~1M-parameter tiny model + tokenizer, built once per machine from its seed."""
+    from lorafleet_models.tiny import ensure_model
+
+    return ensure_model("tiny", REPO / ".cache" / "models")

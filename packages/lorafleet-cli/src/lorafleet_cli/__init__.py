@@ -1,0 +1,1 @@
+"""The lorafleet operator CLI."""

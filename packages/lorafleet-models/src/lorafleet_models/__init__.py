@@ -1,0 +1,1 @@
+"""Local models without a hub: the tiny seeded model + tokenizer, and the SmolLM2 import."""

@@ -1,0 +1,117 @@
+"""Helpers for tests that start real processes on loopback.
+
+Used by the pytest fixtures in the root `conftest.py` and by `lorafleet up`. Everything
+started here is stopped by its own PID, never by name: these machines are shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll until something accepts connections on 127.0.0.1:port, or fail with its log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f}s")
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> int | None:
+    """SIGTERM, wait up to `grace`, then SIGKILL. Returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
+@dataclass
+class RedisServer:
+    """A private redis-server on a free loopback port."""
+
+    port: int
+    proc: subprocess.Popen
+    data_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        stop_process(self.proc, grace=5)
+
+
+def redis_server_binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        raise RuntimeError("redis-server is not installed: apt-get install -y redis-server")
+    return path
+
+
+def start_redis(
+    data_dir: Path, *, port: int | None = None, appendonly: bool = False
+) -> RedisServer:
+    """Start redis-server in the foreground of a child process (so its PID is ours).
+
+    With `appendonly`, every write is fsynced before it is acknowledged, for the
+    durability-across-restart tests.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    args = [
+        redis_server_binary(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--dir", str(data_dir),
+        "--daemonize", "no",
+        "--logfile", str(data_dir / "redis.log"),
+    ]  # fmt: skip
+    if appendonly:
+        args += ["--appendonly", "yes", "--appendfsync", "always"]
+    else:
+        args += ["--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port, proc=proc)
+    return RedisServer(port=port, proc=proc, data_dir=data_dir)
+
+
+@contextlib.contextmanager
+def redis_server(data_dir: Path, **kwargs: object) -> Iterator[RedisServer]:
+    server = start_redis(data_dir, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a service subprocess: offline, unbuffered, one torch thread pool."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
