@@ -40,8 +40,8 @@ fmt: .venv/.installed  ## ruff format + autofix
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-test: .venv/.installed  ## the whole suite, slow tiers included (what CI runs)
-	$(PY) -m pytest -q -m "not gpu and not sglang"
+test: .venv/.installed  ## the whole suite, slow tiers included (what CI runs); exit 5 (nothing collected) is not a failure
+	$(PY) -m pytest -q -m "not gpu and not sglang"; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 test-fast: .venv/.installed  ## the suite without the slow tiers
 	$(PY) -m pytest -q -m "not gpu and not sglang and not slow"

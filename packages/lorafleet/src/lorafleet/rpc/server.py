@@ -1,0 +1,119 @@
+"""The one way every lorafleet service runs its gRPC server.
+
+Lifecycle, in order: health NOT_SERVING (so readiness fails while a model loads) → bind →
+`startup()` → SERVING → … SIGTERM/SIGINT → `enter_graceful_shutdown()` (every service
+NOT_SERVING, traffic drains) → `server.stop(grace)` lets in-flight RPCs finish →
+`shutdown()` → exit 0. Health tells the truth: it is SERVING only between a completed
+startup and the first stop signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from lorafleet.logging import setup_logging
+from lorafleet.rpc.channel import message_options
+from lorafleet.rpc.interceptors import ErrorsAndMetricsInterceptor
+from lorafleet.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    servicer: Any
+    add_fn: Callable[[Any, grpc.aio.Server], None]
+    full_name: str
+
+
+@dataclass
+class RunningServer:
+    """Handle for in-process servers (tests, benchmarks): the bound port and a stop()."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    names: tuple[str, ...]
+
+    async def stop(self, grace: float = 0.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+async def start_server(
+    settings: ServerSettings, services: Sequence[ServiceSpec], startup: Hook | None = None
+) -> RunningServer:
+    """Bind, run `startup`, then report SERVING. The caller owns stopping it."""
+    server = grpc.aio.server(
+        interceptors=[ErrorsAndMetricsInterceptor()],
+        options=message_options(settings.max_message_bytes),
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(spec.full_name for spec in services)
+    for spec in services:
+        spec.add_fn(spec.servicer, server)
+        await health_servicer.set(spec.full_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set(health.OVERALL_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME),
+        server,
+    )  # fmt: skip
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    await server.start()
+    if startup is not None:
+        await startup()
+    for name in (*names, health.OVERALL_HEALTH):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, health_servicer, port, names)
+
+
+async def serve_async(
+    name: str,
+    settings: ServerSettings,
+    services: Sequence[ServiceSpec],
+    startup: Hook | None = None,
+    shutdown: Hook | None = None,
+) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.host)
+    running = await start_server(settings, services, startup)
+    log.info("%s serving on %s:%d", name, settings.host, running.port)
+    await stop.wait()
+    log.info("%s stopping: draining for up to %.1fs", name, settings.grace_seconds)
+    await running.stop(settings.grace_seconds)
+    if shutdown is not None:
+        await shutdown()
+    log.info("%s stopped", name)
+
+
+def serve(
+    name: str,
+    settings: ServerSettings,
+    services: Sequence[ServiceSpec],
+    startup: Hook | None = None,
+    shutdown: Hook | None = None,
+) -> None:
+    """Blocking entry point for `__main__`: logging, the event loop, and the server."""
+    setup_logging(name, settings.log_level)
+    asyncio.run(serve_async(name, settings, services, startup, shutdown))
