@@ -95,7 +95,10 @@ def start_redis(
         args += ["--appendonly", "yes", "--appendfsync", "always"]
     else:
         args += ["--appendonly", "no"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Own session: a Ctrl-C meant for `lorafleet up` must not kill Redis before the services.
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     wait_for_port(port, proc=proc)
     return RedisServer(port=port, proc=proc, data_dir=data_dir)
 

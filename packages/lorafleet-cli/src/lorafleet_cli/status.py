@@ -1,0 +1,88 @@
+"""`lorafleet status`: the fleet as a readable table (health, slots, queues, adapters)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lorafleet.v1 import controller_pb2, controller_pb2_grpc
+from lorafleet_cli.fleet import FleetError
+
+_SERVICE = {
+    "controller": "lorafleet.v1.ControllerService",
+    "trainer": "lorafleet.v1.TrainerService",
+    "rollout": "lorafleet.v1.RolloutService",
+}
+
+
+def _health(port: int, service: str) -> str:
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2
+            )
+            return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+    except grpc.RpcError as exc:
+        return f"DOWN ({exc.code().name})"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]  # fmt: skip
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _ago(ts: float) -> str:
+    return f"{time.time() - ts:.0f}s ago" if ts else "-"
+
+
+def render_status(controller: str, state: dict[str, Any] | None) -> str:
+    out = []
+    if state:
+        rows = []
+        for p in state["processes"]:
+            service = _SERVICE.get(p["service"])
+            health = _health(p["port"], service) if service else "-"
+            rows.append([p["name"], str(p["pid"]), str(p["port"]), health])
+        out += ["Processes", _table(["name", "pid", "port", "health"], rows), ""]
+    try:
+        with grpc.insecure_channel(controller) as ch:
+            status = controller_pb2_grpc.ControllerServiceStub(ch).GetFleetStatus(
+                controller_pb2.GetFleetStatusRequest(), timeout=10
+            )
+    except grpc.RpcError as exc:
+        raise FleetError(
+            f"controller at {controller} does not answer ({exc.code().name})"
+        ) from None
+
+    slot_rows, adapter_rows = [], []
+    for r in status.replicas:
+        if r.kind == controller_pb2.REPLICA_KIND_TRAINER:
+            bound = {reg.slot: reg for reg in r.slots}
+            for slot in range(r.num_slots):
+                reg = bound.get(slot)
+                slot_rows.append([
+                    r.replica_id, str(slot),
+                    reg.registration_id if reg else "(free)",
+                    reg.tenant if reg else "", str(reg.lora_config.rank) if reg else "",
+                    str(reg.optim_steps) if reg else "", reg.last_checkpoint if reg else "",
+                    "" if r.healthy else "UNHEALTHY",
+                ])  # fmt: skip
+        else:
+            adapters = ", ".join(r.adapters) or "(none)"
+            health = "healthy" if r.healthy else f"unhealthy ({_ago(r.last_seen)})"
+            adapter_rows.append([r.replica_id, r.base_model, adapters, health])
+    out += ["Trainer slots", _table(
+        ["trainer", "slot", "registration", "tenant", "rank", "steps", "last save", ""], slot_rows
+    ), ""]  # fmt: skip
+    out += ["Rollout adapters", _table(["rollout", "base model", "adapters", "health"],
+                                       adapter_rows), ""]  # fmt: skip
+    depth = ", ".join(f"{k}={v}" for k, v in sorted(status.ledger_depth.items())) or "empty"
+    queued = ", ".join(f"{q.registration_id} (#{q.queue_position})"
+                       for q in status.queued_registrations) or "none"  # fmt: skip
+    out += [f"Ledger: {depth}", f"Waiting for a slot: {queued}"]
+    return "\n".join(out)
