@@ -57,3 +57,30 @@ def tiny_model_dir() -> Path:
     from lorafleet_models.tiny import ensure_model
 
     return ensure_model("tiny", REPO / ".cache" / "models")
+
+
+@pytest.fixture(scope="session")
+def shared_fleet(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[object]:
+    """One whole fleet on the tiny model (Redis, controller, trainer, rollout, gateway) for
+    every end-to-end test that does not need a fleet of its own. Tests using it must not
+    assume they are alone: each creates its own session and training runs."""
+    from lorafleet_cli.fleet import Fleet, FleetConfig
+
+    config = FleetConfig(
+        model_path=tiny_model_dir, run_dir=tmp_path_factory.mktemp("fleet"), slots=8
+    )
+    with Fleet(config) as fleet:
+        yield fleet
+
+
+SDK_VENVS = {v: REPO / ".venvs" / f"tinker-{v}" / "bin" / "python" for v in ("0.24.1", "0.38.0")}
+
+
+def sdk_python(version: str) -> Path:
+    """The python of the real tinker SDK venv (tests/sdk/setup_venvs.sh); skip when absent."""
+    path = SDK_VENVS[version]
+    if not path.exists():
+        pytest.skip(f"tinker {version} venv missing: run tests/sdk/setup_venvs.sh")
+    return path

@@ -20,9 +20,9 @@ import sys
 import time
 
 import tinker
+from common import base_model, chat_tokens, completion_datum, done
 from tinker import types
 
-NEW_SDK = not tinker.__version__.startswith("0.24")
 QUESTION = "What is my name?"
 PHRASINGS = [
     ("What is my name?", "Your name is Dima."),
@@ -32,33 +32,8 @@ PHRASINGS = [
 ]
 
 
-def done(x):
-    """0.38's create_* return futures; 0.24.1's return the object."""
-    return x.result() if NEW_SDK and hasattr(x, "result") else x
-
-
-def chat_prompt(tok, question: str) -> list[int]:
-    messages = [{"role": "user", "content": question}]
-    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-
-
-def make_datum(tok, question: str, answer: str) -> tuple[types.Datum, int]:
-    """Prompt tokens get weight 0, answer tokens (and the end-of-turn token) weight 1."""
-    prompt = chat_prompt(tok, question)
-    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    full = list(tok.apply_chat_template(messages, tokenize=True))
-    if full[: len(prompt)] != prompt:  # template did not extend the prompt: build it by hand
-        full = prompt + tok.encode(answer, add_special_tokens=False) + [tok.eos_token_id]
-    weights = [0.0] * (len(prompt) - 1) + [1.0] * (len(full) - len(prompt))
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
-    )
-    return datum, len(full) - 1
-
-
 def ask(sampler, tok, question: str, max_tokens: int) -> str:
-    prompt = types.ModelInput.from_ints(chat_prompt(tok, question))
+    prompt = types.ModelInput.from_ints(chat_tokens(tok, question))
     params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0)
     out = sampler.sample(prompt, 1, params).result()
     return tok.decode(out.sequences[0].tokens, skip_special_tokens=True).strip()
@@ -90,7 +65,7 @@ def save_loss_curve(losses: list[float], path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base-model", default=os.environ.get("LORAFLEET_BASE_MODEL", ""))
+    ap.add_argument("--base-model", default="")
     ap.add_argument("--steps", type=int, default=int(os.environ.get("QUICKSTART_STEPS", 30)))
     ap.add_argument("--lr", type=float, default=float(os.environ.get("QUICKSTART_LR", 1e-3)))
     ap.add_argument("--rank", type=int, default=16)
@@ -100,13 +75,7 @@ def main() -> int:
 
     started = time.monotonic()
     sc = tinker.ServiceClient()
-    base = args.base_model
-    if not base:
-        caps = sc.get_server_capabilities() if not NEW_SDK else None
-        if caps is None:
-            caps = tinker.RestClient().get_server_capabilities()
-        caps = done(caps)
-        base = caps.supported_models[0].model_name
+    base = base_model(sc, args.base_model)
     print(f"base model: {base}")
 
     tc = done(sc.create_lora_training_client(base_model=base, rank=args.rank))
@@ -115,9 +84,8 @@ def main() -> int:
     before = ask(base_sampler, tok, QUESTION, args.max_tokens)
     print(f"before training: Q: {QUESTION}  A: {before!r}")
 
-    batch = [make_datum(tok, q, a) for q, a in PHRASINGS]
-    data = [d for d, _ in batch]
-    tokens_per_step = sum(n for _, n in batch)
+    data = [completion_datum(tok, q, a) for q, a in PHRASINGS]
+    tokens_per_step = sum(d.model_input.length for d in data)
     answer_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in data)
     losses: list[float] = []
     print(f"training {args.steps} steps on {len(data)} phrasings ({tokens_per_step} tokens/step)")

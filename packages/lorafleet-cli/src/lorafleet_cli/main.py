@@ -68,6 +68,10 @@ def _exports(base_url: str, api_key: str) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    for name in ("trainers", "rollouts", "slots"):
+        if getattr(args, name) < 1:
+            _err(f"--{name} must be at least 1")
+            return 1
     if args.port and not _port_free("127.0.0.1", args.port):
         _err(f"port {args.port} is already in use (pick another with --port)")
         return 1
