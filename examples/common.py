@@ -26,12 +26,17 @@ def base_model(sc: tinker.ServiceClient, requested: str = "") -> str:
 
 
 def chat_tokens(tok, user: str, assistant: str | None = None) -> list[int]:
-    """Chat-templated tokens: the prompt (with generation prompt), or the whole exchange."""
+    """Chat-templated tokens: the prompt (with generation prompt), or the whole exchange.
+
+    Rendered to text first, then encoded: `apply_chat_template(tokenize=True)` returns a
+    list in some transformers versions and a dict in others."""
     messages = [{"role": "user", "content": user}]
-    if assistant is None:
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    messages.append({"role": "assistant", "content": assistant})
-    return list(tok.apply_chat_template(messages, tokenize=True))
+    if assistant is not None:
+        messages.append({"role": "assistant", "content": assistant})
+    text = tok.apply_chat_template(
+        messages, add_generation_prompt=assistant is None, tokenize=False
+    )
+    return list(tok.encode(text, add_special_tokens=False))
 
 
 def completion_datum(tok, question: str, answer: str) -> tinker.types.Datum:

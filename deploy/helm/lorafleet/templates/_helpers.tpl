@@ -1,0 +1,279 @@
+{{/* Names, labels and shared pod pieces. Components pass (dict "ctx" $ "component" "trainer"). */}}
+
+{{- define "lorafleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "lorafleet.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* <fullname>-<component>, kept short enough for StatefulSet pod names and DNS labels. */}}
+{{- define "lorafleet.componentName" -}}
+{{- printf "%s-%s" (include "lorafleet.fullname" .ctx | trunc 40 | trimSuffix "-") .component -}}
+{{- end -}}
+
+{{- define "lorafleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "lorafleet.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "lorafleet.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" }}
+{{ include "lorafleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: lorafleet
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* A lorafleet service image: registry/repository:tag, tag defaulting to appVersion. */}}
+{{- define "lorafleet.image" -}}
+{{- $v := .ctx.Values -}}
+{{- $img := index $v .component "image" -}}
+{{- $tag := default (default .ctx.Chart.AppVersion $v.image.tag) $img.tag -}}
+{{- if $v.image.registry -}}
+{{- printf "%s/%s:%s" $v.image.registry $img.repository $tag -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A third-party image from {registry, repository, tag}. */}}
+{{- define "lorafleet.thirdPartyImage" -}}
+{{- if .registry -}}
+{{- printf "%s/%s:%s" .registry .repository .tag -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Container resources with `count` GPUs of the configured resource name added to limits. */}}
+{{- define "lorafleet.gpuResources" -}}
+{{- $res := deepCopy (default (dict) .resources) -}}
+{{- $count := int .gpu.count -}}
+{{- if gt $count 0 -}}
+{{- $name := default .ctx.Values.gpu.resourceName .gpu.resourceName -}}
+{{- $limits := default (dict) $res.limits -}}
+{{- $_ := set $limits $name $count -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{/* Native gRPC probes: liveness asks service "" (the process), readiness the named service. */}}
+{{- define "lorafleet.grpcProbes" -}}
+startupProbe:
+  grpc: {port: {{ .port }}, service: ""}
+  {{- toYaml .probes.startup | nindent 2 }}
+livenessProbe:
+  grpc: {port: {{ .port }}, service: ""}
+  {{- toYaml .probes.liveness | nindent 2 }}
+readinessProbe:
+  grpc: {port: {{ .port }}, service: {{ .service | quote }}}
+  {{- toYaml .probes.readiness | nindent 2 }}
+{{- end -}}
+
+{{- define "lorafleet.podSecurityContext" -}}
+{{- toYaml .Values.podSecurityContext -}}
+{{- end -}}
+
+{{- define "lorafleet.containerSecurityContext" -}}
+{{- toYaml .Values.containerSecurityContext -}}
+{{- end -}}
+
+{{/* Scheduling keys shared by every pod spec: pass the component's values map as .v. */}}
+{{- define "lorafleet.scheduling" -}}
+{{- with .v.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .v.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .v.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Env shared by every lorafleet service: <PREFIX>PORT, METRICS_PORT, LOG_LEVEL, GRACE_SECONDS, pod identity. */}}
+{{- define "lorafleet.commonEnv" -}}
+- name: {{ .prefix }}PORT
+  value: {{ .v.port | quote }}
+{{- if hasKey .v "metricsPort" }}
+- name: {{ .prefix }}METRICS_PORT
+  value: {{ .v.metricsPort | quote }}
+{{- end }}
+- name: {{ .prefix }}LOG_LEVEL
+  value: {{ .v.logLevel | quote }}
+- name: {{ .prefix }}GRACE_SECONDS
+  value: {{ .v.graceSeconds | quote }}
+- name: {{ .prefix }}HOST
+  value: "0.0.0.0"
+- name: {{ .prefix }}REPLICA_ID
+  valueFrom:
+    fieldRef: {fieldPath: metadata.name}
+- name: {{ .prefix }}NAMESPACE
+  valueFrom:
+    fieldRef: {fieldPath: metadata.namespace}
+{{- end -}}
+
+{{- define "lorafleet.controllerAddress" -}}
+{{- printf "%s:%d" (include "lorafleet.componentName" (dict "ctx" . "component" "controller")) (int .Values.controller.port) -}}
+{{- end -}}
+
+{{/* Static replica list "pod=pod.headless.ns.svc:port,..." of a StatefulSet. */}}
+{{- define "lorafleet.podAddresses" -}}
+{{- $name := include "lorafleet.componentName" (dict "ctx" .ctx "component" .component) -}}
+{{- $v := index .ctx.Values .component -}}
+{{- $out := list -}}
+{{- range $i := until (int $v.replicaCount) -}}
+{{- $out = append $out (printf "%s-%d=%s-%d.%s-headless.%s.svc:%d" $name $i $name $i $name $.ctx.Release.Namespace (int $v.port)) -}}
+{{- end -}}
+{{- join "," $out -}}
+{{- end -}}
+
+{{/* The Redis URL as an EnvVar body (value or secretKeyRef). */}}
+{{- define "lorafleet.redisUrlEnv" -}}
+{{- if .Values.redis.enabled -}}
+value: {{ printf "redis://%s:%d/0" (include "lorafleet.componentName" (dict "ctx" . "component" "redis")) (int .Values.redis.port) | quote }}
+{{- else if .Values.redis.external.existingSecret -}}
+valueFrom:
+  secretKeyRef: {name: {{ .Values.redis.external.existingSecret }}, key: {{ .Values.redis.external.secretKey }}}
+{{- else if .Values.redis.external.url -}}
+value: {{ .Values.redis.external.url | quote }}
+{{- else -}}
+{{- fail "redis.enabled=false needs redis.external.url or redis.external.existingSecret" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Model volume (read-only) for trainer and rollout pods. */}}
+{{- define "lorafleet.modelVolume" -}}
+- name: model
+{{- if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: {{ .Values.model.hostPath.type }}
+{{- else }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "lorafleet.checkpointClaimName" -}}
+{{- default (printf "%s-checkpoints" (include "lorafleet.fullname" .)) .Values.checkpoints.existingClaim -}}
+{{- end -}}
+
+{{/* Volumes every GPU pod has: model, checkpoints (shared mode), /tmp, /dev/shm. */}}
+{{- define "lorafleet.workerVolumes" -}}
+{{ include "lorafleet.modelVolume" .ctx }}
+{{- if eq .ctx.Values.checkpoints.mode "shared" }}
+- name: checkpoints
+  persistentVolumeClaim:
+    claimName: {{ include "lorafleet.checkpointClaimName" .ctx }}
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- if .v.shm.enabled }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .v.shm.sizeLimit }}
+{{- end }}
+{{- with .v.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "lorafleet.workerMounts" -}}
+- name: model
+  mountPath: {{ .ctx.Values.model.mountPath }}
+  readOnly: true
+- name: checkpoints
+  mountPath: {{ .ctx.Values.checkpoints.mountPath }}
+- name: tmp
+  mountPath: /tmp
+{{- if .v.shm.enabled }}
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
+{{- end -}}
+
+{{/* Per-pod checkpoint claims (checkpoints.mode: perPod). */}}
+{{- define "lorafleet.checkpointClaimTemplates" -}}
+{{- if eq .Values.checkpoints.mode "perPod" }}
+volumeClaimTemplates:
+  - metadata:
+      name: checkpoints
+    spec:
+      accessModes: {{ toYaml .Values.checkpoints.accessModes | nindent 8 }}
+      {{- with .Values.checkpoints.storageClassName }}
+      storageClassName: {{ . }}
+      {{- end }}
+      resources:
+        requests:
+          storage: {{ .Values.checkpoints.size }}
+{{- end }}
+{{- end -}}
+
+{{/* host:port the controller dials for this pod: its stable DNS name under the headless Service. */}}
+{{- define "lorafleet.advertiseAddress" -}}
+{{- $name := include "lorafleet.componentName" (dict "ctx" .ctx "component" .component) -}}
+{{- printf "$(%sREPLICA_ID).%s-headless.%s.svc:%d" .prefix $name .ctx.Release.Namespace (int .port) -}}
+{{- end -}}
+
+{{- define "lorafleet.modelPath" -}}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) .Values.model.subPath | trimSuffix "/" -}}
+{{- end -}}
+
+{{- define "lorafleet.controllerServiceAccount" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "lorafleet.componentName" (dict "ctx" . "component" "controller")) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A PodDisruptionBudget for one component. */}}
+{{- define "lorafleet.pdb" -}}
+{{- $v := index .ctx.Values .component -}}
+{{- if $v.pdb.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "lorafleet.componentName" . }}
+  namespace: {{ .ctx.Release.Namespace }}
+  labels:
+    {{- include "lorafleet.labels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ $v.pdb.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "lorafleet.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,23 @@
+"""Finding trainer and rollout replicas, and electing the one controller that dispatches.
+
+`Discovery` is the interface the controller consumes: `StaticDiscovery` outside a cluster,
+`KubernetesDiscovery` (EndpointSlices of the chart's headless Services) inside one.
+`LeaderElector` holds a coordination.k8s.io Lease so that several controller replicas can
+run while exactly one writes the ledger.
+"""
+
+from lorafleet_controller.discovery.k8s import KubernetesDiscovery
+from lorafleet_controller.discovery.leader import LeaderElector
+from lorafleet_controller.discovery.static import StaticDiscovery, parse_static
+from lorafleet_controller.discovery.types import ROLLOUT, TRAINER, Discovery, Endpoint
+
+__all__ = [
+    "ROLLOUT",
+    "TRAINER",
+    "Discovery",
+    "Endpoint",
+    "KubernetesDiscovery",
+    "LeaderElector",
+    "StaticDiscovery",
+    "parse_static",
+]

@@ -1,0 +1,419 @@
+"""Discovery and leader election against recorded Kubernetes API responses.
+
+A small HTTP server plays back the bodies in `recorded/` (and keeps one Lease with real
+resourceVersion checks), so the real `kubernetes` client runs end to end: ApiClient, model
+deserialization, `watch.Watch` stream parsing, ApiException on Status errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+from kubernetes import client
+
+from lorafleet.errors import InvalidArgument
+from lorafleet_controller.discovery import (
+    Endpoint,
+    KubernetesDiscovery,
+    LeaderElector,
+    StaticDiscovery,
+    parse_static,
+)
+
+RECORDED = Path(__file__).parent / "recorded"
+NS = "ml"
+TRAINERS, ROLLOUTS = "rel-lorafleet-trainer-headless", "rel-lorafleet-rollout-headless"
+SERVICES = {TRAINERS: "trainer", ROLLOUTS: "rollout"}
+SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
+LEASES = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"
+LEASE = "rel-lorafleet-controller"
+
+
+def recorded(name: str) -> bytes:
+    return (RECORDED / name).read_bytes()
+
+
+class FakeApiServer:
+    """Serves recorded responses; holds one Lease with optimistic concurrency.
+
+    `lists` and `watches` are queues of recorded files answered in order; `requests` keeps
+    (method, path, query) of every request; `blocked` holds client ids (X-Client header)
+    whose requests are held until the test unblocks them, i.e. a network partition.
+    """
+
+    def __init__(self) -> None:
+        self.lists: list[str] = []
+        self.watches: list[str] = []
+        self.requests: list[tuple[str, str, dict[str, list[str]]]] = []
+        self.lease: dict | None = None
+        self.version = 51000
+        self.blocked: set[str] = set()
+        self.closing = threading.Event()
+        self.lock = threading.Lock()
+        self.lease_writes: list[tuple[str, str]] = []  # (client, holder) of accepted writes
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _body(self) -> dict:
+                length = int(self.headers.get("Content-Length") or 0)
+                return json.loads(self.rfile.read(length) or b"{}")
+
+            def _send(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _handle(self, method: str) -> None:
+                url = urlparse(self.path)
+                query = parse_qs(url.query)
+                server.requests.append((method, url.path, query))
+                who = self.headers.get("X-Client", "")
+                while who in server.blocked:
+                    time.sleep(0.01)
+                if url.path == SLICES and query.get("watch") == ["true"]:
+                    self._stream(recorded(server.watches.pop(0)) if server.watches else None)
+                elif url.path == SLICES:
+                    self._send(200, recorded(server.lists.pop(0)))
+                elif url.path.startswith(LEASES):
+                    body = self._body() if method in ("POST", "PUT") else {}
+                    self._send(*server.lease_request(method, url.path, body, who))
+                else:
+                    self._send(404, recorded("status-404-lease.json"))
+
+            def _stream(self, lines: bytes | None) -> None:
+                """A watch response: events one per line, then the server ends the watch.
+
+                With nothing left to play, the watch stays open and idle, as a real one does.
+                """
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.flush()
+                while lines is None and not server.closing.is_set():
+                    server.closing.wait(0.05)
+                for line in (lines or b"").splitlines(keepends=True):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+            def do_GET(self) -> None:
+                self._handle("GET")
+
+            def do_POST(self) -> None:
+                self._handle("POST")
+
+            def do_PUT(self) -> None:
+                self._handle("PUT")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def lease_request(self, method: str, path: str, body: dict, who: str) -> tuple[int, bytes]:
+        with self.lock:
+            name = path.removeprefix(LEASES).strip("/") or body["metadata"]["name"]
+            assert name == LEASE, name
+            if method == "GET":
+                if self.lease is None:
+                    return 404, recorded("status-404-lease.json")
+                return 200, json.dumps(self.lease).encode()
+            if method == "POST":
+                if self.lease is not None:
+                    return 409, recorded("status-409-exists.json")
+            elif self.lease is None:
+                return 404, recorded("status-404-lease.json")
+            elif (
+                body["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]
+            ):
+                return 409, recorded("status-409-conflict.json")
+            stored = json.loads(recorded("lease.json"))
+            stored["spec"] = body["spec"]
+            self.version += 1
+            stored["metadata"]["resourceVersion"] = str(self.version)
+            self.lease = stored
+            self.lease_writes.append((who, body["spec"].get("holderIdentity")))
+            return (201 if method == "POST" else 200), json.dumps(stored).encode()
+
+    @property
+    def host(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def api_client(self, who: str = "") -> client.ApiClient:
+        config = client.Configuration(host=self.host)
+        api = client.ApiClient(config)
+        api.set_default_header("X-Client", who)
+        return api
+
+    def __enter__(self) -> FakeApiServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.blocked.clear()
+        self.closing.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def apiserver():
+    with FakeApiServer() as server:
+        yield server
+
+
+async def wait_until(condition, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def ep(kind: str, pod: str, address: str, ready: bool = True) -> Endpoint:
+    return Endpoint(kind, f"rel-lorafleet-{pod}", address, ready)
+
+
+LISTED = [
+    ep("rollout", "rollout-0", "10.244.1.23:50053"),
+    ep("rollout", "rollout-1", "10.244.3.5:50053", ready=False),  # terminating
+    ep("rollout", "rollout-2", "10.244.3.6:50053"),  # no conditions: ready
+    ep("trainer", "trainer-0", "10.244.1.17:50052"),
+    ep("trainer", "trainer-1", "10.244.2.9:50052", ready=False),
+]
+
+
+# --- static -------------------------------------------------------------------------------
+
+
+async def test_static_discovery_parses_the_controller_setting():
+    endpoints = parse_static("trainer", ("t1=10.0.0.2:50052", "t0=host-a:50052"), field="trainers")
+    discovery = StaticDiscovery(endpoints)
+    expected = [Endpoint("trainer", "t0", "host-a:50052", True), endpoints[0]]
+    assert await discovery.snapshot() == expected
+    stream = discovery.watch()
+    assert await anext(stream) == expected
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(stream), 0.05)  # nothing changes, ever
+
+
+@pytest.mark.parametrize(
+    ("entries", "field"),
+    [
+        (("host:1",), "trainers[0]"),
+        (("a=b:1", "c=nope"), "trainers[1]"),
+        (("a=h:0",), "trainers[0]"),
+        (("a=h:1", "a=h:2"), "trainers[1]"),
+    ],
+)
+def test_static_discovery_rejects_bad_entries(entries, field):
+    with pytest.raises(InvalidArgument) as info:
+        parse_static("trainer", entries, field="trainers")
+    assert info.value.field == field
+
+
+# --- EndpointSlices -----------------------------------------------------------------------
+
+
+async def test_snapshot_from_recorded_list(apiserver):
+    apiserver.lists.append("endpointslices-list.json")
+    discovery = KubernetesDiscovery(apiserver.api_client(), NS, SERVICES)
+    assert await discovery.snapshot() == LISTED
+    ((method, path, query),) = apiserver.requests
+    assert (method, path) == ("GET", SLICES)
+    assert query["labelSelector"] == [f"kubernetes.io/service-name in ({ROLLOUTS},{TRAINERS})"]
+
+
+async def test_watch_follows_recorded_events(apiserver):
+    apiserver.lists.append("endpointslices-list.json")
+    apiserver.watches += ["endpointslices-watch.jsonl", "endpointslices-watch-gone.jsonl"]
+    apiserver.lists.append("endpointslices-list-relist.json")
+    discovery = KubernetesDiscovery(apiserver.api_client(), NS, SERVICES, watch_timeout_seconds=5)
+    stream = discovery.watch()
+    seen = [await asyncio.wait_for(anext(stream), 10) for _ in range(5)]
+    # The first watch ended; the next resumes from the last version, gets 410, relists
+    # (same endpoints: nothing to yield) and then idles.
+    pending = asyncio.ensure_future(anext(stream))
+    await wait_until(lambda: len(apiserver.requests) >= 5)
+    pending.cancel()
+    await asyncio.gather(pending, return_exceptions=True)
+    await stream.aclose()
+
+    trainer_1_ready = [*LISTED[:4], ep("trainer", "trainer-1", "10.244.2.9:50052")]
+    assert seen[0] == LISTED
+    assert seen[1] == trainer_1_ready  # MODIFIED: trainer-1 became ready
+    with_3 = sorted([*trainer_1_ready, ep("rollout", "rollout-3", "10.244.4.2:50053")])
+    assert seen[2] == with_3  # ADDED: a second slice; the BOOKMARK before it changed nothing
+    without_1 = [e for e in with_3 if e.replica_id != "rel-lorafleet-rollout-1"]
+    assert seen[3] == without_1  # MODIFIED: rollout-1 gone; the next MODIFIED changed nothing
+    assert seen[4] == [e for e in without_1 if e.replica_id != "rel-lorafleet-rollout-3"]
+
+    watches = [q for m, p, q in apiserver.requests if q.get("watch") == ["true"]]
+    assert watches[0]["resourceVersion"] == ["48211"]  # from the list
+    assert watches[0]["allowWatchBookmarks"] == ["true"]
+    assert watches[1]["resourceVersion"] == ["48281"]  # resumed after the last event
+    assert watches[2]["resourceVersion"] == ["48950"]  # from the relist after 410
+
+
+async def test_watch_relists_after_410_gone(apiserver):
+    apiserver.lists += ["endpointslices-list.json", "endpointslices-list-relist.json"]
+    apiserver.watches.append("endpointslices-watch-gone.jsonl")
+    discovery = KubernetesDiscovery(apiserver.api_client(), NS, SERVICES, watch_timeout_seconds=5)
+    stream = discovery.watch()
+    assert await asyncio.wait_for(anext(stream), 10) == LISTED
+    relisted = await asyncio.wait_for(anext(stream), 10)
+    await stream.aclose()
+    assert relisted == [
+        ep("rollout", "rollout-0", "10.244.1.23:50053"),
+        ep("rollout", "rollout-2", "10.244.3.6:50053"),
+        ep("trainer", "trainer-0", "10.244.1.17:50052"),
+        ep("trainer", "trainer-1", "10.244.2.9:50052"),
+    ]
+    lists = [q for m, p, q in apiserver.requests if "watch" not in q]
+    assert len(lists) == 2
+
+
+def test_discovery_rejects_unknown_kinds():
+    with pytest.raises(ValueError, match="trainer"):
+        KubernetesDiscovery(client.ApiClient(), NS, {"svc": "gateway"})
+
+
+# --- leader election ----------------------------------------------------------------------
+
+FAST = {"lease_duration": 1.0, "renew_deadline": 0.6, "retry_period": 0.1}
+
+
+def elector(server: FakeApiServer, who: str, log: list, **kwargs) -> LeaderElector:
+    def started() -> None:
+        log.append((time.monotonic(), who, "start"))
+
+    def stopped() -> None:
+        log.append((time.monotonic(), who, "stop"))
+
+    return LeaderElector(
+        server.api_client(who),
+        NS,
+        LEASE,
+        who,
+        on_started_leading=started,
+        on_stopped_leading=stopped,
+        **{**FAST, **kwargs},
+    )
+
+
+async def watch_leaders(electors: list[LeaderElector], seconds: float) -> set[str]:
+    """Sample is_leader every 5 ms; fail on any instant with two leaders."""
+    leaders: set[str] = set()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        now = [e.identity for e in electors if e.is_leader]
+        assert len(now) <= 1, f"two leaders at once: {now}"
+        leaders.update(now)
+        await asyncio.sleep(0.005)
+    return leaders
+
+
+def no_overlap(log: list) -> None:
+    """Leadership intervals from the callbacks never overlap."""
+    holder = None
+    for _, who, what in sorted(log):
+        if what == "start":
+            assert holder is None, f"{who} started while {holder} leads"
+            holder = who
+        else:
+            assert holder == who
+            holder = None
+
+
+async def test_two_electors_never_both_lead(apiserver):
+    log: list = []
+    a, b = elector(apiserver, "a", log), elector(apiserver, "b", log)
+    tasks = [asyncio.create_task(e.run()) for e in (a, b)]
+    try:
+        assert len(await watch_leaders([a, b], 1.5)) == 1
+        first = a if a.is_leader else b
+        other = b if first is a else a
+        # Partition the leader from the API server: it must step down by its renew
+        # deadline, and the other may take over only after the lease duration.
+        apiserver.blocked.add(first.identity)
+        cut = time.monotonic()
+        assert await watch_leaders([a, b], 2.5) >= {other.identity}
+        assert other.is_leader and not first.is_leader
+        stop = next(t for t, who, what in log if who == first.identity and what == "stop")
+        start = next(t for t, who, what in log if who == other.identity and what == "start")
+        # The old leader's last accepted write was at most one retry period before the cut.
+        assert start - cut >= FAST["lease_duration"] - 2 * FAST["retry_period"]
+        assert stop < start and stop - cut <= FAST["renew_deadline"] + 0.3
+        apiserver.blocked.clear()  # the old leader comes back and stays a follower
+        assert await watch_leaders([a, b], 1.0) == {other.identity}
+    finally:
+        apiserver.blocked.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    no_overlap(log)
+    holders = {holder for _, holder in apiserver.lease_writes}
+    assert holders >= {"a", "b"}
+    assert apiserver.lease["spec"]["leaseTransitions"] >= 1
+
+
+async def test_racing_candidates_one_wins_by_resource_version(apiserver):
+    """Both read an expired lease and try to replace it: the 409 loser does not lead."""
+    apiserver.lease = json.loads(recorded("lease.json"))  # held by a long-gone controller
+    apiserver.lease["spec"]["leaseDurationSeconds"] = 1
+    candidates = [elector(apiserver, who, []) for who in ("a", "b", "c", "d")]
+    for c in candidates:  # first sighting of the old record starts each one's expiry clock
+        assert c.try_acquire_or_renew() is False
+    await asyncio.sleep(FAST["lease_duration"])
+    results = await asyncio.gather(*(asyncio.to_thread(c.try_acquire_or_renew) for c in candidates))
+    assert sum(results) == 1
+    (winner,) = [c for c, won in zip(candidates, results, strict=True) if won]
+    assert apiserver.lease["spec"]["holderIdentity"] == winner.identity
+    assert [c.is_leader for c in candidates].count(True) == 1
+
+
+async def test_leader_releases_the_lease_on_shutdown(apiserver):
+    log: list = []
+    a = elector(apiserver, "a", log, lease_duration=30.0, renew_deadline=20.0)
+    task = asyncio.create_task(a.run())
+    await watch_leaders([a], 0.5)
+    assert a.is_leader
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert not a.is_leader
+    assert [what for _, _, what in log] == ["start", "stop"]
+    assert apiserver.lease["spec"].get("holderIdentity") is None
+    # A standby takes the released lease at once instead of waiting 30 s for expiry.
+    b = elector(apiserver, "b", [], lease_duration=30.0, renew_deadline=20.0)
+    assert await asyncio.to_thread(b.try_acquire_or_renew) is True
+
+
+async def test_a_live_lease_is_respected(apiserver):
+    lease = json.loads(recorded("lease.json"))
+    apiserver.lease = copy.deepcopy(lease)
+    b = elector(apiserver, "b", [])
+    for _ in range(3):  # the holder keeps renewing: b never takes over
+        assert await asyncio.to_thread(b.try_acquire_or_renew) is False
+        apiserver.lease["spec"]["renewTime"] = f"2025-11-29T14:0{_ + 7}:00.000000Z"
+        await asyncio.sleep(FAST["lease_duration"] * 0.6)
+    assert apiserver.lease["spec"]["holderIdentity"] == lease["spec"]["holderIdentity"]
+    assert not b.is_leader
+
+
+def test_elector_rejects_unsafe_timings():
+    with pytest.raises(ValueError, match="renew_deadline"):
+        LeaderElector(client.ApiClient(), NS, LEASE, "a", lease_duration=5, renew_deadline=5)

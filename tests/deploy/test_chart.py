@@ -1,0 +1,708 @@
+"""CI checks of the Helm chart and dashboards that need no cluster (platform.md §7).
+
+Lint strictly and render with the Helm v4 SDK (helm-python-sdk), validate every manifest
+against the Kubernetes 1.33 schemas (kubernetes-validate, strict), validate values files
+against values.schema.json (jsonschema), and assert on the rendered objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm_python = pytest.importorskip("helm_python")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+jsonschema = pytest.importorskip("jsonschema")
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "lorafleet"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+RELEASE, NAMESPACE = "rel", "ml"
+
+
+def load_values(name: str) -> dict[str, Any]:
+    """A ci/ values file by stem ("gpu"), or {} for "default"."""
+    if name == "default":
+        return {}
+    return yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text()) or {}
+
+
+def values_names() -> list[str]:
+    return ["default", *(p.name.removesuffix("-values.yaml") for p in CI_VALUES)]
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """Helm's coalescing: maps merge key by key, everything else is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+class Rendered:
+    """The objects of one render, with lookups by kind and name."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+        self.objects: list[dict[str, Any]] = []
+        for path, text in sorted(files.items()):
+            if path.endswith("NOTES.txt"):
+                continue
+            self.objects += [doc for doc in yaml.safe_load_all(text) if doc]
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        found = [o for o in self.of_kind(kind) if o["metadata"]["name"] == name]
+        assert len(found) == 1, f"{kind}/{name}: found {len(found)}"
+        return found[0]
+
+    def workload(self, component: str) -> dict[str, Any]:
+        found = [
+            o
+            for o in self.objects
+            if o["kind"] in ("Deployment", "StatefulSet")
+            and o["metadata"]["labels"].get("app.kubernetes.io/component") == component
+        ]
+        assert len(found) == 1, component
+        return found[0]
+
+    def container(self, component: str, name: str | None = None) -> dict[str, Any]:
+        pod = self.workload(component)["spec"]["template"]["spec"]
+        return next(c for c in pod["containers"] if c["name"] == (name or component))
+
+    def pod_specs(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, pod spec) of every workload template and bare Pod."""
+        out = []
+        for o in self.objects:
+            if o["kind"] in ("Deployment", "StatefulSet"):
+                out.append((o["metadata"]["name"], o["spec"]["template"]["spec"]))
+            elif o["kind"] == "Pod":
+                out.append((o["metadata"]["name"], o["spec"]))
+        return out
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    """name → value (or the valueFrom mapping) of a container's env."""
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+@pytest.fixture(scope="session")
+def chart():
+    loaded = helm_python.Chart.load(str(CHART))
+    yield loaded
+    loaded.close()
+
+
+@pytest.fixture(scope="session")
+def render(chart) -> Callable[..., Rendered]:
+    """render(values) → Rendered, cached per values (renders are pure apart from random keys)."""
+    cache: dict[str, Rendered] = {}
+
+    def _render(values: dict[str, Any] | None = None) -> Rendered:
+        key = yaml.safe_dump(values or {}, sort_keys=True)
+        if key not in cache:
+            files = chart.render(values=values or {}, name=RELEASE, namespace=NAMESPACE)
+            cache[key] = Rendered(files)
+        return cache[key]
+
+    return _render
+
+
+KUBE_VERSION = "1.33.0"
+FULL = f"{RELEASE}-lorafleet"
+GRPC_SERVICES = {
+    "controller": "lorafleet.v1.ControllerService",
+    "trainer": "lorafleet.v1.TrainerService",
+    "rollout": "lorafleet.v1.RolloutService",
+}
+# CRD kinds kubernetes-validate has no schema for; asserted on structurally below.
+CRD_GROUPS = ("monitoring.coreos.com/",)
+DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
+METRIC_NAME = re.compile(r"\b((?:lorafleet|grpc_server)_[a-z0-9_]+)\b")
+
+
+# --- lint, render, validate -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
+def test_lint_strict(name):
+    report = helm_python.lint(
+        str(CHART), load_values(name), strict=True, kube_version=f"v{KUBE_VERSION}"
+    )
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+@pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
+def test_every_manifest_validates_against_kubernetes_schemas(render, name):
+    rendered = render(load_values(name))
+    validated = 0
+    for obj in rendered.objects:
+        if obj["apiVersion"].startswith(CRD_GROUPS):
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        validated += 1
+    kinds = sorted({o["kind"] for o in rendered.objects})
+    print(f"\n{name}: {len(rendered.objects)} manifests ({validated} schema-validated): {kinds}")
+    assert validated >= 10
+
+
+def test_validation_catches_a_broken_manifest(render):
+    """The validator is strict: an unknown field in a rendered Deployment is rejected."""
+    deployment = json.loads(json.dumps(render().workload("controller")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpcc"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+
+
+def test_objects_are_namespaced_and_uniquely_named(render):
+    rendered = render(load_values("full"))
+    seen = set()
+    for obj in rendered.objects:
+        meta = obj["metadata"]
+        if meta["name"] != f"{RELEASE}-extra":  # extraObjects are the user's, as written
+            assert meta["namespace"] == NAMESPACE, meta["name"]
+        key = (obj["kind"], meta["name"])
+        assert key not in seen, key
+        seen.add(key)
+
+
+# --- values schema ------------------------------------------------------------------------
+
+
+def _schema() -> dict:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+@pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
+def test_values_files_match_schema(name):
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    merged = deep_merge(defaults, load_values(name))
+    jsonschema.Draft202012Validator(_schema()).validate(merged)
+
+
+@pytest.mark.parametrize(
+    ("override", "path"),
+    [
+        ({"redis": {"appendfsync": "no"}}, "appendfsync"),
+        ({"trainer": {"replicaCnt": 2}}, "replicaCnt"),
+        ({"rollout": {"engine": "vllm"}}, "engine"),
+        ({"trainer": {"gpu": {"count": -1}}}, "count"),
+        ({"controller": {"logLevel": "verbose"}}, "logLevel"),
+    ],
+)
+def test_schema_rejects_bad_values(chart, override, path):
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(deep_merge(defaults, override), _schema())
+    with pytest.raises(helm_python.HelmValuesError, match=path):
+        chart.render(values=override, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"controller": {"replicaCount": 2}}, "leaderElection"),
+        ({"redis": {"enabled": False}}, "redis.external"),
+        ({"gateway": {"downloadSecret": {"value": "x", "existingSecret": "y"}}}, "not both"),
+        ({"rollout": {"sglang": {"maxLorasPerBatch": 8, "maxLoadedLoras": 4}}}, "maxLoadedLoras"),
+    ],
+)
+def test_template_guards_fail_with_a_message(chart, override, message):
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        chart.render(values=override, name=RELEASE, namespace=NAMESPACE)
+
+
+# --- rendered objects ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
+def test_every_pod_is_hardened(render, name):
+    for pod_name, pod in render(load_values(name)).pod_specs():
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True, pod_name
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, pod_name
+        assert pod.get("hostNetwork") is not True and pod.get("hostPID") is not True
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            where = f"{pod_name}/{c['name']}"
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["runAsNonRoot"] is True, where
+            assert sc.get("privileged") is not True, where
+
+
+@pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
+def test_grpc_services_use_native_grpc_probes(render, name):
+    rendered = render(load_values(name))
+    for component, service in GRPC_SERVICES.items():
+        c = rendered.container(component)
+        port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        assert c["livenessProbe"]["grpc"] == {"port": port, "service": ""}
+        assert c["startupProbe"]["grpc"] == {"port": port, "service": ""}
+        assert c["readinessProbe"]["grpc"] == {"port": port, "service": service}
+
+
+def test_model_loading_gets_a_long_startup_budget(render):
+    rendered = render()
+    for component, container in [("trainer", "trainer"), ("rollout", "sglang")]:
+        probe = rendered.container(component, container)["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 1800, component
+
+
+def test_service_env_vars(render):
+    rendered = render()
+    controller = env_of(rendered.container("controller"))
+    assert controller["LORAFLEET_CONTROLLER_PORT"] == "50051"
+    assert controller["LORAFLEET_CONTROLLER_METRICS_PORT"] == "9100"
+    assert controller["LORAFLEET_CONTROLLER_REDIS_URL"] == f"redis://{FULL}-redis:6379/0"
+    assert controller["LORAFLEET_CONTROLLER_TRAINER_SERVICE"] == f"{FULL}-trainer-headless"
+    trainer = env_of(rendered.container("trainer"))
+    assert trainer["LORAFLEET_TRAINER_PORT"] == "50052"
+    assert trainer["LORAFLEET_TRAINER_MODEL_PATH"] == "/models/base"
+    assert trainer["LORAFLEET_TRAINER_NUM_SLOTS"] == "8"
+    assert trainer["LORAFLEET_TRAINER_STORAGE_ROOT"] == "/checkpoints"
+    assert trainer["LORAFLEET_TRAINER_CONTROLLER_ADDRESS"] == f"{FULL}-controller:50051"
+    assert trainer["LORAFLEET_TRAINER_REPLICA_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert trainer["LORAFLEET_TRAINER_ADVERTISE_ADDRESS"] == (
+        f"$(LORAFLEET_TRAINER_REPLICA_ID).{FULL}-trainer-headless.{NAMESPACE}.svc:50052"
+    )
+    rollout = env_of(rendered.container("rollout"))
+    assert rollout["LORAFLEET_ROLLOUT_PORT"] == "50053"
+    gateway = env_of(rendered.container("gateway"))
+    assert gateway["LORAFLEET_GATEWAY_PORT"] == "8000"
+    assert gateway["LORAFLEET_GATEWAY_CONTROLLER_ADDRESS"] == f"{FULL}-controller:50051"
+    for component in ("controller", "trainer", "rollout", "gateway"):
+        prefix = f"LORAFLEET_{component.upper()}_"
+        env = env_of(rendered.container(component))
+        assert env[prefix + "HOST"] == "0.0.0.0"
+        assert env[prefix + "LOG_LEVEL"] == "INFO"
+
+
+def test_sglang_is_the_default_rollout_engine(render):
+    rendered = render()
+    rollout = env_of(rendered.container("rollout"))
+    assert rollout["LORAFLEET_ROLLOUT_ENGINE"] == "sglang"
+    assert rollout["LORAFLEET_ROLLOUT_ENGINE_URL"] == "http://127.0.0.1:30000"
+    sglang = rendered.container("rollout", "sglang")
+    cmd = sglang["command"]
+    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
+    for flag in (
+        "--enable-lora",
+        "--host=127.0.0.1",
+        "--port=30000",
+        "--model-path=/models/base",
+        "--max-lora-rank=64",
+        "--max-loras-per-batch=8",
+        "--max-loaded-loras=16",
+    ):
+        assert flag in cmd, flag
+    assert cmd[cmd.index("--lora-target-modules") + 1] == "all"
+    assert "127.0.0.1:30000/health" in " ".join(sglang["livenessProbe"]["exec"]["command"])
+    # SGLang reads published adapters by path: same model and checkpoint mounts.
+    mounts = {m["name"]: m for m in sglang["volumeMounts"]}
+    assert mounts["model"]["readOnly"] is True and "checkpoints" in mounts
+
+
+def test_gpu_values(render):
+    values = load_values("gpu")
+    rendered = render(values)
+    trainer = rendered.container("trainer")
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert trainer["resources"]["requests"]["memory"] == "32Gi"
+    sglang = rendered.container("rollout", "sglang")
+    assert sglang["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in rendered.container("rollout")["resources"].get("limits", {})
+    modules = values["rollout"]["sglang"]["loraTargetModules"]
+    start = sglang["command"].index("--lora-target-modules") + 1
+    assert sglang["command"][start : start + len(modules)] == modules
+    assert "--mem-fraction-static=0.85" in sglang["command"]
+    for component in ("trainer", "rollout"):
+        pod = rendered.workload(component)["spec"]["template"]["spec"]
+        assert pod["runtimeClassName"] == "nvidia"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+
+
+def test_gpu_resource_name_and_count_are_values(render):
+    rendered = render(load_values("full"))
+    assert rendered.container("trainer")["resources"]["limits"]["nvidia.com/mig-3g.40gb"] == 2
+    assert (
+        rendered.container("rollout", "sglang")["resources"]["limits"]["nvidia.com/mig-3g.40gb"]
+        == 2
+    )
+    assert "--tp-size=2" in rendered.container("rollout", "sglang")["command"]
+
+
+def test_minimal_cpu_runs_the_torch_engine_without_gpus(render):
+    rendered = render(load_values("minimal-cpu"))
+    pod = rendered.workload("rollout")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["rollout"]
+    env = env_of(pod["containers"][0])
+    assert env["LORAFLEET_ROLLOUT_ENGINE"] == "torch"
+    assert env["LORAFLEET_ROLLOUT_DEVICE"] == "cpu"
+    assert "LORAFLEET_ROLLOUT_ENGINE_URL" not in env
+    text = json.dumps(rendered.objects)
+    assert "nvidia.com" not in text
+    controller = env_of(rendered.container("controller"))
+    assert controller["LORAFLEET_CONTROLLER_TRAINERS"] == (
+        f"{FULL}-trainer-0={FULL}-trainer-0.{FULL}-trainer-headless.{NAMESPACE}.svc:50052"
+    )
+    assert not rendered.of_kind("Role")
+
+
+def test_torch_engine_on_gpu_puts_the_gpu_on_the_rollout_container(render):
+    rendered = render({"rollout": {"engine": "torch"}})
+    rollout = rendered.container("rollout")
+    assert rollout["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert env_of(rollout)["LORAFLEET_ROLLOUT_DEVICE"] == "cuda"
+
+
+@pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
+def test_statefulsets_have_headless_services(render, name):
+    rendered = render(load_values(name))
+    statefulsets = rendered.of_kind("StatefulSet")
+    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in statefulsets} >= {
+        "trainer",
+        "rollout",
+    }
+    for sts in statefulsets:
+        svc = rendered.get("Service", sts["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    rollout_ip = rendered.get("Service", f"{FULL}-rollout")
+    assert rollout_ip["spec"]["type"] == "ClusterIP" and "clusterIP" not in rollout_ip["spec"]
+
+
+@pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
+def test_labels_and_selectors(render, name):
+    rendered = render(load_values(name))
+    for obj in rendered.objects:
+        if obj["metadata"]["name"] == f"{RELEASE}-extra":  # the user's object, as written
+            continue
+        labels = obj["metadata"]["labels"]
+        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance"):
+            assert labels[key] in ("lorafleet", RELEASE), (obj["kind"], key)
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["app.kubernetes.io/part-of"] == "lorafleet"
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            selector = obj["spec"]["selector"]["matchLabels"]
+            template = obj["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= template.items()
+            assert "app.kubernetes.io/version" not in selector
+    if name == "full":
+        assert all(
+            o["metadata"]["labels"]["team"] == "ml-platform"
+            for o in rendered.objects
+            if o["metadata"]["name"] != f"{RELEASE}-extra"
+        )
+
+
+def test_worker_volumes(render):
+    rendered = render()
+    for component in ("trainer", "rollout"):
+        pod = rendered.workload(component)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+        assert volumes["model"]["persistentVolumeClaim"] == {
+            "claimName": "lorafleet-models",
+            "readOnly": True,
+        }
+        assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == (
+            f"{FULL}-checkpoints"
+        )
+        mounts = {m["mountPath"]: m for m in rendered.container(component)["volumeMounts"]}
+        assert mounts["/models"]["readOnly"] is True
+        assert mounts["/dev/shm"]["name"] == "dshm"
+    pvc = rendered.get("PersistentVolumeClaim", f"{FULL}-checkpoints")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_per_pod_checkpoints_and_host_path_model(render):
+    rendered = render(
+        {"checkpoints": {"mode": "perPod", "accessModes": ["ReadWriteOnce"]}, **_host_model()}
+    )
+    assert not rendered.of_kind("PersistentVolumeClaim")
+    for component in ("trainer", "rollout"):
+        sts = rendered.workload(component)
+        (claim,) = sts["spec"]["volumeClaimTemplates"]
+        assert claim["metadata"]["name"] == "checkpoints"
+        volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+        assert "checkpoints" not in volumes
+        assert volumes["model"]["hostPath"] == {"path": "/mnt/models", "type": "Directory"}
+
+
+def _host_model() -> dict:
+    return {"model": {"source": "hostPath"}}
+
+
+def test_controller_is_a_single_writer_by_default(render):
+    deployment = render().workload("controller")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_controller_leader_election(render):
+    rendered = render(load_values("full"))
+    deployment = rendered.workload("controller")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    env = env_of(rendered.container("controller"))
+    assert env["LORAFLEET_CONTROLLER_LEADER_ELECTION"] == "true"
+    assert env["LORAFLEET_CONTROLLER_LEASE_NAME"] == "lorafleet-leader"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{FULL}-controller"
+    assert pod["automountServiceAccountToken"] is True
+    role = rendered.get("Role", f"{FULL}-controller")
+    rules = {(r["apiGroups"][0], r["resources"][0]): set(r["verbs"]) for r in role["rules"]}
+    assert rules[("discovery.k8s.io", "endpointslices")] >= {"list", "watch"}
+    assert rules[("", "pods")] >= {"list", "watch"}
+    assert rules[("coordination.k8s.io", "leases")] >= {"get", "create", "update"}
+    binding = rendered.get("RoleBinding", f"{FULL}-controller")
+    assert binding["subjects"][0]["name"] == f"{FULL}-controller"
+
+
+def test_only_the_controller_mounts_an_api_token(render):
+    for name, pod in render(load_values("full")).pod_specs():
+        if not name.endswith("-controller"):
+            assert pod["automountServiceAccountToken"] is False, name
+
+
+@pytest.mark.parametrize("fsync", ["everysec", "always"])
+def test_bundled_redis(render, fsync):
+    rendered = render({"redis": {"appendfsync": fsync}})
+    redis = rendered.workload("redis")
+    cmd = redis["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--appendonly") + 1] == "yes"
+    assert cmd[cmd.index("--appendfsync") + 1] == fsync
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    assert rendered.get("Service", redis["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
+
+
+def test_external_redis(render):
+    url = "rediss://redis.example.com:6380/2"
+    rendered = render({"redis": {"enabled": False, "external": {"url": url}}})
+    assert not rendered.of_kind("StatefulSet") or all(
+        s["metadata"]["labels"]["app.kubernetes.io/component"] != "redis"
+        for s in rendered.of_kind("StatefulSet")
+    )
+    assert env_of(rendered.container("controller"))["LORAFLEET_CONTROLLER_REDIS_URL"] == url
+    by_secret = render({"redis": {"enabled": False, "external": {"existingSecret": "r"}}})
+    assert env_of(by_secret.container("controller"))["LORAFLEET_CONTROLLER_REDIS_URL"] == {
+        "secretKeyRef": {"name": "r", "key": "redis-url"}
+    }
+
+
+def test_gateway_service_ingress_and_secret(render):
+    rendered = render(load_values("full"))
+    ingress = rendered.get("Ingress", f"{FULL}-gateway")
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    service = rendered.get("Service", backend["name"])
+    assert backend["port"]["name"] in {p["name"] for p in service["spec"]["ports"]}
+    env = env_of(rendered.container("gateway"))
+    assert env["LORAFLEET_GATEWAY_DOWNLOAD_SECRET"]["secretKeyRef"]["name"] == (
+        "lorafleet-download"
+    )
+    assert not rendered.of_kind("Secret")
+    default = render()
+    secret = default.get("Secret", f"{FULL}-gateway")
+    assert len(secret["data"]["download-secret"]) > 40
+    assert not default.of_kind("Ingress")
+
+
+def test_network_policies(render):
+    rendered = render(load_values("full"))
+    policies = {p["metadata"]["name"]: p for p in rendered.of_kind("NetworkPolicy")}
+    assert set(policies) == {
+        f"{FULL}-{c}" for c in ("controller", "trainer", "rollout", "gateway", "redis")
+    }
+
+    def sources(policy_name: str, port: int) -> list[str]:
+        out = []
+        for rule in policies[policy_name]["spec"]["ingress"]:
+            if any(p["port"] == port for p in rule["ports"]):
+                for peer in rule.get("from", [{"anyone": True}]):
+                    labels = peer.get("podSelector", {}).get("matchLabels", {})
+                    out.append(
+                        labels.get(
+                            "app.kubernetes.io/component", labels.get("app.kubernetes.io/name", "?")
+                        )
+                    )
+        return sorted(out)
+
+    assert sources(f"{FULL}-trainer", 50052) == ["controller"]
+    assert sources(f"{FULL}-rollout", 50053) == ["controller"]
+    assert sources(f"{FULL}-redis", 6379) == ["controller"]
+    assert sources(f"{FULL}-trainer", 9100) == ["prometheus"]
+    assert sources(f"{FULL}-controller", 9100) == ["prometheus"]
+    # Trainers and rollouts register themselves with the controller; the test pod checks it.
+    assert sources(f"{FULL}-controller", 50051) == ["gateway", "rollout", "test", "trainer"]
+    for policy in policies.values():
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert not render().of_kind("NetworkPolicy")
+
+
+def test_pod_disruption_budgets(render):
+    rendered = render(load_values("full"))
+    pdbs = {
+        p["metadata"]["labels"]["app.kubernetes.io/component"]: p
+        for p in rendered.of_kind("PodDisruptionBudget")
+    }
+    assert set(pdbs) == {"controller", "trainer", "rollout", "gateway"}
+    for component, pdb in pdbs.items():
+        workload = rendered.workload(component)
+        assert pdb["spec"]["selector"]["matchLabels"] == workload["spec"]["selector"]["matchLabels"]
+
+
+def test_service_monitors_select_metrics_ports(render):
+    rendered = render(load_values("full"))
+    monitors = rendered.of_kind("ServiceMonitor")
+    assert len(monitors) == 4
+    for monitor in monitors:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        matched = [
+            s
+            for s in rendered.of_kind("Service")
+            if selector.items() <= s["metadata"]["labels"].items()
+        ]
+        assert len(matched) == 1, monitor["metadata"]["name"]
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["port"] in {p["name"] for p in matched[0]["spec"]["ports"]}
+        assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+        assert endpoint["metricRelabelings"][0]["action"] == "drop"
+    assert not render().of_kind("ServiceMonitor")
+
+
+def test_dashboard_config_maps(render):
+    rendered = render(load_values("full"))
+    maps = [
+        c
+        for c in rendered.of_kind("ConfigMap")
+        if "grafana_dashboard" in c["metadata"].get("labels", {})
+    ]
+    assert len(maps) == len(DASHBOARDS) == 4
+    uids = set()
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "lorafleet"}
+        ((file_name, text),) = cm["data"].items()
+        assert json.loads(text) == json.loads((CHART / "dashboards" / file_name).read_text())
+        uids.add(json.loads(text)["uid"])
+    assert len(uids) == 4
+    assert not [
+        c
+        for c in render().of_kind("ConfigMap")
+        if "grafana_dashboard" in c["metadata"].get("labels", {})
+    ]
+
+
+def test_escape_hatches(render):
+    rendered = render(load_values("full"))
+    controller = rendered.container("controller")
+    assert controller["args"] == ["--verbose"]
+    assert env_of(controller)["LORAFLEET_CONTROLLER_GAP_TIMEOUT_SECONDS"] == "300"
+    assert {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True} in controller[
+        "volumeMounts"
+    ]
+    extra = rendered.get("ConfigMap", f"{RELEASE}-extra")
+    assert extra["data"] == {"note": "rendered through tpl"}
+    assert "--enable-lora-overlap-loading" in rendered.container("rollout", "sglang")["command"]
+    assert (
+        rendered.container("trainer")["image"] == "registry.example.com/lorafleet/trainer:0.1.0-rc1"
+    )
+
+
+def test_helm_test_hook(render):
+    (pod,) = render().of_kind("Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    script = pod["spec"]["containers"][0]["command"][-1]
+    assert f"{FULL}-controller:50051" in script and "/api/v1/healthz" in script
+    compile(script, "helm-test", "exec")
+
+
+def test_notes_render(render):
+    notes = render(load_values("full")).files["lorafleet/templates/NOTES.txt"]
+    assert "https://tinker.example.com/api/v1/" in notes
+    assert "Lease lorafleet-leader" in notes
+
+
+# --- dashboards ---------------------------------------------------------------------------
+
+
+def test_dashboards_are_generated_from_build_py():
+    build = REPO / "deploy" / "dashboards" / "build.py"
+    result = subprocess.run(
+        [sys.executable, str(build), "--check"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _dashboards() -> list[dict]:
+    return [json.loads(p.read_text()) for p in DASHBOARDS]
+
+
+def _exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def test_dashboards_structure():
+    dashboards = _dashboards()
+    assert {d["uid"] for d in dashboards} == {
+        "lorafleet-fleet-overview",
+        "lorafleet-training",
+        "lorafleet-sampling",
+        "lorafleet-ledger",
+    }
+    for d in dashboards:
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource"
+        assert variables["datasource"]["query"] == "prometheus"
+        ids = [p["id"] for p in d["panels"]]
+        assert len(ids) == len(set(ids)), d["uid"]
+        for panel in d["panels"]:
+            assert panel["datasource"]["uid"] == "${datasource}"
+            assert panel["targets"], panel["title"]
+            for target in panel["targets"]:
+                assert target["datasource"]["uid"] == "${datasource}"
+                assert target["expr"].count("(") == target["expr"].count(")")
+            pos = panel["gridPos"]
+            assert pos["x"] + pos["w"] <= 24
+
+
+def _metrics_txt() -> set[str]:
+    lines = (REPO / "deploy" / "dashboards" / "metrics.txt").read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
+def test_dashboards_use_only_listed_metrics():
+    listed = _metrics_txt()
+    used = {m for d in _dashboards() for e in _exprs(d) for m in METRIC_NAME.findall(e)}
+    assert used - listed == set(), "add these to deploy/dashboards/metrics.txt"
+    assert listed - used == set(), "metrics.txt lists names no dashboard uses"
+
+
+def test_metric_names_follow_conventions():
+    for name in _metrics_txt():
+        assert re.fullmatch(r"(lorafleet|grpc_server)_[a-z0-9_]+", name), name
+        assert not name.endswith(("_count", "_sum")), name
