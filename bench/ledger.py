@@ -1,0 +1,148 @@
+"""Ledger throughput and latency on a real redis-server, with no-op trainer work.
+
+    .venv/bin/python bench/ledger.py [--registrations 64] [--ops 20000] [--consumers 4]
+
+Producers submit forward_backward ops for many registrations (each registration's ops in
+seq order, as the SDK sends them); consumers do what the scheduler does (BLPOP the ready
+lists, claim, record a result) with no trainer call in between. Prints JSON: submit→claimed
+latency p50/p99 (ms), the submit call's own p50/p99, and sustained completed ops/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from lorafleet.testing import start_redis
+from lorafleet.v1 import common_pb2
+from lorafleet_controller import ledger as L
+from lorafleet_controller.lua import Scripts
+from lorafleet_controller.notify import Notifier
+from lorafleet_controller.registry import Registry, Replica
+from lorafleet_controller.settings import ControllerSettings
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+
+async def run(args: argparse.Namespace, url: str) -> dict[str, object]:
+    settings = ControllerSettings(
+        redis_url=url, max_pending_per_registration=1024, max_unacked_results=10_000_000,
+        max_pending_global=10_000_000,
+    )  # fmt: skip
+    client = aioredis.from_url(url)
+    scripts = Scripts(client, settings.key_prefix)
+    notifier = Notifier(client, settings.key_prefix)
+    await notifier.start()
+    ledger = L.Ledger(client, scripts, settings, notifier)
+    registry = Registry(client, scripts, settings.key_prefix)
+    await registry.register_replica(
+        Replica("trainer", "bench", "127.0.0.1:1", "base", args.registrations, "i", 0, True)
+    )
+    rids = []
+    for i in range(args.registrations):
+        rec, _ = await registry.create(
+            "t", "bench", i, "base", common_pb2.LoraConfig(rank=4), {}, "adamw", False
+        )
+        _, replica, slot = await registry.place(rec.registration_id)
+        await registry.bound(rec.registration_id, replica, slot)
+        rids.append(rec.registration_id)
+
+    per_reg = args.ops // args.registrations
+    total = per_reg * args.registrations
+    submitted: dict[str, float] = {}
+    claim_lat: list[float] = []
+    submit_lat: list[float] = []
+    done = asyncio.Event()
+    completed = 0
+    payload = b"x" * 256
+
+    finished: dict[str, asyncio.Event] = {}
+
+    async def producer(rid: str) -> None:
+        for seq in range(1, per_reg + 1):
+            opid = L.operation_id(rid, seq)
+            finished[opid] = asyncio.Event()
+            t0 = time.perf_counter()
+            submitted[opid] = t0
+            await ledger.submit("t", rid, seq, 2, payload, f"d{seq}")
+            submit_lat.append(time.perf_counter() - t0)
+            if args.lockstep:  # wait for the op to finish: latency of an idle system
+                await finished[opid].wait()
+
+    async def consumer() -> None:
+        nonlocal completed
+        conn = aioredis.from_url(url)
+        p = settings.key_prefix
+        while not done.is_set():
+            popped = await conn.blpop([f"{p}ready:ctl", f"{p}ready:data"], timeout=0.2)
+            if popped is None:
+                continue
+            opid = popped[1].decode()
+            claim = await ledger.claim(opid)
+            if claim is None:
+                continue
+            claim_lat.append(time.perf_counter() - submitted[opid])
+            await ledger.complete(opid, L.SUCCEEDED, b"r")
+            finished[opid].set()
+            completed += 1
+            if completed >= total:
+                done.set()
+        await conn.aclose()
+
+    start = time.perf_counter()
+    consumers = [asyncio.create_task(consumer()) for _ in range(args.consumers)]
+    await asyncio.gather(*(producer(r) for r in rids))
+    await done.wait()
+    elapsed = time.perf_counter() - start
+    await asyncio.gather(*consumers)
+    await notifier.stop()
+    await client.aclose()
+    return {
+        "registrations": args.registrations,
+        "ops": total,
+        "consumers": args.consumers,
+        "submit_to_claimed_ms": {"p50": round(pct(claim_lat, 0.5), 3),
+                                 "p99": round(pct(claim_lat, 0.99), 3)},
+        "submit_call_ms": {"p50": round(pct(submit_lat, 0.5), 3),
+                           "p99": round(pct(submit_lat, 0.99), 3)},
+        "ops_per_second": round(total / elapsed, 1),
+        "mean_claim_ms": round(statistics.fmean(claim_lat) * 1000, 3),
+    }  # fmt: skip
+
+
+async def idle_latency(url: str, n: int) -> dict[str, float]:
+    """Submit→claimed with one registration and an idle consumer (no queueing)."""
+    args = argparse.Namespace(registrations=1, ops=n, consumers=1, lockstep=True)
+    out = await run(args, url.replace("/0", "/1"))
+    return out["submit_to_claimed_ms"]  # type: ignore[return-value]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--registrations", type=int, default=64)
+    parser.add_argument("--ops", type=int, default=20000)
+    parser.add_argument("--consumers", type=int, default=4)
+    args = parser.parse_args()
+    args.lockstep = False
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_redis(Path(tmp) / "redis")
+        try:
+            loaded = asyncio.run(run(args, server.url))
+            unloaded = asyncio.run(idle_latency(server.url, 2000))
+        finally:
+            server.stop()
+    print(json.dumps({"loaded": loaded, "unloaded_submit_to_claimed_ms": unloaded}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

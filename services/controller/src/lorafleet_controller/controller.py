@@ -1,0 +1,307 @@
+"""The controller: wires the Redis-backed parts together and runs the background loops.
+
+Holds no state that matters only in memory: the ledger, registry, catalog, samplers and
+tenancy live in Redis; what is in memory (the long-poll waiters, per-trainer batch queues,
+sampler load counters) is rebuilt or re-derived by `start()` after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import PurePath
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from lorafleet import errors
+from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet_controller import metrics
+from lorafleet_controller import validate as V
+from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
+from lorafleet_controller.clients import Pool
+from lorafleet_controller.ledger import Admission, Ledger
+from lorafleet_controller.lua import Scripts
+from lorafleet_controller.notify import Notifier
+from lorafleet_controller.publish import Publisher
+from lorafleet_controller.registry import ROLLOUT, TRAINER, Placer, Registry, RegRecord, Replica
+from lorafleet_controller.samplers import SamplerRecord, Samplers, sampler_id_of
+from lorafleet_controller.scheduler import Scheduler
+from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.tenancy import Tenancy
+
+log = logging.getLogger(__name__)
+K = controller_pb2
+
+
+def base_model_name(name: str) -> str:
+    """A base model served from a local folder is named by the folder, as trainers report it.
+
+    Rollouts report the absolute path they loaded; HF hub names ("org/model") are kept.
+    """
+    return PurePath(name).name if name.startswith("/") else name
+
+
+def connect(url: str) -> aioredis.Redis:
+    """A client that reconnects and retries across a Redis restart.
+
+    Retrying is safe: every script is idempotent (a replayed submit is a duplicate, a
+    replayed claim or completion finds the state already moved and does nothing).
+    """
+    return aioredis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=20),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=5,
+        socket_connect_timeout=2,
+    )
+
+
+class Controller:
+    def __init__(self, settings: ControllerSettings, clock: Callable[[], float] = time.time):
+        self.settings = settings
+        p = settings.key_prefix
+        self.redis = connect(settings.redis_url)
+        self.blocking = connect(settings.redis_url)  # BLPOP holds a connection
+        self.scripts = Scripts(self.redis, p)
+        self.notifier = Notifier(self.redis, p)
+        self.pool = Pool(settings.transport_retry_seconds, settings.rpc_timeout_seconds)
+        self.ledger = Ledger(self.redis, self.scripts, settings, self.notifier, clock)
+        self.registry = Registry(self.redis, self.scripts, p, clock)
+        self.catalog = Catalog(self.redis, p, settings.storage_root, clock)
+        self.tenancy = Tenancy(self.redis, p, clock)
+        self.placer = Placer(self.registry, self.pool, self.catalog.manifest_for)
+        self.samplers = Samplers(
+            self.redis, self.scripts, self.ledger, self.registry, self.pool, settings
+        )
+        self.publisher = Publisher(
+            self.redis, p, settings.storage_root, self.registry, self.catalog, self.samplers,
+            self.pool, settings.resident_versions,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.blocking, self.ledger, self.registry, self.catalog, self.pool, settings
+        )
+        self.scheduler.publish = self.publisher.publish
+        self._loops: list[asyncio.Task[None]] = []
+        self._side: set[asyncio.Task[None]] = set()
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.redis.ping()
+        await self.notifier.start()
+        await self.scheduler.recover()
+        await self.samplers.recover()
+        self._loops = [
+            asyncio.create_task(self.scheduler.run(), name="scheduler"),
+            asyncio.create_task(self._sweeper(), name="sweeper"),
+        ]
+
+    async def stop(self) -> None:
+        for task in [*self._loops, *self._side]:
+            task.cancel()
+        for task in [*self._loops, *self._side]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.scheduler.stop()
+        await self.samplers.stop()
+        await self.notifier.stop()
+        await self.pool.close()
+        await self.blocking.aclose()
+        await self.redis.aclose()
+
+    def _background(self, coro: object) -> None:
+        task = asyncio.create_task(coro)  # type: ignore[arg-type]
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
+
+    async def _sweeper(self) -> None:
+        while True:
+            try:
+                await self.sweep_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("sweep failed")
+            await asyncio.sleep(self.settings.sweep_interval_seconds)
+
+    async def sweep_once(self) -> None:
+        await self.ledger.sweep()
+        await self.catalog.sweep_expired()
+        for rep in await self.registry.silent_replicas(self.settings.heartbeat_timeout_seconds):
+            reason = (f"{rep.kind} replica {rep.replica_id} missed heartbeats for "
+                      f"{self.settings.heartbeat_timeout_seconds:g}s")  # fmt: skip
+            if rep.kind == TRAINER:
+                await self.registry.replica_lost(rep.replica_id, reason)
+                await self.placer.fill(rep.base_model)
+            else:
+                await self.redis.hset(f"{self.settings.key_prefix}replica:{rep.replica_id}",
+                                      "healthy", "0")  # fmt: skip
+        for rid in await self.registry.binding_ids():
+            await self.placer.finish_binding(rid)
+        await self._update_gauges()
+
+    async def _update_gauges(self) -> None:
+        for state, n in (await self.ledger.depth()).items():
+            metrics.LEDGER_OPERATIONS.labels(state=state).set(n)
+        metrics.GAP_STALLS.set(await self.ledger.gap_stalls())
+        queued = 0
+        for rep in await self.registry.replicas(TRAINER):
+            used = len(await self.registry.slot_table(rep.replica_id))
+            metrics.REGISTRY_SLOTS.labels(replica=rep.replica_id, state="bound").set(used)
+            metrics.REGISTRY_SLOTS.labels(replica=rep.replica_id, state="free").set(
+                max(0, rep.num_slots - used)
+            )
+            queued += len(await self.registry.queued(rep.base_model))
+        metrics.REGISTRY_QUEUED.set(queued)
+
+    # --- registry -------------------------------------------------------------------------
+    async def create_registration(
+        self, req: controller_pb2.CreateRegistrationRequest
+    ) -> tuple[RegRecord, str]:
+        await self.tenancy.check_session(req.tenant, req.session_id)
+        if req.model_seq_id < 0:
+            raise errors.InvalidArgument("must be >= 0", field="model_seq_id")
+        optimizer = req.optimizer or "adamw"
+        if optimizer != "adamw":
+            raise errors.InvalidArgument("only 'adamw' is supported", field="optimizer")
+        lora = common_pb2.LoraConfig()
+        lora.CopyFrom(req.lora_config)
+        base_model = req.base_model
+        load_payload = b""
+        if req.initial_checkpoint:
+            ckpt = await self.catalog.get(req.tenant, req.initial_checkpoint)
+            if ckpt.type != TRAINING:
+                raise errors.InvalidArgument(
+                    "initial_checkpoint must be a tinker://.../weights/<name> path",
+                    field="initial_checkpoint",
+                )
+            lora.CopyFrom(ckpt.lora)
+            base_model = ckpt.base_model
+            load_payload = K.OperationPayload(
+                load_state=K.LoadStatePayload(
+                    path=req.initial_checkpoint, with_optimizer=req.initial_with_optimizer
+                )
+            ).SerializeToString()
+        trainers = await self.registry.replicas(TRAINER, base_model)
+        if not trainers:
+            served = sorted({r.base_model for r in await self.registry.replicas(TRAINER)})
+            raise errors.InvalidArgument(
+                f"no trainer serves base model {base_model!r} (served: {served})",
+                field="base_model",
+            )
+        max_rank = max(r.max_rank for r in trainers)
+        if lora.rank <= 0 or (max_rank and lora.rank > max_rank):
+            raise errors.InvalidArgument(
+                f"rank {lora.rank} must be in [1, {max_rank}]", field="lora_config.rank"
+            )
+        rec, created = await self.registry.create(
+            req.tenant, req.session_id, req.model_seq_id, base_model, lora,
+            dict(req.user_metadata), optimizer, bool(load_payload),
+        )  # fmt: skip
+        load_op = ""
+        if load_payload:
+            load_op = await self.ledger.create_internal(
+                rec.registration_id, req.tenant, 0, K.OPERATION_KIND_LOAD_STATE, load_payload
+            )
+        if created or rec.state == "queued":
+            code, _, _ = await self.registry.place(rec.registration_id)
+            if code == "placed":
+                await self.placer.finish_binding(rec.registration_id)
+        return await self.registry.get(req.tenant, rec.registration_id), load_op
+
+    async def delete_registration(self, tenant: str, rid: str) -> None:
+        rec = await self.registry.get(tenant, rid)
+        if rec.state == "retired":
+            return
+        retired = errors.FailedPrecondition(
+            "registration retired before the operation ran", field="registration_id",
+            reason="RETIRED",
+        )  # fmt: skip
+        await self.ledger.fence(rid, "retired", retired)
+        await self.placer.retire(rid)
+        await self.publisher.forget(rid, rec.base_model)
+
+    # --- ledger ---------------------------------------------------------------------------
+    async def submit_operation(self, req: controller_pb2.SubmitOperationRequest) -> Admission:
+        payload = req.payload
+        body = payload.SerializeToString(deterministic=True)
+        kind = V.payload_kind(payload)
+        rejection = V.validate(payload)
+        return await self.ledger.submit(
+            req.tenant, req.registration_id, req.seq_id, kind, body, V.digest(payload), rejection
+        )
+
+    # --- samplers -------------------------------------------------------------------------
+    async def create_sampler(self, req: controller_pb2.CreateSamplerRequest) -> SamplerRecord:
+        await self.tenancy.check_session(req.tenant, req.session_id)
+        if bool(req.model_path) == bool(req.base_model):
+            raise errors.InvalidArgument(
+                "exactly one of model_path and base_model is required", field="model_path"
+            )
+        sampler_id = sampler_id_of(req.session_id, req.sampling_session_seq_id)
+        with contextlib.suppress(errors.NotFound):
+            return await self.samplers.get(req.tenant, sampler_id)
+        if req.base_model:
+            if not await self.registry.replicas(ROLLOUT, req.base_model):
+                raise errors.InvalidArgument(
+                    f"no rollout serves base model {req.base_model!r}", field="base_model"
+                )
+            return await self.samplers.record(
+                sampler_id=sampler_id, tenant=req.tenant, base_model=req.base_model,
+                model_path="", ref=common_pb2.AdapterRef(), inflight=False,
+            )  # fmt: skip
+        ckpt = await self.catalog.get(req.tenant, req.model_path)
+        if ckpt.type == SAMPLER:
+            ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=ckpt.version)
+        else:
+            files = self.catalog.read_files(ckpt)
+            version = int(await self.redis.hincrby(
+                f"{self.settings.key_prefix}reg:{ckpt.training_run_id}", "next_version", 1
+            ))  # fmt: skip
+            ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=version)
+            folder = self.publisher._store(ckpt.training_run_id, version, files)
+            await self.publisher.ensure_published(ref, ckpt.base_model, ckpt.lora, files, folder)
+        return await self.samplers.record(
+            sampler_id=sampler_id, tenant=req.tenant, base_model=ckpt.base_model,
+            model_path=req.model_path, ref=ref, inflight=False,
+        )  # fmt: skip
+
+    # --- fleet ----------------------------------------------------------------------------
+    async def register_replica(self, req: controller_pb2.RegisterReplicaRequest) -> None:
+        kind = {K.REPLICA_KIND_TRAINER: TRAINER, K.REPLICA_KIND_ROLLOUT: ROLLOUT}.get(req.kind)
+        if kind is None:
+            raise errors.InvalidArgument("kind must be TRAINER or ROLLOUT", field="kind")
+        for name in ("replica_id", "address", "base_model", "incarnation"):
+            if not getattr(req, name):
+                raise errors.InvalidArgument(f"{name} is required", field=name)
+        if kind == TRAINER and req.num_slots < 1:
+            raise errors.InvalidArgument("must be >= 1", field="num_slots")
+        rep = Replica(
+            kind=kind, replica_id=req.replica_id, address=req.address,
+            base_model=base_model_name(req.base_model), num_slots=req.num_slots,
+            incarnation=req.incarnation,
+            last_seen=0, healthy=True, tokenizer_id=req.tokenizer_id, max_rank=req.max_rank,
+            max_context_length=req.max_context_length, arch=req.arch,
+        )  # fmt: skip
+        change = await self.registry.register_replica(rep)
+        if change == "same":
+            return
+        log.info("%s replica %s: %s", kind, rep.replica_id, change)
+        if kind == TRAINER:
+            self._background(self._trainer_joined(rep))
+        else:
+            self._background(self.publisher.reconcile(rep))
+
+    async def _trainer_joined(self, rep: Replica) -> None:
+        try:
+            info = await self.pool.trainer(rep.address).info()
+            await self.registry.set_loss_fns(rep.replica_id, list(info.loss_fns))
+        except errors.LorafleetError as exc:
+            log.warning("GetTrainerInfo on %s failed: %s", rep.replica_id, exc)
+        await self.placer.fill(rep.base_model)

@@ -1,0 +1,111 @@
+"""Domain records → protobuf messages (the only place that knows both shapes)."""
+
+from __future__ import annotations
+
+from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet_controller.catalog import CheckpointRecord
+from lorafleet_controller.ledger import OpRecord
+from lorafleet_controller.registry import RegRecord
+from lorafleet_controller.samplers import SamplerRecord
+from lorafleet_controller.tenancy import Session
+
+K = controller_pb2
+REG_STATES = {
+    "queued": K.REGISTRATION_STATE_QUEUED,
+    "binding": K.REGISTRATION_STATE_QUEUED,
+    "ready": K.REGISTRATION_STATE_READY,
+    "unavailable": K.REGISTRATION_STATE_UNAVAILABLE,
+    "retired": K.REGISTRATION_STATE_RETIRED,
+}
+CATEGORIES = {
+    "user": common_pb2.ERROR_CATEGORY_USER,
+    "server": common_pb2.ERROR_CATEGORY_SERVER,
+}
+
+
+def registration(rec: RegRecord) -> controller_pb2.Registration:
+    return controller_pb2.Registration(
+        registration_id=rec.registration_id,
+        tenant=rec.tenant,
+        base_model=rec.base_model,
+        lora_config=rec.lora,
+        state=REG_STATES.get(rec.state, K.REGISTRATION_STATE_UNSPECIFIED),
+        trainer_replica=rec.replica if rec.state in ("ready", "binding") else "",
+        slot=rec.slot if rec.state in ("ready", "binding") else -1,
+        queue_position=rec.queue_position,
+        optim_steps=rec.optim_steps,
+        published_version=rec.published_version,
+        last_checkpoint=rec.last_checkpoint,
+        created_at=rec.created_at,
+        last_request_time=rec.last_request_time,
+        user_metadata=rec.user_metadata,
+        unavailable_reason=rec.unavailable_reason if rec.state == "unavailable" else "",
+        optimizer=rec.optimizer,
+    )
+
+
+def error_info(err: dict[str, str]) -> common_pb2.ErrorInfo:
+    return common_pb2.ErrorInfo(
+        category=CATEGORIES.get(err.get("category", ""), common_pb2.ERROR_CATEGORY_UNKNOWN),
+        field=err.get("field", ""),
+        message=err.get("message", ""),
+        reason=err.get("reason", ""),
+    )
+
+
+def operation(rec: OpRecord) -> controller_pb2.Operation:
+    op = controller_pb2.Operation(
+        operation_id=rec.operation_id,
+        registration_id=rec.registration_id,
+        seq_id=rec.seq_id,
+        kind=rec.kind,  # type: ignore[arg-type]
+        state=rec.state,  # type: ignore[arg-type]
+        submitted_at=rec.submitted_at,
+        finished_at=rec.finished_at,
+        waiting_reason=rec.waiting_reason,
+    )
+    if rec.result:
+        op.result.ParseFromString(rec.result)
+    if rec.error:
+        op.error.CopyFrom(error_info(rec.error))
+    return op
+
+
+def checkpoint(rec: CheckpointRecord) -> controller_pb2.Checkpoint:
+    return controller_pb2.Checkpoint(
+        checkpoint_id=rec.checkpoint_id,
+        type=rec.type,  # type: ignore[arg-type]
+        training_run_id=rec.training_run_id,
+        tinker_path=rec.tinker_path,
+        created_at=rec.created_at,
+        size_bytes=rec.size_bytes,
+        public=rec.public,
+        expires_at=rec.expires_at,
+        user_metadata=rec.user_metadata,
+        base_model=rec.base_model,
+        lora_config=rec.lora,
+        manifest=rec.manifest,
+        has_optimizer=rec.has_optimizer,
+    )
+
+
+def sampler(rec: SamplerRecord) -> controller_pb2.Sampler:
+    return controller_pb2.Sampler(
+        sampler_id=rec.sampler_id,
+        base_model=rec.base_model,
+        model_path=rec.model_path,
+        adapter=rec.ref,
+        inflight=rec.inflight,
+    )
+
+
+def session(rec: Session) -> controller_pb2.SessionInfo:
+    return controller_pb2.SessionInfo(
+        session_id=rec.session_id,
+        training_run_ids=rec.training_run_ids,
+        sampler_ids=rec.sampler_ids,
+        user_metadata=rec.user_metadata,
+        display_name=rec.display_name,
+        finished=rec.finished,
+        created_at=rec.created_at,
+    )

@@ -1,0 +1,33 @@
+"""Load the controller's Lua scripts: each is `common.lua` followed by its own body.
+
+Every ledger and registry transition is one script, so it is atomic in Redis and a crash of
+the controller between two Redis calls can never leave half a transition behind.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+
+NAMES = (
+    "submit", "claim", "complete", "ack", "sweep", "seal", "fence",
+    "place", "bound", "release", "replica_lost", "repush", "create_reg", "submit_sample",
+)  # fmt: skip
+
+
+def _source(name: str) -> str:
+    folder = resources.files("lorafleet_controller") / "scripts"
+    return (folder / "common.lua").read_text() + "\n" + (folder / f"{name}.lua").read_text()
+
+
+class Scripts:
+    """The registered scripts of one Redis client, called as `await scripts.run(name, *args)`."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self.prefix = prefix
+        self._scripts = {name: client.register_script(_source(name)) for name in NAMES}
+
+    async def run(self, name: str, *args: Any) -> Any:
+        return await self._scripts[name](keys=[], args=[self.prefix, *args])

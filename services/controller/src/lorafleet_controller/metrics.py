@@ -1,0 +1,28 @@
+"""The controller's Prometheus metrics, defined once (default registry, bounded labels)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LEDGER_OPERATIONS = Gauge("lorafleet_ledger_operations", "Ledger operations per state.", ["state"])
+OPERATION_LATENCY = Histogram(
+    "lorafleet_operation_latency_seconds",
+    "Submission to terminal state, per operation kind.",
+    ["kind"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+GAP_STALLS = Gauge("lorafleet_ledger_gap_stalls", "Registrations waiting for a missing seq_id.")
+BACKPRESSURE = Counter(
+    "lorafleet_ledger_backpressure_total",
+    "Submissions refused with RESOURCE_EXHAUSTED, by limit.",
+    ["scope"],
+)
+REGISTRY_SLOTS = Gauge(
+    "lorafleet_registry_slots", "Trainer slots per replica and state.", ["replica", "state"]
+)
+REGISTRY_QUEUED = Gauge("lorafleet_registry_queued", "Registrations waiting for a trainer slot.")
+PUBLISH_LATENCY = Histogram(
+    "lorafleet_publish_latency_seconds",
+    "save_weights_for_sampler: export plus every rollout acknowledging.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)

@@ -1,0 +1,208 @@
+"""The publish barrier: save_weights_for_sampler completes only when every rollout has it.
+
+Steps of one publish (each idempotent, so a re-dispatch after a controller crash is safe):
+the version number is allocated once and stored on the operation; the trainer streams the
+slot's PEFT adapter (ExportAdapter); the files are written once under the storage root
+(they are the durable sampler checkpoint and the source for reconciling rollouts); every
+healthy rollout replica serving the base model receives them (LoadAdapter, verified by
+SHA-256) under `<registration>@<version>`; only when all acknowledged does the operation
+succeed and the registration's published_version move. A replica that does not acknowledge
+fails the operation with its name. Rollouts that (re)start are reconciled: they receive the
+newest live versions of every registration of their base model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from lorafleet import errors
+from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet_controller import ledger as L
+from lorafleet_controller import metrics
+from lorafleet_controller.catalog import SAMPLER, Catalog
+from lorafleet_controller.clients import Pool
+from lorafleet_controller.registry import ROLLOUT, Registry, Replica
+from lorafleet_controller.samplers import Samplers
+
+log = logging.getLogger(__name__)
+
+
+def _s(value: bytes | None, default: str = "") -> str:
+    return value.decode() if value is not None else default
+
+
+class Publisher:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str,
+        storage_root: Path,
+        registry: Registry,
+        catalog: Catalog,
+        samplers: Samplers,
+        pool: Pool,
+        resident_versions: int,
+    ) -> None:
+        self.r = client
+        self.p = prefix
+        self.storage_root = storage_root
+        self.registry = registry
+        self.catalog = catalog
+        self.samplers = samplers
+        self.pool = pool
+        self.resident_versions = resident_versions
+
+    async def publish(
+        self, claim: L.Claim, sw: controller_pb2.SaveWeightsForSamplerPayload
+    ) -> tuple[controller_pb2.OperationResult, list[tuple[str, str, Any]]]:
+        start = time.monotonic()
+        reg = await self.registry.get_any(claim.registration_id)
+        if reg is None:
+            raise errors.NotFound("registration vanished", field="registration_id")
+        version = await self._version_for(claim)
+        rep = await self.registry.replica(claim.replica)
+        if rep is None:
+            raise errors.Unavailable(f"trainer replica {claim.replica!r} is gone")
+        files = await self.pool.trainer(rep.address).export_adapter(
+            claim.slot, claim.registration_id
+        )
+        folder = self._store(claim.registration_id, version, files)
+        ref = common_pb2.AdapterRef(registration_id=claim.registration_id, version=version)
+        await self._record_live(ref, reg.base_model, reg.lora, folder)
+        await self.push_all(ref, reg.base_model, reg.lora, files)
+        path = ""
+        if sw.name:
+            path = f"tinker://{claim.registration_id}/sampler_weights/{sw.name}"
+            await self.catalog.add(
+                tinker_path=path, tenant=claim.tenant, type=SAMPLER, base_model=reg.base_model,
+                lora=reg.lora, files_dir=folder, version=version, ttl_seconds=sw.ttl_seconds,
+                user_metadata=dict(sw.user_metadata), size_bytes=sum(map(len, files.values())),
+            )  # fmt: skip
+        sampler_id = ""
+        if sw.sampler_session_id:
+            sampler_id = sw.sampler_session_id
+            await self.samplers.record(
+                sampler_id=sampler_id, tenant=claim.tenant, base_model=reg.base_model,
+                model_path=path, ref=ref, inflight=sw.kind == "inflight",
+            )  # fmt: skip
+        metrics.PUBLISH_LATENCY.observe(time.monotonic() - start)
+        result = controller_pb2.OperationResult(
+            save_weights_for_sampler=controller_pb2.SaveWeightsForSamplerResult(
+                path=path, sampler_id=sampler_id, version=version
+            )
+        )
+        return result, [("set", "published_version", version)]
+
+    async def _version_for(self, claim: L.Claim) -> int:
+        """The version this operation publishes, allocated once (a re-dispatch reuses it)."""
+        key = f"{self.p}op:{claim.operation_id}"
+        existing = await self.r.hget(key, "version")
+        if existing is not None:
+            return int(existing)
+        version = int(
+            await self.r.hincrby(f"{self.p}reg:{claim.registration_id}", "next_version", 1)
+        )
+        if not await self.r.hsetnx(key, "version", version):
+            return int(await self.r.hget(key, "version"))  # type: ignore[arg-type]
+        return version
+
+    def _store(self, rid: str, version: int, files: dict[str, bytes]) -> str:
+        folder = self.storage_root / "adapters" / rid / str(version)
+        if folder.is_dir():
+            return str(folder)
+        tmp = folder.with_name(f"{version}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name, data in files.items():
+            (tmp / Path(name).name).write_bytes(data)
+        tmp.rename(folder)
+        return str(folder)
+
+    async def _record_live(
+        self, ref: common_pb2.AdapterRef, base_model: str, lora: common_pb2.LoraConfig, folder: str
+    ) -> None:
+        aid = f"{ref.registration_id}@{ref.version}"
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                f"{self.p}adapter:{aid}",
+                mapping={"files_dir": folder, "lora": lora.SerializeToString(),
+                         "base_model": base_model, "rid": ref.registration_id,
+                         "version": ref.version},
+            )  # fmt: skip
+            pipe.zadd(f"{self.p}live:{base_model}", {aid: ref.version})
+            await pipe.execute()
+
+    async def push_all(
+        self,
+        ref: common_pb2.AdapterRef,
+        base_model: str,
+        lora: common_pb2.LoraConfig,
+        files: dict[str, bytes],
+    ) -> None:
+        """Load the version on every healthy rollout of the base model; all must ack."""
+        rollouts = [r for r in await self.registry.replicas(ROLLOUT, base_model) if r.healthy]
+        outcomes = await asyncio.gather(
+            *(self.pool.rollout(r.address).load_adapter(ref, lora, files) for r in rollouts),
+            return_exceptions=True,
+        )
+        failed = [
+            f"{rep.replica_id} ({out})"
+            for rep, out in zip(rollouts, outcomes, strict=True)
+            if isinstance(out, BaseException)
+        ]
+        if failed:
+            raise errors.Unavailable(
+                f"rollout replicas did not acknowledge {ref.registration_id}@{ref.version}: "
+                + "; ".join(failed),
+                reason="PUBLISH_INCOMPLETE",
+            )
+
+    async def ensure_published(
+        self, ref: common_pb2.AdapterRef, base_model: str, lora: common_pb2.LoraConfig,
+        files: dict[str, bytes], folder: str,
+    ) -> None:  # fmt: skip
+        """Make a version live from stored files (samplers created from a checkpoint)."""
+        await self._record_live(ref, base_model, lora, folder)
+        await self.push_all(ref, base_model, lora, files)
+
+    async def reconcile(self, rollout: Replica) -> None:
+        """Give a (re)started rollout the newest live versions of every registration."""
+        newest: dict[str, list[str]] = {}
+        for aid in await self.r.zrevrange(f"{self.p}live:{rollout.base_model}", 0, -1):
+            rid = _s(aid).rsplit("@", 1)[0]
+            versions = newest.setdefault(rid, [])
+            if len(versions) < self.resident_versions:
+                versions.append(_s(aid))
+        for rid, aids in newest.items():
+            state = await self.r.hget(f"{self.p}reg:{rid}", "state")
+            if state == b"retired":
+                continue
+            for aid in reversed(aids):
+                raw = await self.r.hgetall(f"{self.p}adapter:{aid}")
+                if not raw:
+                    continue
+                files = await asyncio.to_thread(_read_folder, Path(_s(raw[b"files_dir"])))
+                ref = common_pb2.AdapterRef(registration_id=rid, version=int(raw[b"version"]))
+                lora = common_pb2.LoraConfig.FromString(raw[b"lora"])
+                try:
+                    await self.pool.rollout(rollout.address).load_adapter(ref, lora, files)
+                except errors.LorafleetError as exc:
+                    log.warning("reconciling %s on %s failed: %s", aid, rollout.replica_id, exc)
+
+    async def forget(self, rid: str, base_model: str) -> None:
+        """A retired registration's versions are no longer pushed to new rollouts."""
+        aids = [a for a in await self.r.zrange(f"{self.p}live:{base_model}", 0, -1)
+                if _s(a).rsplit("@", 1)[0] == rid]  # fmt: skip
+        if aids:
+            await self.r.zrem(f"{self.p}live:{base_model}", *aids)
+
+
+def _read_folder(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}

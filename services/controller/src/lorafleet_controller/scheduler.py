@@ -1,0 +1,311 @@
+"""The scheduler: claims ready operations and executes them on the owning trainer.
+
+Wake-up is a blocking BLPOP on two Redis lists that the Lua scripts fill (no polling):
+`ready:ctl` (optim_step, save/load state, publish) is always popped before `ready:data`
+(forward, forward_backward), and control operations run as their own tasks, so data never
+starves them. Data operations are handed to one worker per trainer replica, which waits a
+short coalescing window, then sends everything ready for that trainer as one cross-slot
+ForwardBackward batch, ordered round-robin across tenants; each operation is recorded as
+soon as the batch returns. Per registration at most one operation is in flight (the ledger
+only releases the head), so seq_id order is execution order.
+
+A claim is durable before dispatch: a controller killed mid-dispatch leaves the operation
+CLAIMED, and the next controller re-sends it with the same operation id; the trainer answers
+a repeated id with its first result, so nothing runs twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from lorafleet import errors
+from lorafleet.rpc.errors import exception_from_info
+from lorafleet.v1 import controller_pb2, trainer_pb2
+from lorafleet_controller import ledger as L
+from lorafleet_controller import metrics
+from lorafleet_controller.catalog import TRAINING, Catalog
+from lorafleet_controller.clients import Pool
+from lorafleet_controller.registry import Registry
+from lorafleet_controller.settings import ControllerSettings
+
+log = logging.getLogger(__name__)
+
+K = controller_pb2
+DATA_KINDS = (K.OPERATION_KIND_FORWARD, K.OPERATION_KIND_FORWARD_BACKWARD)
+KIND_NAMES = {v.number: v.name.removeprefix("OPERATION_KIND_").lower()
+              for v in K.OperationKind.DESCRIPTOR.values}  # fmt: skip
+
+Effects = list[tuple[str, str, Any]]
+PublishFn = Callable[[L.Claim, Any], Any]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocking: aioredis.Redis,
+        ledger: L.Ledger,
+        registry: Registry,
+        catalog: Catalog,
+        pool: Pool,
+        settings: ControllerSettings,
+    ) -> None:
+        self.blocking = blocking
+        self.ledger = ledger
+        self.registry = registry
+        self.catalog = catalog
+        self.pool = pool
+        self.settings = settings
+        self.p = settings.key_prefix
+        self.publish: PublishFn | None = None  # set by the controller (publish.Publisher)
+        self._queues: dict[str, asyncio.Queue[L.Claim]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- intake ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        ready = [f"{self.p}ready:ctl", f"{self.p}ready:data"]
+        while True:
+            try:
+                popped = await self.blocking.blpop(ready, timeout=1)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis hiccup: the ready lists are durable, retry
+                log.warning("scheduler lost Redis (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if popped is None:
+                continue
+            claim = await self.ledger.claim(popped[1].decode())
+            if claim is not None:
+                self.dispatch(claim)
+
+    async def recover(self) -> None:
+        """Start-up: re-dispatch CLAIMED operations, re-queue every registration's head."""
+        for opid in await self.ledger.claimed_ids():
+            claim = await self.ledger.load_claim(opid)
+            if (
+                claim is not None
+                and claim.registration_id
+                and claim.kind != K.OPERATION_KIND_SAMPLE
+            ):
+                log.info("re-dispatching %s claimed before a restart", opid)
+                self.dispatch(claim)
+        for rid in await self.registry.all_ids():
+            await self.ledger.repush(rid)
+
+    def dispatch(self, claim: L.Claim) -> None:
+        if claim.kind in DATA_KINDS:
+            queue = self._queues.get(claim.replica)
+            if queue is None:
+                queue = self._queues[claim.replica] = asyncio.Queue()
+                self._workers[claim.replica] = asyncio.create_task(
+                    self._data_worker(claim.replica, queue), name=f"data-{claim.replica}"
+                )
+            queue.put_nowait(claim)
+        else:
+            self.spawn(self._run_control(claim))
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        for task in [*self._workers.values(), *self._tasks]:
+            task.cancel()
+        for task in [*self._workers.values(), *self._tasks]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # --- data operations ------------------------------------------------------------------
+    async def _data_worker(self, replica: str, queue: asyncio.Queue[L.Claim]) -> None:
+        while True:
+            batch = [await queue.get()]
+            if self.settings.coalesce_window_ms > 0:
+                await asyncio.sleep(self.settings.coalesce_window_ms / 1000)
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            try:
+                await self._run_batch(replica, round_robin(batch))
+            except Exception:  # never lose the worker; the claims stay CLAIMED and are swept
+                log.exception("data batch on %s failed unexpectedly", replica)
+
+    async def _run_batch(self, replica: str, batch: list[L.Claim]) -> None:
+        rep = await self.registry.replica(replica)
+        if rep is None:
+            await self._fail_all(batch, errors.Unavailable(f"trainer replica {replica} is gone"))
+            return
+        items = []
+        for claim in batch:
+            payload = controller_pb2.OperationPayload.FromString(claim.payload)
+            fb = (
+                payload.forward
+                if claim.kind == K.OPERATION_KIND_FORWARD
+                else payload.forward_backward
+            )
+            if claim.kind == K.OPERATION_KIND_FORWARD:
+                fb.forward_only = True
+            items.append(
+                trainer_pb2.ForwardBackwardItem(
+                    operation_id=claim.operation_id, slot=claim.slot,
+                    registration_id=claim.registration_id, input=fb,
+                )
+            )  # fmt: skip
+        try:
+            resp = await self.pool.trainer(rep.address).forward_backward(items)
+        except errors.LorafleetError as exc:
+            await self._fail_all(batch, _server_failure(exc, replica))
+            return
+        by_id = {r.operation_id: r for r in resp.results}
+        await asyncio.gather(*(self._record_item(c, by_id.get(c.operation_id)) for c in batch))
+
+    async def _record_item(
+        self, claim: L.Claim, item: trainer_pb2.ForwardBackwardItemResult | None
+    ) -> None:
+        if item is None:
+            await self._finish(claim, L.FAILED, error=errors.Internal("trainer returned no result"))
+        elif item.WhichOneof("outcome") == "output":
+            result = controller_pb2.OperationResult(forward_backward=item.output)
+            effects: Effects = [("set", "dirty", "1")]
+            if claim.kind == K.OPERATION_KIND_FORWARD:
+                effects = []
+            await self._finish(claim, L.SUCCEEDED, result, effects=effects)
+        else:
+            await self._finish(claim, L.FAILED, error=exception_from_info(item.error))
+
+    async def _fail_all(self, batch: Sequence[L.Claim], exc: errors.LorafleetError) -> None:
+        await asyncio.gather(*(self._finish(c, L.FAILED, error=exc) for c in batch))
+
+    # --- control operations ---------------------------------------------------------------
+    async def _run_control(self, claim: L.Claim) -> None:
+        try:
+            result, effects = await self._control(claim)
+        except errors.LorafleetError as exc:
+            if exc.category == "server" and not isinstance(exc, errors.Internal):
+                exc = _server_failure(exc, claim.replica)
+            await self._finish(claim, L.FAILED, error=exc)
+        except Exception as exc:
+            log.exception("control operation %s failed", claim.operation_id)
+            await self._finish(claim, L.FAILED, error=errors.Internal(str(exc)))
+        else:
+            await self._finish(claim, L.SUCCEEDED, result, effects=effects)
+
+    async def _control(self, claim: L.Claim) -> tuple[controller_pb2.OperationResult, Effects]:
+        payload = controller_pb2.OperationPayload.FromString(claim.payload)
+        rep = await self.registry.replica(claim.replica)
+        if rep is None or claim.slot < 0:
+            raise errors.Unavailable(f"trainer replica {claim.replica!r} is gone")
+        trainer = self.pool.trainer(rep.address)
+        kind = claim.kind
+        if kind == K.OPERATION_KIND_OPTIM_STEP:
+            out = await trainer.optim_step(
+                claim.operation_id, claim.slot, claim.registration_id, payload.optim_step
+            )
+            effects: Effects = [("set", "dirty", "0")]
+            if out.applied:
+                effects.append(("incr", "optim_steps", 1))
+            return controller_pb2.OperationResult(optim_step=out), effects
+        if kind in (K.OPERATION_KIND_SAVE_STATE, K.OPERATION_KIND_LOAD_STATE) and claim.dirty:
+            name = "save_state" if kind == K.OPERATION_KIND_SAVE_STATE else "load_state"
+            raise errors.FailedPrecondition(
+                f"{name} is not allowed while gradients are pending: run optim_step first",
+                field="kind",
+                reason="GRADIENTS_PENDING",
+            )
+        if kind == K.OPERATION_KIND_SAVE_STATE:
+            return await self._save_state(claim, payload.save_state, trainer)
+        if kind == K.OPERATION_KIND_LOAD_STATE:
+            return await self._load_state(claim, payload.load_state, trainer)
+        if kind == K.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER and self.publish is not None:
+            return await self.publish(claim, payload.save_weights_for_sampler)
+        raise errors.InvalidArgument(f"unsupported operation kind {kind}", field="payload")
+
+    async def _save_state(
+        self, claim: L.Claim, save: controller_pb2.SaveStatePayload, trainer: Any
+    ) -> tuple[controller_pb2.OperationResult, Effects]:
+        path = f"tinker://{claim.registration_id}/weights/{save.name}"
+        owner = await self.catalog.r.hget(f"{self.p}ckpt:{path}", "op")
+        if owner is not None and owner.decode() != claim.operation_id:
+            raise errors.AlreadyExists(
+                f"{path} already exists (named states are immutable)", field="name"
+            )
+        manifest = await trainer.save_state(
+            claim.operation_id, claim.slot, claim.registration_id, save.name, True
+        )
+        reg = await self.registry.get_any(claim.registration_id)
+        assert reg is not None
+        await self.catalog.add(
+            tinker_path=path, tenant=claim.tenant, type=TRAINING, base_model=reg.base_model,
+            lora=reg.lora, manifest=manifest, has_optimizer=True, ttl_seconds=save.ttl_seconds,
+            user_metadata=dict(save.user_metadata),
+        )  # fmt: skip
+        await self.catalog.r.hset(f"{self.p}ckpt:{path}", "op", claim.operation_id)
+        result = controller_pb2.OperationResult(
+            save_state=controller_pb2.SaveStateResult(path=path)
+        )
+        return result, [("set", "last_checkpoint", path)]
+
+    async def _load_state(
+        self, claim: L.Claim, load: controller_pb2.LoadStatePayload, trainer: Any
+    ) -> tuple[controller_pb2.OperationResult, Effects]:
+        ckpt = await self.catalog.get(claim.tenant, load.path)
+        if ckpt.type != TRAINING:
+            raise errors.InvalidArgument(
+                "only tinker://.../weights/<name> checkpoints can be loaded", field="path"
+            )
+        await trainer.load_state(
+            claim.operation_id, claim.slot, claim.registration_id, ckpt.manifest,
+            load.with_optimizer,
+        )  # fmt: skip
+        result = controller_pb2.OperationResult(
+            load_state=controller_pb2.LoadStateResult(
+                path=load.path, registration_id=claim.registration_id
+            )
+        )
+        return result, [("set", "last_checkpoint", load.path), ("set", "dirty", "0")]
+
+    # --- outcomes -------------------------------------------------------------------------
+    async def _finish(
+        self,
+        claim: L.Claim,
+        state: int,
+        result: controller_pb2.OperationResult | None = None,
+        error: errors.LorafleetError | None = None,
+        effects: Effects = (),  # type: ignore[assignment]
+    ) -> None:
+        body = result.SerializeToString() if result is not None else b""
+        if await self.ledger.complete(claim.operation_id, state, body, error, effects):
+            metrics.OPERATION_LATENCY.labels(kind=KIND_NAMES.get(claim.kind, "other")).observe(
+                max(0.0, time.time() - claim.submitted_at)
+            )
+
+
+def round_robin(batch: list[L.Claim]) -> list[L.Claim]:
+    """Interleave claims tenant by tenant, keeping each tenant's arrival order."""
+    by_tenant: OrderedDict[str, list[L.Claim]] = OrderedDict()
+    for claim in batch:
+        by_tenant.setdefault(claim.tenant, []).append(claim)
+    out: list[L.Claim] = []
+    lanes = [list(v) for v in by_tenant.values()]
+    while any(lanes):
+        for lane in lanes:
+            if lane:
+                out.append(lane.pop(0))
+    return out
+
+
+def _server_failure(exc: errors.LorafleetError, replica: str) -> errors.LorafleetError:
+    if isinstance(exc, errors.Unavailable):
+        return errors.Unavailable(
+            f"trainer replica {replica} could not be reached: {exc.message}",
+            reason="TRAINER_UNREACHABLE",
+        )
+    return exc

@@ -1,0 +1,94 @@
+"""ControllerSettings: everything the controller reads from `LORAFLEET_CONTROLLER_*`.
+
+Every limit that shapes the ledger's semantics (gap sealing, claimed TTL, result TTL,
+backpressure) is a setting here, so tests can shrink them to milliseconds and operators can
+see them in `python -m lorafleet_controller --help`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafleet.settings import setting
+
+PREFIX = "LORAFLEET_CONTROLLER_"
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    redis_url: str = setting("redis://127.0.0.1:6379/0", doc="Redis holding all durable state.")
+    key_prefix: str = setting(
+        "lf:", doc="Prefix of every Redis key (several fleets may share one Redis)."
+    )
+    storage_root: Path = setting(
+        Path(".cache/controller-storage"),
+        doc="Folder for sampler checkpoints (PEFT files the controller received on publish).",
+    )
+    gap_timeout_seconds: float = setting(
+        600.0,
+        doc="A missing seq_id is sealed after this long; operations behind it fail naming it.",
+        min=0.01,
+        max=86400.0,
+    )
+    claimed_timeout_seconds: float = setting(
+        1800.0,
+        doc="A CLAIMED operation with no result after this long is failed (server).",
+        min=0.05,
+        max=86400.0,
+    )
+    result_ttl_seconds: float = setting(
+        3600.0,
+        doc="Terminal results are kept this long unless acknowledged, then answered EXPIRED.",
+        min=0.05,
+        max=30 * 86400.0,
+    )
+    max_pending_per_registration: int = setting(
+        256, doc="Open operations per registration (also the seq_id window).", min=1, max=100_000
+    )
+    max_unacked_results: int = setting(
+        4096, doc="Terminal, unacknowledged results across the ledger.", min=1, max=10_000_000
+    )
+    max_pending_global: int = setting(
+        65536, doc="Open operations across every registration.", min=1, max=10_000_000
+    )
+    coalesce_window_ms: float = setting(
+        2.0,
+        doc="How long the scheduler waits for more forward_backward ops to batch together.",
+        min=0.0,
+        max=10_000.0,
+    )
+    heartbeat_timeout_seconds: float = setting(
+        15.0,
+        doc="A replica silent for this long is lost; its registrations become UNAVAILABLE.",
+        min=0.1,
+        max=3600.0,
+    )
+    heartbeat_interval_seconds: float = setting(
+        5.0, doc="Heartbeat interval the controller asks replicas for.", min=0.05, max=600.0
+    )
+    sweep_interval_seconds: float = setting(
+        0.5, doc="How often the sweeper looks for gaps, stale claims and expired results.",
+        min=0.01, max=60.0,
+    )  # fmt: skip
+    max_payload_bytes: int = setting(
+        16 * 1024 * 1024, doc="Largest serialized operation payload.", min=1024, max=1 << 30
+    )
+    rpc_timeout_seconds: float = setting(
+        600.0, doc="Deadline of data-plane calls to trainers and rollouts.", min=1.0, max=3600.0
+    )
+    transport_retry_seconds: float = setting(
+        30.0,
+        doc="How long transport failures to a replica are retried before the op fails.",
+        min=0.0,
+        max=3600.0,
+    )
+    resident_versions: int = setting(
+        3, doc="Published adapter versions kept resident per registration.", min=1, max=64
+    )
+    trainers: tuple[str, ...] = setting(
+        (), doc="Static trainer replicas 'id=host:port,...' (besides self-registration)."
+    )
+    rollouts: tuple[str, ...] = setting(
+        (), doc="Static rollout replicas 'id=host:port,...' (besides self-registration)."
+    )

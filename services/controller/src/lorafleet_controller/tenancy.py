@@ -1,0 +1,186 @@
+"""Tenants' API keys and sessions, in Redis.
+
+API keys are `tml-` + 43 url-safe characters; only their SHA-256 is stored (a leaked Redis
+dump reveals no usable key). Sessions are opaque ids owned by one tenant; every lookup of a
+session, like every other id in the controller, answers NotFound for another tenant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from lorafleet import errors
+
+KEY_PREFIX = "tml-"
+
+
+def _s(value: bytes | None, default: str = "") -> str:
+    return value.decode() if value is not None else default
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key_id: str
+    tenant: str
+    label: str
+    created_at: float
+    revoked: bool
+
+
+@dataclass(frozen=True)
+class Session:
+    session_id: str
+    tenant: str
+    user_metadata: dict[str, str]
+    tags: list[str]
+    display_name: str
+    finished: bool
+    created_at: float
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+
+
+class Tenancy:
+    def __init__(
+        self, client: aioredis.Redis, prefix: str, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.r = client
+        self.p = prefix
+        self.clock = clock
+
+    # --- API keys -------------------------------------------------------------------------
+    async def create_key(self, tenant: str, label: str) -> tuple[str, str]:
+        """A new key for `tenant`: (plaintext, key_id). The plaintext is never stored."""
+        if not tenant:
+            raise errors.InvalidArgument("tenant is required", field="tenant")
+        api_key = KEY_PREFIX + secrets.token_urlsafe(32)
+        key_id = "key-" + secrets.token_hex(8)
+        digest = hash_key(api_key)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                f"{self.p}key:{key_id}",
+                mapping={"tenant": tenant, "label": label, "created_at": self.clock(),
+                         "revoked": "0", "hash": digest},
+            )  # fmt: skip
+            pipe.set(f"{self.p}apikey:{digest}", key_id)
+            pipe.sadd(f"{self.p}keys:{tenant}", key_id)
+            await pipe.execute()
+        return api_key, key_id
+
+    async def authenticate(self, api_key: str) -> tuple[str, str]:
+        """(tenant, key_id) of a valid, unrevoked key; PermissionDenied otherwise."""
+        denied = errors.PermissionDenied("invalid or revoked API key", field="api_key")
+        if not api_key.startswith(KEY_PREFIX):
+            raise denied
+        digest = hash_key(api_key)
+        key_id = await self.r.get(f"{self.p}apikey:{digest}")
+        if key_id is None:
+            raise denied
+        tenant, revoked, stored = await self.r.hmget(
+            f"{self.p}key:{_s(key_id)}", "tenant", "revoked", "hash"
+        )
+        if stored is None or not hmac.compare_digest(_s(stored), digest) or revoked == b"1":
+            raise denied
+        return _s(tenant), _s(key_id)
+
+    async def list_keys(self, tenant: str) -> list[ApiKey]:
+        ids = sorted(_s(i) for i in await self.r.smembers(f"{self.p}keys:{tenant}"))
+        out = []
+        for key_id in ids:
+            raw = await self.r.hgetall(f"{self.p}key:{key_id}")
+            if raw:
+                out.append(
+                    ApiKey(key_id, _s(raw[b"tenant"]), _s(raw.get(b"label")),
+                           float(raw[b"created_at"]), raw.get(b"revoked") == b"1")
+                )  # fmt: skip
+        return out
+
+    async def revoke_key(self, key_id: str) -> None:
+        key = f"{self.p}key:{key_id}"
+        if not await self.r.exists(key):
+            raise errors.NotFound(f"no API key {key_id!r}", field="key_id")
+        await self.r.hset(key, "revoked", "1")
+
+    # --- sessions -------------------------------------------------------------------------
+    async def create_session(
+        self,
+        tenant: str,
+        tags: list[str],
+        user_metadata: dict[str, str],
+        sdk_version: str,
+        project_id: str,
+        display_name: str,
+    ) -> str:
+        if not tenant:
+            raise errors.InvalidArgument("tenant is required", field="tenant")
+        session_id = f"session-{uuid.uuid4().hex}"
+        now = self.clock()
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                f"{self.p}sess:{session_id}",
+                mapping={
+                    "tenant": tenant, "tags": json.dumps(tags),
+                    "metadata": json.dumps(user_metadata, sort_keys=True),
+                    "sdk_version": sdk_version, "project_id": project_id,
+                    "display_name": display_name, "created_at": now, "finished": "0",
+                    "last_heartbeat": now,
+                },
+            )  # fmt: skip
+            pipe.zadd(f"{self.p}sessions:{tenant}", {session_id: now})
+            await pipe.execute()
+        return session_id
+
+    async def check_session(self, tenant: str, session_id: str) -> None:
+        owner = await self.r.hget(f"{self.p}sess:{session_id}", "tenant")
+        if owner is None or _s(owner) != tenant:
+            raise errors.NotFound(f"no session {session_id!r}", field="session_id")
+
+    async def heartbeat(self, tenant: str, session_id: str) -> None:
+        await self.check_session(tenant, session_id)
+        if await self.r.hget(f"{self.p}sess:{session_id}", "finished") == b"1":
+            raise errors.Expired(f"session {session_id} is finished", field="session_id")
+        await self.r.hset(f"{self.p}sess:{session_id}", "last_heartbeat", self.clock())
+
+    async def finish(self, tenant: str, session_id: str, reason: str) -> None:
+        await self.check_session(tenant, session_id)
+        await self.r.hset(
+            f"{self.p}sess:{session_id}", mapping={"finished": "1", "finish_reason": reason}
+        )
+
+    async def get(self, tenant: str, session_id: str) -> Session:
+        await self.check_session(tenant, session_id)
+        raw = await self.r.hgetall(f"{self.p}sess:{session_id}")
+        runs = sorted(_s(x) for x in await self.r.smembers(f"{self.p}session_runs:{session_id}"))
+        samplers = sorted(
+            _s(x) for x in await self.r.smembers(f"{self.p}session_samplers:{session_id}")
+        )
+        return Session(
+            session_id=session_id,
+            tenant=tenant,
+            user_metadata=json.loads(raw.get(b"metadata", b"{}")),
+            tags=json.loads(raw.get(b"tags", b"[]")),
+            display_name=_s(raw.get(b"display_name")),
+            finished=raw.get(b"finished") == b"1",
+            created_at=float(raw.get(b"created_at", b"0")),
+            training_run_ids=runs,
+            sampler_ids=samplers,
+        )
+
+    async def list(self, tenant: str, limit: int, offset: int) -> tuple[list[str], int]:
+        key = f"{self.p}sessions:{tenant}"
+        total = int(await self.r.zcard(key))
+        stop = offset + (limit if limit > 0 else 100) - 1
+        return [_s(x) for x in await self.r.zrevrange(key, offset, stop)], total

@@ -1,0 +1,226 @@
+"""Ledger semantics against a real redis-server: ordering, idempotency, gaps, backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lorafleet import errors
+from lorafleet_controller import ledger as L
+
+from .conftest import Domain
+
+FB = 2  # OPERATION_KIND_FORWARD_BACKWARD
+OPT = 3
+
+
+async def submit(d: Domain, rid: str, seq: int, payload: bytes = b"p", kind: int = FB, **kw):
+    return await d.ledger.submit("t1", rid, seq, kind, payload, f"d:{payload!r}", **kw)
+
+
+async def pop_ready(d: Domain) -> list[str]:
+    ids = await d.client.lrange(f"{d.settings.key_prefix}ready:data", 0, -1)
+    ids += await d.client.lrange(f"{d.settings.key_prefix}ready:ctl", 0, -1)
+    await d.client.delete(f"{d.settings.key_prefix}ready:data", f"{d.settings.key_prefix}ready:ctl")
+    return [i.decode() for i in ids]
+
+
+async def run_one(d: Domain, opid: str, result: bytes = b"ok") -> None:
+    claim = await d.ledger.claim(opid)
+    assert claim is not None, opid
+    assert await d.ledger.complete(opid, L.SUCCEEDED, result)
+
+
+async def test_out_of_order_arrivals_run_in_seq_order(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    for seq in (3, 2):
+        adm = await submit(domain, rid, seq, b"x%d" % seq)
+        assert adm.state == L.QUEUED and not adm.duplicate
+    assert await pop_ready(domain) == []
+    rec = await domain.ledger.get("t1", L.operation_id(rid, 3))
+    assert rec.waiting_reason == "waiting for seq_id 1"
+    await submit(domain, rid, 1, b"x1")
+    order = []
+    for _ in range(3):
+        ready = await pop_ready(domain)
+        assert len(ready) == 1  # strictly serial per registration
+        order += ready
+        if not ready[0].endswith("#3"):  # nothing but the head is claimable
+            assert await domain.ledger.claim(L.operation_id(rid, 3)) is None
+        await run_one(domain, ready[0])
+    assert order == [L.operation_id(rid, s) for s in (1, 2, 3)]
+
+
+async def test_retry_is_idempotent_and_conflict_is_refused(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    first = await submit(domain, rid, 1, b"same")
+    again = await submit(domain, rid, 1, b"same")
+    assert again.duplicate and again.operation_id == first.operation_id
+    with pytest.raises(errors.Conflict) as exc:
+        await submit(domain, rid, 1, b"other")
+    assert exc.value.field == "seq_id"
+    assert await pop_ready(domain) == [first.operation_id]  # queued once
+
+
+async def test_invalid_seq_ids_and_payload_size(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    for bad in (0, -1, 1 + domain.ledger.window):
+        with pytest.raises(errors.InvalidArgument) as exc:
+            await submit(domain, rid, bad)
+        assert exc.value.field == "seq_id"
+    with pytest.raises(errors.InvalidArgument) as exc:
+        await submit(domain, rid, 1, b"x" * (domain.settings.max_payload_bytes + 1))
+    assert exc.value.field == "payload"
+    assert (await domain.registry.get("t1", rid)).max_seq == 0  # nothing consumed
+    with pytest.raises(errors.NotFound):
+        await domain.ledger.submit("other-tenant", rid, 1, FB, b"p", "d")
+
+
+async def test_born_terminal_record_consumes_seq(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    bad = errors.InvalidArgument("lr is nan", field="adam_params.learning_rate")
+    adm = await submit(domain, rid, 1, b"bad", kind=OPT, rejection=bad)
+    assert adm.state == L.FAILED
+    rec = await domain.ledger.get("t1", adm.operation_id)
+    assert rec.error["field"] == "adam_params.learning_rate"
+    assert rec.error["category"] == "user"
+    adm2 = await submit(domain, rid, 2, b"good")
+    assert await pop_ready(domain) == [adm2.operation_id]  # seq 1 never blocks seq 2
+
+
+async def test_backpressure_before_consumption_and_hole_filling(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    limit = domain.settings.max_pending_per_registration
+    for seq in range(2, limit + 2):  # seq 1 missing: a gap at the head
+        await submit(domain, rid, seq, b"%d" % seq)
+    with pytest.raises(errors.InvalidArgument):  # beyond the window
+        await submit(domain, rid, domain.ledger.window + 1)
+    reg = await domain.registry.get("t1", rid)
+    assert reg.pending == limit
+    # the hole-filling seq_id is admitted although the registration is at its limit
+    adm = await submit(domain, rid, 1, b"1")
+    assert adm.state == L.QUEUED
+    await run_one(domain, (await pop_ready(domain))[0])
+    with pytest.raises(errors.ResourceExhausted) as exc:
+        await submit(domain, rid, limit + 2, b"late")
+    assert exc.value.retry_after > 0
+    # refused means not consumed: the same seq_id is admitted once there is room
+    await run_one(domain, (await pop_ready(domain))[0])
+    adm = await submit(domain, rid, limit + 2, b"late")
+    assert not adm.duplicate
+
+
+async def test_global_and_unacked_limits(domain: Domain) -> None:
+    rids = [await domain.ready_registration(session=f"s{i}") for i in range(8)]
+    n = 0
+    with pytest.raises(errors.ResourceExhausted):
+        for i in range(100):
+            await submit(domain, rids[i % 8], i // 8 + 1)
+            n += 1
+    assert n == domain.settings.max_pending_global
+
+
+async def test_gap_is_sealed_after_timeout(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    await submit(domain, rid, 2, b"two")
+    await submit(domain, rid, 3, b"three")
+    assert await domain.ledger.gap_stalls() == 1
+    domain.clock.now += 1
+    assert (await domain.ledger.sweep())[2] == 0  # not yet
+    domain.clock.now += domain.settings.gap_timeout_seconds
+    assert (await domain.ledger.sweep())[2] == 1
+    for seq in (2, 3):
+        rec = await domain.ledger.get("t1", L.operation_id(rid, seq))
+        assert rec.state == L.FAILED
+        assert "seq_id 1" in rec.error["message"] and rec.error["reason"] == "SEQ_GAP_SEALED"
+    with pytest.raises(errors.Conflict):  # a late arrival is never executed
+        await submit(domain, rid, 1, b"one")
+    adm = await submit(domain, rid, 4, b"four")
+    assert await pop_ready(domain) == [adm.operation_id]
+    assert await domain.ledger.gap_stalls() == 0
+
+
+async def test_claimed_sweeper_and_stale_completion(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    a = await submit(domain, rid, 1, b"a")
+    b = await submit(domain, rid, 2, b"b")
+    assert await domain.ledger.claim(a.operation_id) is not None
+    assert await domain.ledger.claim(a.operation_id) is None  # claimed once
+    domain.clock.now += domain.settings.claimed_timeout_seconds + 1
+    assert (await domain.ledger.sweep())[0] == 1
+    rec = await domain.ledger.get("t1", a.operation_id)
+    assert rec.state == L.FAILED and rec.error["category"] == "server"
+    # a late result of the swept claim is not recorded
+    assert not await domain.ledger.complete(a.operation_id, L.SUCCEEDED, b"late")
+    ready = await pop_ready(domain)
+    assert b.operation_id in ready
+
+
+async def test_ack_and_result_expiry_keep_the_seq_reserved(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    a = await submit(domain, rid, 1, b"a")
+    b = await submit(domain, rid, 2, b"b")
+    with pytest.raises(errors.FailedPrecondition):
+        await domain.ledger.ack("t1", a.operation_id)
+    await run_one(domain, a.operation_id, b"RESULT")
+    rec = await domain.ledger.get("t1", a.operation_id)
+    assert rec.state == L.SUCCEEDED and rec.result == b"RESULT"
+    await domain.ledger.ack("t1", a.operation_id)
+    rec = await domain.ledger.get("t1", a.operation_id)
+    assert rec.state == L.EXPIRED and rec.result == b""
+    dup = await submit(domain, rid, 1, b"a")
+    assert dup.duplicate and dup.state == L.EXPIRED
+    with pytest.raises(errors.NotFound):
+        await domain.ledger.ack("t2", b.operation_id)
+    await run_one(domain, (await pop_ready(domain))[-1])
+    domain.clock.now += domain.settings.result_ttl_seconds + 1
+    assert (await domain.ledger.get("t1", b.operation_id)).state == L.EXPIRED
+    assert (await domain.ledger.sweep())[1] == 1
+    assert int(await domain.client.get(f"{domain.settings.key_prefix}unacked")) == 0
+
+
+async def test_long_poll_wakes_on_completion(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    a = await submit(domain, rid, 1, b"a")
+    rec = await domain.ledger.wait("t1", a.operation_id, 0.05)
+    assert rec.state == L.QUEUED
+    waiter = asyncio.create_task(domain.ledger.wait("t1", a.operation_id, 10))
+    await asyncio.sleep(0.05)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await run_one(domain, a.operation_id)
+    rec = await waiter
+    assert rec.state == L.SUCCEEDED and loop.time() - start < 1.0
+
+
+async def test_fence_fails_open_operations_and_refuses_new(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    a = await submit(domain, rid, 1, b"a")
+    b = await submit(domain, rid, 3, b"b")
+    await domain.ledger.claim(a.operation_id)
+    retired = errors.FailedPrecondition("registration retired", reason="RETIRED")
+    assert await domain.ledger.fence(rid, "retired", retired) == 2
+    for opid in (a.operation_id, b.operation_id):
+        rec = await domain.ledger.get("t1", opid)
+        assert rec.state == L.FAILED and rec.error["reason"] == "RETIRED"
+    with pytest.raises(errors.FailedPrecondition):
+        await submit(domain, rid, 4, b"c")
+
+
+async def test_state_survives_a_controller_restart(domain: Domain) -> None:
+    rid = await domain.ready_registration()
+    a = await submit(domain, rid, 1, b"a")
+    await submit(domain, rid, 3, b"c")
+    assert await pop_ready(domain) == [a.operation_id]
+    await domain.ledger.claim(a.operation_id)
+    d2 = await domain.restart()
+    assert await d2.ledger.claimed_ids() == [a.operation_id]
+    claim = await d2.ledger.load_claim(a.operation_id)
+    assert claim is not None and claim.payload == b"a"
+    assert (await submit(d2, rid, 1, b"a")).duplicate
+    await d2.ledger.complete(a.operation_id, L.SUCCEEDED, b"r")
+    await submit(d2, rid, 2, b"b")
+    ready = await pop_ready(d2)
+    assert ready == [L.operation_id(rid, 2)]
+    await d2.notifier.stop()

@@ -1,0 +1,131 @@
+"""The publish barrier and sampling, with real trainer and rollout processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from lorafleet.testing import start_redis
+from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2, rollout_pb2_grpc
+
+from .fleet import (
+    Client,
+    Proc,
+    controller_proc,
+    fb_payload,
+    optim_payload,
+    rollout_proc,
+    trainer_proc,
+    wait_done,
+    wait_for_model,
+)
+from .test_integration import TOKENS, Fleet
+
+K = controller_pb2
+T = "tenant-a"
+
+
+@pytest.fixture
+async def fleet_with_rollouts(
+    tmp_path: Path, tiny_model_dir: Path
+) -> AsyncIterator[tuple[Fleet, list[Proc]]]:
+    redis = start_redis(tmp_path / "redis")
+    controller = controller_proc(redis, tmp_path)
+    procs: list[Proc] = []
+    client = None
+    try:
+        controller.start()
+        trainer = trainer_proc(tiny_model_dir, controller.port, tmp_path, "trainer-0")
+        procs.append(trainer)
+        rollouts = [rollout_proc(tiny_model_dir, controller.port, tmp_path, f"rollout-{i}")
+                    for i in range(2)]  # fmt: skip
+        procs += rollouts
+        for p in procs:
+            p.start(timeout=120)
+        client = Client(controller.port)
+        base = await wait_for_model(client)
+        for _ in range(100):
+            caps = await client("GetCapabilities", K.GetCapabilitiesRequest())
+            if all(m.sampleable for m in caps.models):  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.1)
+        assert [(m.name, m.trainable, m.sampleable) for m in caps.models] == [(base, True, True)]  # type: ignore[attr-defined]
+        yield Fleet(tmp_path, redis, controller, trainer, client, base), rollouts
+    finally:
+        if client is not None:
+            await client.close()
+        for p in procs:
+            p.stop()
+        controller.stop()
+        redis.stop()
+
+
+async def resident(rollout: Proc) -> list[str]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{rollout.port}") as ch:
+        stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+        resp = await stub.ListAdapters(rollout_pb2.ListAdaptersRequest(), timeout=5)
+        return sorted(a.adapter_id for a in resp.adapters)
+
+
+async def test_publish_reaches_every_rollout_then_samples(
+    fleet_with_rollouts: tuple[Fleet, list[Proc]],
+) -> None:
+    fleet, rollouts = fleet_with_rollouts
+    session = await fleet.session()
+    rid = await fleet.registration(session)
+    await fleet.submit(rid, 1, fb_payload(TOKENS))
+    await fleet.submit(rid, 2, optim_payload())
+    publish = await fleet.submit(
+        rid, 3,
+        K.OperationPayload(save_weights_for_sampler=K.SaveWeightsForSamplerPayload(
+            name="step-1", sampler_session_id=f"{session}:sample:0", kind="snapshot")),
+    )  # fmt: skip
+    op = await wait_done(fleet.client, T, publish.operation_id)  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
+    result = op.result.save_weights_for_sampler  # type: ignore[attr-defined]
+    assert result.version == 1 and result.path == f"tinker://{rid}/sampler_weights/step-1"
+    for rollout in rollouts:  # the barrier: every rollout had it before the op succeeded
+        assert f"{rid}@1" in await resident(rollout)
+    reg = await fleet.client(
+        "GetRegistration", K.GetRegistrationRequest(tenant=T, registration_id=rid)
+    )
+    assert reg.registration.published_version == 1  # type: ignore[attr-defined]
+
+    sample = await fleet.client(
+        "SubmitSample",
+        K.SubmitSampleRequest(
+            tenant=T, sampler_id=result.sampler_id, seq_id=1, prompt_tokens=TOKENS[:4],
+            params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_k=-1, top_p=1),
+            num_samples=2,
+        ),
+    )  # fmt: skip
+    assert len(sample.sequence_ids) == 2  # type: ignore[attr-defined]
+    op = await wait_done(fleet.client, T, sample.operation_id)  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
+    assert len(op.result.sample.sequences) == 2  # type: ignore[attr-defined]
+
+    # the named sampler checkpoint is in the catalog and downloadable as PEFT files
+    files: dict[str, bytes] = {}
+    async for chunk in fleet.client.stub.DownloadCheckpoint(
+        K.DownloadCheckpointRequest(tenant=T, tinker_path=result.path), timeout=30
+    ):
+        files[chunk.path] = files.get(chunk.path, b"") + chunk.data
+    assert set(files) == {"adapter_config.json", "adapter_model.safetensors"}
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await fleet.client.stub.GetCheckpoint(
+            K.GetCheckpointRequest(tenant="someone-else", tinker_path=result.path), timeout=5
+        )
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+
+    # a restarted rollout (new incarnation) is reconciled with the live version
+    rollouts[1].kill()
+    rollouts[1].start(timeout=120)
+    for _ in range(100):
+        if f"{rid}@1" in await resident(rollouts[1]):
+            break
+        await asyncio.sleep(0.1)
+    assert f"{rid}@1" in await resident(rollouts[1])

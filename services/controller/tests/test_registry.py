@@ -1,0 +1,100 @@
+"""Slot placement against a real redis-server: queueing, release, replica loss."""
+
+from __future__ import annotations
+
+from lorafleet import errors
+from lorafleet.v1 import common_pb2
+from lorafleet_controller import ledger as L
+from lorafleet_controller.registry import Replica
+
+from .conftest import Domain
+
+
+async def add_trainer(d: Domain, name: str, slots: int, inc: str = "a") -> str:
+    return await d.registry.register_replica(
+        Replica("trainer", name, f"127.0.0.1:{slots}", "base", slots, inc, 0, True, max_rank=8)
+    )
+
+
+async def create(d: Domain, seq: int, tenant: str = "t1") -> str:
+    rec, created = await d.registry.create(
+        tenant, "s", seq, "base", common_pb2.LoraConfig(rank=4), {}, "adamw", False
+    )
+    assert created
+    return rec.registration_id
+
+
+async def test_full_pool_queues_instead_of_evicting(domain: Domain) -> None:
+    await add_trainer(domain, "tr-a", 1)
+    await add_trainer(domain, "tr-b", 1)
+    placed = []
+    for seq in range(4):
+        placed.append(await domain.registry.place(await create(domain, seq)))
+    assert {p[1] for p in placed[:2]} == {"tr-a", "tr-b"}  # spread over replicas
+    assert placed[2] == ("queued", "", 1) and placed[3] == ("queued", "", 2)
+    rec = await domain.registry.get("t1", "s:train:3")
+    assert rec.state == "queued" and rec.queue_position == 2
+    # ops for a queued registration wait; they are not dispatched
+    adm = await domain.ledger.submit("t1", "s:train:3", 1, 2, b"x", "d")
+    assert (await domain.ledger.get("t1", adm.operation_id)).waiting_reason == "waiting for a slot"
+    # releasing a slot lets the queue head in, in arrival order
+    first = placed[0]
+    replica, slot = await domain.registry.release("s:train:0")
+    assert (replica, slot) == (first[1], first[2])
+    assert await domain.registry.place("s:train:2") == ("placed", replica, slot)
+    assert (await domain.registry.get("t1", "s:train:3")).queue_position == 1
+
+
+async def test_idempotent_create_and_tenancy(domain: Domain) -> None:
+    await add_trainer(domain, "tr-a", 2)
+    rid = await create(domain, 0)
+    again, created = await domain.registry.create(
+        "t1", "s", 0, "base", common_pb2.LoraConfig(rank=4), {}, "adamw", False
+    )
+    assert not created and again.registration_id == rid
+    try:
+        await domain.registry.get("t2", rid)
+    except errors.NotFound as exc:
+        assert exc.field == "registration_id"
+    else:
+        raise AssertionError("another tenant saw the registration")
+
+
+async def test_replica_loss_fails_open_ops_and_requeues_first(domain: Domain) -> None:
+    await add_trainer(domain, "tr-a", 1)
+    rid = await create(domain, 0)
+    code, replica, slot = await domain.registry.place(rid)
+    assert code == "placed" and await domain.registry.bound(rid, replica, slot)
+    newcomer = await create(domain, 1)
+    assert (await domain.registry.place(newcomer))[0] == "queued"
+    a = await domain.ledger.submit("t1", rid, 1, 2, b"a", "da")
+    b = await domain.ledger.submit("t1", rid, 2, 2, b"b", "db")
+    await domain.ledger.claim(a.operation_id)
+    # the trainer comes back with a new incarnation: its slots are gone
+    assert await add_trainer(domain, "tr-a", 1, inc="b") == "restarted"
+    rec = await domain.registry.get("t1", rid)
+    assert rec.state == "unavailable" and "new incarnation" in rec.unavailable_reason
+    for opid in (a.operation_id, b.operation_id):
+        op = await domain.ledger.get("t1", opid)
+        assert op.state == L.FAILED and op.error["reason"] == "REPLICA_LOST"
+    try:
+        await domain.ledger.submit("t1", rid, 3, 2, b"c", "dc")
+    except errors.Unavailable as exc:
+        assert "new incarnation" in exc.message
+    else:
+        raise AssertionError("an unavailable registration admitted an op")
+    # the lost registration is rebound before the newcomer
+    assert (await domain.registry.queued("base"))[0] == rid
+    code, replica, slot = await domain.registry.place(rid)
+    assert code == "placed"
+    assert await domain.registry.r.hget(f"{domain.settings.key_prefix}reg:{rid}", "restore") == b"1"
+    assert await domain.registry.bound(rid, replica, slot)
+    adm = await domain.ledger.submit("t1", rid, 3, 2, b"c", "dc")
+    assert adm.state == L.QUEUED
+
+
+async def test_heartbeat_silence_is_detected(domain: Domain) -> None:
+    await add_trainer(domain, "tr-a", 1)
+    assert await domain.registry.silent_replicas(5) == []
+    domain.clock.now += 6
+    assert [r.replica_id for r in await domain.registry.silent_replicas(5)] == ["tr-a"]

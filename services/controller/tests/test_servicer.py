@@ -1,0 +1,99 @@
+"""The controller process over gRPC without replicas: tenancy, sessions, start-up errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from lorafleet import errors
+from lorafleet.testing import RedisServer, child_env, free_port
+from lorafleet.v1 import controller_pb2
+
+from .fleet import Client, controller_proc
+
+K = controller_pb2
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[Client]:
+    proc = controller_proc(redis_server, tmp_path)
+    proc.start()
+    c = Client(proc.port)
+    try:
+        yield c
+    finally:
+        await c.close()
+        proc.stop()
+
+
+async def test_api_keys_store_only_hashes(client: Client, redis_server: RedisServer) -> None:
+    created = await client("CreateApiKey", K.CreateApiKeyRequest(tenant="acme", label="ci"))
+    key = created.api_key  # type: ignore[attr-defined]
+    assert key.startswith("tml-")
+    auth = await client("Authenticate", K.AuthenticateRequest(api_key=key))
+    assert auth.tenant == "acme"  # type: ignore[attr-defined]
+    r = aioredis.from_url(redis_server.url)
+    stored = [k async for k in r.scan_iter()]
+    for k in stored:
+        if await r.type(k) == b"hash":
+            stored += list((await r.hgetall(k)).values())
+    await r.aclose()
+    assert not any(key.encode() in blob for blob in stored)
+    keys = await client("ListApiKeys", K.ListApiKeysRequest(tenant="acme"))
+    assert [k.label for k in keys.keys] == ["ci"]  # type: ignore[attr-defined]
+    await client("RevokeApiKey", K.RevokeApiKeyRequest(key_id=created.key_id))  # type: ignore[attr-defined]
+    with pytest.raises(errors.PermissionDenied):
+        await client("Authenticate", K.AuthenticateRequest(api_key=key))
+    with pytest.raises(errors.PermissionDenied):
+        await client("Authenticate", K.AuthenticateRequest(api_key="tml-made-up"))
+
+
+async def test_sessions_are_tenant_scoped(client: Client) -> None:
+    sid = (
+        await client("CreateSession", K.CreateSessionRequest(tenant="a", display_name="x"))
+    ).session_id  # type: ignore[attr-defined]
+    await client("SessionHeartbeat", K.SessionHeartbeatRequest(tenant="a", session_id=sid))
+    with pytest.raises(errors.NotFound):
+        await client("GetSession", K.GetSessionRequest(tenant="b", session_id=sid))
+    listed = await client("ListSessions", K.ListSessionsRequest(tenant="a"))
+    assert list(listed.session_ids) == [sid]  # type: ignore[attr-defined]
+    await client("FinishSession", K.FinishSessionRequest(tenant="a", session_id=sid))
+    info = await client("GetSession", K.GetSessionRequest(tenant="a", session_id=sid))
+    assert info.session.finished  # type: ignore[attr-defined]
+    with pytest.raises(errors.Expired):
+        await client("SessionHeartbeat", K.SessionHeartbeatRequest(tenant="a", session_id=sid))
+    with pytest.raises(errors.NotFound):  # registrations need the tenant's own session
+        await client(
+            "CreateRegistration",
+            K.CreateRegistrationRequest(tenant="b", session_id=sid, base_model="m"),
+        )
+
+
+async def test_registration_needs_a_serving_trainer(client: Client) -> None:
+    sid = (await client("CreateSession", K.CreateSessionRequest(tenant="a"))).session_id  # type: ignore[attr-defined]
+    with pytest.raises(errors.InvalidArgument) as exc:
+        await client(
+            "CreateRegistration",
+            K.CreateRegistrationRequest(tenant="a", session_id=sid, base_model="nope"),
+        )
+    assert exc.value.field == "base_model"
+    status = await client("GetFleetStatus", K.GetFleetStatusRequest())
+    assert list(status.replicas) == []  # type: ignore[attr-defined]
+
+
+def test_bad_settings_and_unreachable_redis_exit_2() -> None:
+    for env in (
+        {"LORAFLEET_CONTROLLER_GAP_TIMEOUT_SECONDS": "soon"},
+        {"LORAFLEET_CONTROLLER_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"},
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "lorafleet_controller"], env=child_env(**env),
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
