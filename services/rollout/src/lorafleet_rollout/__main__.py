@@ -1,0 +1,30 @@
+"""`python -m lorafleet_rollout`: settings first (bad ones: one line, exit 2), torch after."""
+
+from __future__ import annotations
+
+import sys
+
+from lorafleet.settings import ServerSettings, load_or_exit
+from lorafleet_rollout.settings import PREFIX, RolloutSettings
+
+
+def main() -> None:
+    settings = load_or_exit(RolloutSettings, PREFIX)
+    server = load_or_exit(ServerSettings, PREFIX)
+    if settings.engine != "torch" and not settings.engine_url:
+        _exit(f"{PREFIX}ENGINE_URL is required when {PREFIX}ENGINE={settings.engine}")
+    if settings.engine == "torch" and not (settings.model_path / "config.json").is_file():
+        _exit(f"{PREFIX}MODEL_PATH={settings.model_path}: no config.json there")
+
+    from lorafleet_rollout.app import run  # imports torch
+
+    run(settings, server)
+
+
+def _exit(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Wiring of one rollout replica: engine → core → gRPC servicer, plus the controller heartbeat."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import torch
+
+from lorafleet.rpc.server import ServiceSpec, serve
+from lorafleet.settings import ServerSettings
+from lorafleet.v1 import controller_pb2, rollout_pb2_grpc
+from lorafleet_rollout.core import Limits, RolloutCore
+from lorafleet_rollout.engine import RolloutEngine
+from lorafleet_rollout.heartbeat import register_forever
+from lorafleet_rollout.servicer import RolloutServicer
+from lorafleet_rollout.settings import RolloutSettings
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(settings: RolloutSettings) -> RolloutEngine:
+    if settings.engine == "sglang":
+        from lorafleet_rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(
+            settings.engine_url,
+            settings.model_path,
+            max_lora_rank=settings.max_lora_rank,
+            launch=settings.engine_launch,
+            max_loaded_adapters=settings.max_loaded_adapters,
+        )
+    if settings.engine == "vllm":
+        from lorafleet_rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            settings.engine_url,
+            settings.model_path,
+            served_model_name=settings.served_model_name,
+            max_lora_rank=settings.max_lora_rank,
+        )
+    from lorafleet_rollout.torch_engine import TorchEngine
+
+    return TorchEngine(
+        settings.model_path,
+        max_batch_size=settings.max_batch_size,
+        max_lora_rank=settings.max_lora_rank,
+    )
+
+
+def make_core(settings: RolloutSettings) -> RolloutCore:
+    limits = Limits(
+        max_loaded_adapters=settings.max_loaded_adapters,
+        max_queued_requests=settings.max_queued_requests,
+        max_num_samples=settings.max_num_samples,
+        versions_per_registration=settings.versions_per_registration,
+        max_adapter_bytes=settings.max_adapter_bytes,
+    )
+    return RolloutCore(make_engine(settings), limits, settings.adapter_dir / settings.replica_id)
+
+
+def run(settings: RolloutSettings, server: ServerSettings) -> None:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    core = make_core(settings)
+    heartbeat: list[asyncio.Task[None]] = []
+
+    def registration() -> controller_pb2.RegisterReplicaRequest:
+        info = core.info()
+        return controller_pb2.RegisterReplicaRequest(
+            kind=controller_pb2.REPLICA_KIND_ROLLOUT,
+            replica_id=settings.replica_id,
+            address=settings.advertise_address or f"127.0.0.1:{server.port}",
+            base_model=info.base_model,
+            num_slots=settings.max_loaded_adapters,
+            incarnation=core.incarnation,
+            tokenizer_id=str(settings.model_path),
+            max_rank=info.max_lora_rank,
+            max_context_length=info.max_context_length,
+            arch=info.engine,
+        )
+
+    async def startup() -> None:
+        await core.start()
+        if settings.controller_address:
+            heartbeat.append(
+                asyncio.create_task(
+                    register_forever(
+                        settings.controller_address,
+                        registration,
+                        settings.register_interval_seconds,
+                    )
+                )
+            )
+
+    async def shutdown() -> None:
+        for task in heartbeat:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await core.close()
+
+    servicer = RolloutServicer(core, settings.replica_id)
+    spec = ServiceSpec(
+        servicer=servicer,
+        add_fn=rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+        full_name="lorafleet.v1.RolloutService",
+    )
+    serve("rollout", server, [spec], startup=startup, shutdown=shutdown)

@@ -1,0 +1,23 @@
+"""Prometheus metrics of the rollout service, defined once (default registry, bounded labels)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+ADAPTERS_LOADED = Gauge(
+    "lorafleet_rollout_adapters_loaded", "Adapter versions resident in the engine."
+)
+TOKENS = Counter("lorafleet_rollout_tokens_total", "Tokens generated (all sequences).")
+TTFT = Histogram(
+    "lorafleet_rollout_ttft_seconds",
+    "Time from a request entering the engine queue to its first token (torch engine).",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+QUEUE_DEPTH = Gauge(
+    "lorafleet_rollout_queue_depth", "Sample requests admitted by the service and not yet done."
+)
+REQUESTS = Counter(
+    "lorafleet_rollout_requests_total",
+    "Sample requests by outcome.",
+    ["outcome"],  # ok, invalid, not_found, exhausted, cancelled, error
+)

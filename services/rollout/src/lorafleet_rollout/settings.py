@@ -1,0 +1,68 @@
+"""RolloutSettings: everything the rollout process reads from `LORAFLEET_ROLLOUT_*`.
+
+Parsed before torch is imported, so a typo fails in milliseconds with one line naming the
+variable rather than after a model load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafleet.settings import setting
+
+PREFIX = "LORAFLEET_ROLLOUT_"
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    model_path: Path = setting(
+        doc="Base model: a local HF folder (torch engine loads it; SGLang/vLLM were started "
+        "with it and it names the tokenizer)."
+    )
+    engine: str = setting("torch", doc="Inference engine.", choices=("torch", "sglang", "vllm"))
+    engine_url: str = setting(
+        "", doc="Base URL of the SGLang/vLLM server (for example http://127.0.0.1:30000)."
+    )
+    engine_launch: bool = setting(
+        False, doc="sglang only: start the SGLang server as a child process at engine_url."
+    )
+    served_model_name: str = setting(
+        "base", doc="vllm only: the --served-model-name of the base model."
+    )
+    max_loaded_adapters: int = setting(
+        16, doc="Adapter versions resident at once (all registrations).", min=1, max=4096
+    )
+    max_queued_requests: int = setting(
+        256, doc="Sample requests in progress or waiting; beyond it RESOURCE_EXHAUSTED.",
+        min=1, max=1_000_000,
+    )  # fmt: skip
+    max_batch_size: int = setting(
+        32, doc="torch only: sequences decoded together in one step.", min=1, max=4096
+    )
+    max_num_samples: int = setting(16, doc="Largest num_samples of one request.", min=1, max=1024)
+    versions_per_registration: int = setting(
+        2, doc="Recent versions of a registration kept serving so in-flight samples finish.",
+        min=1, max=64,
+    )  # fmt: skip
+    max_lora_rank: int = setting(64, doc="Largest LoRA rank accepted.", min=1, max=4096)
+    max_adapter_bytes: int = setting(
+        1 << 30, doc="Largest adapter upload (all files).", min=1024, max=1 << 40
+    )
+    adapter_dir: Path = setting(
+        Path(".cache/rollout-adapters"),
+        doc="Where pushed adapters are kept while resident; SGLang/vLLM must read this path.",
+    )
+    replica_id: str = setting("rollout-0", doc="Name this replica reports to the controller.")
+    controller_address: str = setting(
+        "", doc="host:port of the controller to register with; empty = do not register."
+    )
+    advertise_address: str = setting(
+        "", doc="host:port the controller should dial; empty = 127.0.0.1:<port>."
+    )
+    register_interval_seconds: float = setting(
+        5.0, doc="How often to (re-)register with the controller.", min=0.5, max=3600.0
+    )
+    torch_threads: int = setting(
+        0, doc="torch intra-op threads; 0 = torch's default.", min=0, max=1024
+    )

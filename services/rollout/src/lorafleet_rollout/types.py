@@ -1,0 +1,77 @@
+"""Engine-neutral request and result types of the rollout service.
+
+The servicer converts protos into these and back; every engine (torch, SGLang, vLLM) speaks
+only these, so engines never see protobufs and the validation rules live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+StopReason = Literal["stop", "length"]
+
+#: The adapter name PEFT uses for "no adapter" rows in a mixed batch; also ours for the base.
+BASE_ADAPTER = "__base__"
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Tinker's SamplingParams. `max_tokens` 0 means: up to the context length."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    disable_eos_stop: bool = False
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sampling call on one engine adapter id (None = the base model)."""
+
+    adapter_id: str | None
+    prompt_tokens: tuple[int, ...]
+    params: SamplingSpec = field(default_factory=SamplingSpec)
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    """Generated tokens with the plain log-softmax logprob of each (len equal to tokens)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    stop_reason: StopReason
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    sequences: tuple[SampledSequence, ...]
+    #: One per prompt token, the first NaN; empty unless requested.
+    prompt_logprobs: tuple[float, ...] = ()
+    #: One per prompt token, the first empty; each a tuple of (token_id, logprob), best first.
+    topk_prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What the engine needs to know about an adapter before loading it."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    engine: str
+    base_model: str
+    max_context_length: int
+    vocab_size: int
+    max_lora_rank: int

@@ -1,0 +1,168 @@
+"""RolloutCore on a real TorchEngine: versions, retirement, capacity and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+from rollout_helpers import file_digests, make_adapter, reference_greedy, reference_model
+
+from lorafleet.errors import (
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from lorafleet_rollout.core import Limits, RolloutCore
+from lorafleet_rollout.torch_engine import TorchEngine
+from lorafleet_rollout.types import LoraSpec, SampleRequest, SamplingSpec
+
+PROMPT = (5, 17, 33, 90, 12, 7)
+LORA = LoraSpec(4, 8)
+
+
+def greedy(n: int) -> SampleRequest:
+    return SampleRequest(None, PROMPT, SamplingSpec(n, temperature=0.0, disable_eos_stop=True))
+
+
+@pytest.fixture
+def adapters(model_dir: Path, tmp_path: Path) -> dict[int, Path]:
+    return {i: make_adapter(model_dir, tmp_path / f"src{i}", seed=i) for i in range(1, 5)}
+
+
+@pytest.fixture
+async def core(model_dir: Path, tmp_path: Path):
+    limits = Limits(max_loaded_adapters=4, max_queued_requests=8, max_num_samples=4)
+    c = RolloutCore(TorchEngine(model_dir), limits, tmp_path / "resident")
+    await c.start()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def push(core: RolloutCore, reg: str, version: int, folder: Path, tmp: Path):
+    staged = tmp / f"staged-{reg}-{version}"
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(folder, staged)
+    return await core.load_adapter(reg, version, LORA, staged, file_digests(folder))
+
+
+async def test_publish_while_sampling_keeps_versions_apart(
+    core: RolloutCore, adapters: dict[int, Path], model_dir: Path, tmp_path: Path
+) -> None:
+    await push(core, "reg-a", 1, adapters[1], tmp_path)
+    await push(core, "reg-b", 1, adapters[4], tmp_path)
+    on_v1 = asyncio.ensure_future(core.sample("reg-a", 1, greedy(120)))
+    await asyncio.sleep(0.05)
+
+    assert await push(core, "reg-a", 2, adapters[2], tmp_path) == ("reg-a@2", False)
+    v2 = await core.sample("reg-a", 2, greedy(8))
+    other = await core.sample("reg-b", 1, greedy(8))  # other adapters keep being served
+    assert not on_v1.done()  # ... while the v1 sample is still running
+
+    assert await push(core, "reg-a", 3, adapters[3], tmp_path) == ("reg-a@3", False)
+    with pytest.raises(NotFound) as superseded:  # v1 left the 2-version window
+        await core.sample("reg-a", 1, greedy(4))
+    assert superseded.value.field == "adapter.version"
+    assert "reg-a@1" in [r.adapter_id for r in core.list_adapters()]  # still draining
+
+    v1 = await on_v1
+    assert list(v1.sequences[0].tokens) == reference_greedy(
+        reference_model(model_dir, adapters[1]), list(PROMPT), 120
+    )
+    for result, source in ((v2, adapters[2]), (other, adapters[4])):
+        assert list(result.sequences[0].tokens) == reference_greedy(
+            reference_model(model_dir, source), list(PROMPT), 8
+        )
+    await asyncio.sleep(0.1)  # the idle retiring version is unloaded in the background
+    assert [r.adapter_id for r in core.list_adapters()] == ["reg-a@2", "reg-a@3", "reg-b@1"]
+
+
+async def test_retired_registration_is_refused_after_reuse(
+    core: RolloutCore, adapters: dict[int, Path], tmp_path: Path
+) -> None:
+    await push(core, "reg-old", 1, adapters[1], tmp_path)
+    await core.unload_adapter("reg-old", 0)  # the registration is retired for good
+    await push(core, "reg-new", 1, adapters[2], tmp_path)  # a new tenant (same trainer slot)
+    with pytest.raises(NotFound) as refused:
+        await core.sample("reg-old", 1, greedy(4))
+    assert refused.value.field == "adapter.registration_id" and refused.value.reason == "RETIRED"
+    with pytest.raises(FailedPrecondition):
+        await push(core, "reg-old", 2, adapters[1], tmp_path)
+    assert len((await core.sample("reg-new", 1, greedy(4))).sequences[0].tokens) == 4
+    await core.unload_adapter("reg-old", 0)  # idempotent
+
+
+async def test_load_is_idempotent_and_verified(
+    core: RolloutCore, adapters: dict[int, Path], tmp_path: Path
+) -> None:
+    assert await push(core, "reg-a", 1, adapters[1], tmp_path) == ("reg-a@1", False)
+    assert await push(core, "reg-a", 1, adapters[1], tmp_path) == ("reg-a@1", True)
+    with pytest.raises(Conflict):
+        await push(core, "reg-a", 1, adapters[2], tmp_path)
+
+    staged = tmp_path / "tampered"
+    shutil.copytree(adapters[3], staged)
+    digests = file_digests(adapters[3])
+    with (staged / "adapter_model.safetensors").open("r+b") as f:
+        f.seek(200)
+        f.write(b"\x00\x01")
+    with pytest.raises(InvalidArgument) as bad:
+        await core.load_adapter("reg-c", 1, LORA, staged, digests)
+    assert bad.value.field == "header.file_sha256[adapter_model.safetensors]"
+    assert [r.adapter_id for r in core.list_adapters()] == ["reg-a@1"]
+
+
+async def test_capacity_limits(
+    core: RolloutCore, adapters: dict[int, Path], tmp_path: Path
+) -> None:
+    for i in range(4):
+        await push(core, f"reg-{i}", 1, adapters[1 + i % 4], tmp_path)
+    with pytest.raises(ResourceExhausted) as full:
+        await push(core, "reg-9", 1, adapters[1], tmp_path)
+    assert full.value.retry_after > 0
+    # At capacity, a new version of a resident registration replaces its idle older one.
+    await push(core, "reg-0", 2, adapters[2], tmp_path)
+    assert [r.adapter_id for r in core.list_adapters()] == [
+        "reg-0@2",
+        "reg-1@1",
+        "reg-2@1",
+        "reg-3@1",
+    ]
+
+    running = [asyncio.ensure_future(core.sample("reg-1", 1, greedy(60))) for _ in range(8)]
+    await asyncio.sleep(0)
+    with pytest.raises(ResourceExhausted) as queued:
+        await core.sample("reg-1", 1, greedy(4))
+    assert queued.value.retry_after > 0
+    await asyncio.gather(*running)
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (SampleRequest(None, (5, 10**6)), "prompt_tokens[1]"),
+        (SampleRequest(None, (5, -1)), "prompt_tokens[1]"),
+        (SampleRequest(None, PROMPT, SamplingSpec(max_tokens=10**6)), "params.max_tokens"),
+        (SampleRequest(None, PROMPT, SamplingSpec(temperature=-1.0)), "params.temperature"),
+        (SampleRequest(None, PROMPT, SamplingSpec(temperature=float("nan"))), "params.temperature"),
+        (SampleRequest(None, PROMPT, SamplingSpec(top_p=1.5)), "params.top_p"),
+        (SampleRequest(None, PROMPT, SamplingSpec(top_p=float("inf"))), "params.top_p"),
+        (SampleRequest(None, PROMPT, SamplingSpec(top_k=-2)), "params.top_k"),
+        (SampleRequest(None, PROMPT, num_samples=5), "num_samples"),
+        (SampleRequest(None, ()), "prompt_tokens"),
+    ],
+)
+async def test_bad_requests_name_the_field_and_the_engine_keeps_serving(
+    core: RolloutCore, request_: SampleRequest, field: str
+) -> None:
+    with pytest.raises(InvalidArgument) as bad:
+        await core.sample("", 0, request_)
+    assert bad.value.field == field
+    with pytest.raises(NotFound):
+        await core.sample("reg-unknown", 1, greedy(2))
+    assert len((await core.sample("", 0, greedy(3))).sequences[0].tokens) == 3

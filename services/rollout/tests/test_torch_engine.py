@@ -1,0 +1,149 @@
+"""TorchEngine against plain transformers + PEFT: logprobs, greedy tokens, batching, stops."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from rollout_helpers import (
+    make_adapter,
+    reference_generate,
+    reference_greedy,
+    reference_logprobs,
+    reference_model,
+)
+from transformers import AutoTokenizer
+
+from lorafleet_rollout.torch_engine import TorchEngine
+from lorafleet_rollout.types import LoraSpec, SampleRequest, SamplingSpec
+
+PROMPT = (5, 17, 33, 90, 12, 7)
+GREEDY = SamplingSpec(max_tokens=10, temperature=0.0, disable_eos_stop=True)
+
+
+@pytest.fixture
+async def engine(model_dir: Path, tmp_path: Path):
+    eng = TorchEngine(model_dir, max_batch_size=16)
+    await eng.start()
+    for i in (1, 2):
+        folder = make_adapter(model_dir, tmp_path / f"a{i}", seed=i)
+        await eng.load_adapter(f"r{i}@1", folder, LoraSpec(4, 8))
+    try:
+        yield eng
+    finally:
+        await eng.close()
+
+
+async def test_logprobs_and_greedy_match_transformers_peft(
+    engine: TorchEngine, model_dir: Path, tmp_path: Path
+) -> None:
+    ref = reference_model(model_dir, tmp_path / "a1")
+    result = await engine.sample(SampleRequest("r1@1", PROMPT, GREEDY))
+    (seq,) = result.sequences
+    assert list(seq.tokens) == reference_greedy(ref, list(PROMPT), 10)
+    expected = reference_logprobs(ref, [*PROMPT, *seq.tokens])[len(PROMPT) - 1 :]
+    assert (torch.tensor(seq.logprobs) - expected).abs().max() <= 1e-4
+    assert seq.stop_reason == "length"
+
+    # With EOS stopping on (the default), the output equals transformers `generate`.
+    eos = await engine.sample(SampleRequest("r1@1", PROMPT, SamplingSpec(10, temperature=0.0)))
+    assert list(eos.sequences[0].tokens) == reference_generate(ref, list(PROMPT), 10)
+
+    # Sampled tokens (temperature, top-k, top-p) still report the raw log-softmax.
+    hot = SamplingSpec(12, temperature=1.7, top_k=20, top_p=0.9, seed=4, disable_eos_stop=True)
+    (sampled,) = (await engine.sample(SampleRequest("r1@1", PROMPT, hot))).sequences
+    expected = reference_logprobs(ref, [*PROMPT, *sampled.tokens])[len(PROMPT) - 1 :]
+    assert (torch.tensor(sampled.logprobs) - expected).abs().max() <= 1e-4
+
+    base = await engine.sample(SampleRequest(None, PROMPT, GREEDY))
+    assert list(base.sequences[0].tokens) == reference_greedy(
+        reference_model(model_dir, None), list(PROMPT), 10
+    )
+    assert base.sequences[0].tokens != seq.tokens  # the adapter really is applied
+
+
+async def test_mixed_batch_equals_each_request_alone(engine: TorchEngine) -> None:
+    def spec(seed: int, temperature: float = 1.0) -> SamplingSpec:
+        return SamplingSpec(
+            max_tokens=6 + seed, temperature=temperature, seed=seed, disable_eos_stop=True
+        )
+
+    requests = [
+        SampleRequest("r1@1", PROMPT, spec(1)),
+        SampleRequest("r2@1", PROMPT[:3], spec(2), num_samples=2),
+        SampleRequest(None, PROMPT[2:], spec(3)),
+        SampleRequest("r1@1", PROMPT[:2], spec(4, temperature=0.0)),
+        SampleRequest("r2@1", PROMPT, SamplingSpec(5, temperature=0.8, top_k=5, seed=9)),
+    ]
+    together = await asyncio.gather(*(engine.sample(r) for r in requests))
+    for request, mixed in zip(requests, together, strict=True):
+        alone = await engine.sample(request)
+        assert [s.tokens for s in mixed.sequences] == [s.tokens for s in alone.sequences]
+        for a, b in zip(mixed.sequences, alone.sequences, strict=True):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    two = together[1].sequences
+    assert two[0].tokens != two[1].tokens  # num_samples are independent draws
+
+
+async def test_new_requests_join_a_running_batch(engine: TorchEngine) -> None:
+    long = asyncio.ensure_future(
+        engine.sample(SampleRequest("r1@1", PROMPT, SamplingSpec(200, 0.0, disable_eos_stop=True)))
+    )
+    await asyncio.sleep(0.05)
+    short = await engine.sample(SampleRequest("r2@1", PROMPT, GREEDY))
+    assert not long.done()  # continuous batching: the short one did not wait for the long one
+    assert len((await long).sequences[0].tokens) == 200
+    assert (
+        short.sequences[0].tokens
+        == (await engine.sample(SampleRequest("r2@1", PROMPT, GREEDY))).sequences[0].tokens
+    )
+
+
+async def test_stop_tokens_strings_length_and_prompt_logprobs(
+    engine: TorchEngine, model_dir: Path, tmp_path: Path
+) -> None:
+    (free,) = (await engine.sample(SampleRequest("r1@1", PROMPT, GREEDY))).sequences
+    stop_tok = free.tokens[3]
+    first = free.tokens.index(stop_tok)
+    spec = SamplingSpec(10, 0.0, stop_token_ids=(stop_tok,), disable_eos_stop=True)
+    (stopped,) = (await engine.sample(SampleRequest("r1@1", PROMPT, spec))).sequences
+    assert stopped.tokens == free.tokens[: first + 1] and stopped.stop_reason == "stop"
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = tokenizer.decode(list(free.tokens[:5]))
+    needle = text[-2:] if text[-2:].strip() else text[-3:]
+    spec = SamplingSpec(10, 0.0, stop_strings=(needle,), disable_eos_stop=True)
+    (by_text,) = (await engine.sample(SampleRequest("r1@1", PROMPT, spec))).sequences
+    assert by_text.stop_reason == "stop"
+    assert needle in tokenizer.decode(list(by_text.tokens))
+    assert needle not in tokenizer.decode(list(by_text.tokens[:-1]))  # stop token included
+    assert by_text.tokens == free.tokens[: len(by_text.tokens)]
+
+    request = SampleRequest(
+        "r1@1", PROMPT, SamplingSpec(1, 0.0), prompt_logprobs=True, topk_prompt_logprobs=3
+    )
+    result = await engine.sample(request)
+    assert len(result.sequences[0].tokens) == 1 and result.sequences[0].stop_reason in (
+        "length",
+        "stop",
+    )
+    assert math.isnan(result.prompt_logprobs[0]) and len(result.prompt_logprobs) == len(PROMPT)
+    ref = reference_model(model_dir, tmp_path / "a1")
+    expected = reference_logprobs(ref, list(PROMPT))
+    assert (torch.tensor(result.prompt_logprobs[1:]) - expected).abs().max() <= 1e-4
+    assert result.topk_prompt_logprobs[0] == ()
+    for t, row in enumerate(result.topk_prompt_logprobs[1:], start=1):
+        assert len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1]
+        assert row[0][1] >= result.prompt_logprobs[t] - 1e-6
+
+
+async def test_seed_reproducible_and_num_samples(engine: TorchEngine) -> None:
+    spec = SamplingSpec(8, temperature=1.0, seed=123, disable_eos_stop=True)
+    a = await engine.sample(SampleRequest("r2@1", PROMPT, spec, num_samples=3))
+    b = await engine.sample(SampleRequest("r2@1", PROMPT, spec, num_samples=3))
+    assert len(a.sequences) == 3
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert len({s.tokens for s in a.sequences}) > 1
