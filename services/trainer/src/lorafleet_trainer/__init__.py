@@ -1,1 +1,1 @@
-"""lorafleet trainer service."""
+"""lorafleet trainer: one base model, N fixed LoRA slots, trained exactly."""

@@ -1,0 +1,113 @@
+"""`python -m lorafleet_trainer`: settings first (fast failure), then torch and the model.
+
+Bad settings or a bad model folder print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from lorafleet.settings import ServerSettings, SettingsError, describe, load_settings
+from lorafleet_trainer.settings import PREFIX, TrainerSettings
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print("Settings (environment variables):")
+        print(describe(ServerSettings, PREFIX))
+        print(describe(TrainerSettings, PREFIX))
+        return
+    try:
+        server = load_settings(ServerSettings, PREFIX)
+        settings = load_settings(TrainerSettings, PREFIX)
+    except SettingsError as exc:
+        _fail(str(exc))
+    if not (settings.model_path / "config.json").is_file():
+        _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: not a model folder (no config.json)")
+
+    import torch
+
+    from lorafleet.logging import setup_logging
+    from lorafleet.rpc.server import ServiceSpec, serve
+    from lorafleet.v1 import controller_pb2, trainer_pb2_grpc
+    from lorafleet_trainer.engine import TrainerEngine
+    from lorafleet_trainer.registration import Registrar
+    from lorafleet_trainer.servicer import TrainerServicer
+
+    setup_logging("trainer", server.log_level)
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        _fail(f"{PREFIX}DEVICE=cuda: no CUDA device is available")
+    try:
+        engine = TrainerEngine.from_pretrained(
+            settings.model_path,
+            device=settings.device,
+            dtype=settings.dtype,
+            num_slots=settings.num_slots,
+            max_rank=settings.max_rank,
+            storage_root=settings.storage_root,
+            max_applied_ops=settings.max_applied_ops,
+        )
+    except Exception as exc:  # any load failure is an operator error: one line, exit 2
+        _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: cannot load the model: {exc}")
+    servicer = TrainerServicer(engine, settings.replica_id)
+    registrar = None
+    if settings.controller_address:
+        info = engine.info()
+        registrar = Registrar(
+            settings.controller_address,
+            controller_pb2.RegisterReplicaRequest(
+                kind=controller_pb2.REPLICA_KIND_TRAINER,
+                replica_id=settings.replica_id,
+                address=settings.advertise_address or f"127.0.0.1:{server.port}",
+                base_model=info["base_model"],
+                num_slots=info["num_slots"],
+                incarnation=info["incarnation"],
+                tokenizer_id=str(settings.model_path),
+                max_rank=info["max_rank"],
+                max_context_length=info["max_context_length"],
+                arch=info["arch"],
+            ),
+            settings.register_interval_seconds,
+        )
+
+    async def startup() -> None:
+        if registrar is not None:
+            registrar.start()
+
+    async def shutdown() -> None:
+        if registrar is not None:
+            await registrar.stop()
+        servicer.executor.shutdown(wait=True)
+
+    serve(
+        "trainer",
+        server,
+        [
+            ServiceSpec(
+                servicer,
+                trainer_pb2_grpc.add_TrainerServiceServicer_to_server,
+                "lorafleet.v1.TrainerService",
+            )
+        ],
+        startup=startup,
+        shutdown=shutdown,
+    )
+    # Everything is drained and shut down; skip interpreter teardown of torch/transformers,
+    # which took 5-20 s on a loaded machine and made SIGTERM look like a hang.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

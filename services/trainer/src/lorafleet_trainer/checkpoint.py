@@ -1,0 +1,189 @@
+"""On-disk formats: saved states (adapter + optimizer) and HF PEFT adapter folders.
+
+A saved state is a folder `<storage_root>/<registration_id>/<name>/` holding a PEFT adapter
+(adapter_config.json + adapter_model.safetensors with PEFT key names), optionally
+optimizer.safetensors (AdamW moments keyed by the PEFT name), trainer_state.json (spec,
+targets, step count, applied operation ids) and manifest.json with the SHA-256 and size of
+every other file. It is written into a temporary folder and renamed into place, so a
+reader sees all of it or nothing; a load re-hashes every file, so a torn or edited state is
+refused instead of silently training on garbage. Names are immutable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lorafleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from lorafleet_trainer.domain import StateRef
+
+STATE_FORMAT = "lorafleet-trainer-state-v1"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+REGISTRATION_RE = re.compile(r"[A-Za-z0-9._:-]{1,200}")
+
+
+def peft_key(module: str, which: str) -> str:
+    """PEFT's saved key, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    return f"base_model.model.{module}.lora_{which}.weight"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=sorted) + "\n")
+
+
+def write_adapter(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """An HF PEFT adapter folder: PeftModel.from_pretrained(base, folder) loads it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_json(folder / ADAPTER_CONFIG, config)
+    save_file(
+        {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+        str(folder / ADAPTER_WEIGHTS),
+        metadata={"format": "pt"},
+    )
+
+
+def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    cfg_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    for p in (cfg_path, weights_path):
+        if not p.is_file():
+            raise InvalidArgument(f"the adapter has no {p.name}", field="adapter")
+    try:
+        config = json.loads(cfg_path.read_text())
+        tensors = load_file(str(weights_path))
+    except (ValueError, OSError) as exc:
+        raise InvalidArgument(f"unreadable adapter: {exc}", field="adapter") from None
+    return config, tensors
+
+
+def validate_name(name: str) -> None:
+    if not NAME_RE.fullmatch(name):
+        raise InvalidArgument("must match [A-Za-z0-9._-]{1,128}", field="name")
+
+
+def state_dir(root: Path, registration_id: str, name: str) -> Path:
+    if not REGISTRATION_RE.fullmatch(registration_id) or registration_id in (".", ".."):
+        raise InvalidArgument("not usable as a storage folder name", field="registration_id")
+    return root / registration_id / name
+
+
+def save_state(
+    final: Path,
+    *,
+    adapter_config: dict[str, Any],
+    adapter: dict[str, torch.Tensor],
+    optimizer: dict[str, torch.Tensor] | None,
+    trainer_state: dict[str, Any],
+) -> StateRef:
+    """Write a state folder atomically; refuses an existing name (AlreadyExists)."""
+    if final.exists():
+        raise AlreadyExists(f"a state named {final.name!r} already exists", field="name")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}"
+    try:
+        write_adapter(tmp, adapter_config, adapter)
+        if optimizer is not None:
+            save_file(
+                {k: v.detach().to("cpu").contiguous() for k, v in optimizer.items()},
+                str(tmp / OPTIMIZER_FILE),
+                metadata={"format": "pt"},
+            )
+        _write_json(tmp / TRAINER_STATE, {"format": STATE_FORMAT, **trainer_state})
+        files = {
+            p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
+            for p in sorted(tmp.iterdir())
+        }
+        _write_json(tmp / MANIFEST, {"format": STATE_FORMAT, "files": files})
+        for p in tmp.iterdir():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    manifest = final / MANIFEST
+    size = sum(p.stat().st_size for p in final.iterdir())
+    return StateRef(uri=final.resolve().as_uri(), sha256=sha256_file(manifest), size_bytes=size)
+
+
+@dataclass
+class LoadedState:
+    adapter_config: dict[str, Any]
+    adapter: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor] | None
+    trainer_state: dict[str, Any]
+
+
+def _torn(message: str) -> FailedPrecondition:
+    return FailedPrecondition(message, field="manifest", reason="TORN_STATE")
+
+
+def resolve_uri(root: Path, uri: str) -> Path:
+    """The state folder a BlobRef names; it must lie inside the storage root."""
+    parsed = urlparse(uri)
+    raw = unquote(parsed.path) if parsed.scheme == "file" else uri
+    if parsed.scheme not in ("", "file") or not raw:
+        raise InvalidArgument("expected a file:// URI of a saved state", field="manifest.uri")
+    path = Path(raw).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise InvalidArgument("not inside this trainer's storage root", field="manifest.uri")
+    return path
+
+
+def open_state(root: Path, ref: StateRef) -> LoadedState:
+    """Read and verify a state folder: manifest digest, every file's hash and size."""
+    folder = resolve_uri(root, ref.uri)
+    manifest_path = folder / MANIFEST
+    if not folder.is_dir():
+        raise FailedPrecondition(
+            "no saved state at this URI", field="manifest.uri", reason="STATE_NOT_FOUND"
+        )
+    if not manifest_path.is_file():
+        raise _torn("the state has no manifest.json (torn save)")
+    if ref.sha256 and sha256_file(manifest_path) != ref.sha256:
+        raise _torn("manifest.json does not match the expected SHA-256")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError) as exc:
+        raise _torn(f"manifest.json is unreadable: {exc}") from None
+    if manifest.get("format") != STATE_FORMAT:
+        raise FailedPrecondition(
+            f"unknown state format {manifest.get('format')!r}",
+            field="manifest",
+            reason="STATE_FORMAT",
+        )
+    for name, meta in files.items():
+        p = folder / name
+        if not p.is_file() or p.stat().st_size != meta["size"] or sha256_file(p) != meta["sha256"]:
+            raise _torn(f"{name} is missing or does not match the manifest (torn save)")
+    for required in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE):
+        if required not in files:
+            raise _torn(f"the manifest lists no {required}")
+    config, adapter = read_adapter(folder)
+    optimizer = load_file(str(folder / OPTIMIZER_FILE)) if OPTIMIZER_FILE in files else None
+    trainer_state = json.loads((folder / TRAINER_STATE).read_text())
+    return LoadedState(config, adapter, optimizer, trainer_state)

@@ -1,0 +1,142 @@
+"""Proto ⇄ domain conversion for the trainer (tensors travel as dtype + shape + LE bytes)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lorafleet.errors import InvalidArgument
+from lorafleet.v1 import common_pb2, trainer_pb2
+from lorafleet_trainer import domain
+
+_TO_TORCH = {
+    common_pb2.DTYPE_FLOAT32: torch.float32,
+    common_pb2.DTYPE_INT64: torch.int64,
+    common_pb2.DTYPE_INT32: torch.int32,
+    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.DTYPE_FLOAT64: torch.float64,
+}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+
+
+def tensor_from_proto(t: common_pb2.Tensor, field: str) -> torch.Tensor:
+    dtype = _TO_TORCH.get(t.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"unsupported dtype {t.dtype}", field=f"{field}.dtype")
+    shape = [int(s) for s in t.shape] or [len(t.data) // dtype.itemsize]
+    if any(s < 0 for s in shape):
+        raise InvalidArgument("negative dimension", field=f"{field}.shape")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(t.data) != expected:
+        raise InvalidArgument(
+            f"{len(t.data)} bytes do not match shape {shape} of {dtype} ({expected} bytes)",
+            field=f"{field}.data",
+        )
+    if expected == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(shape)
+
+
+def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
+    t = t.detach().to("cpu").contiguous()
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return common_pb2.Tensor(
+        dtype=_FROM_TORCH[t.dtype], shape=list(t.shape), data=raw.numpy().tobytes()
+    )
+
+
+def spec_from_proto(c: common_pb2.LoraConfig) -> domain.LoraSpec:
+    return domain.LoraSpec(
+        rank=c.rank,
+        alpha=float(c.alpha),
+        dropout=float(c.dropout),
+        seed=int(c.seed),
+        target_modules=tuple(c.target_modules),
+        exclude_modules=tuple(c.exclude_modules),
+        train_attn=c.train_attn,
+        train_mlp=c.train_mlp,
+        train_unembed=c.train_unembed,
+        lora_plus_ratio=float(c.lora_plus_ratio),
+        a_only_weight_decay=c.a_only_weight_decay,
+    )
+
+
+def spec_to_proto(s: domain.LoraSpec) -> common_pb2.LoraConfig:
+    return common_pb2.LoraConfig(
+        rank=s.rank,
+        alpha=s.alpha,
+        dropout=s.dropout,
+        seed=s.seed,
+        target_modules=list(s.target_modules),
+        exclude_modules=list(s.exclude_modules),
+        train_attn=s.train_attn,
+        train_mlp=s.train_mlp,
+        train_unembed=s.train_unembed,
+        lora_plus_ratio=s.lora_plus_ratio,
+        a_only_weight_decay=s.a_only_weight_decay,
+    )
+
+
+def slot_to_proto(info: domain.SlotInfo) -> trainer_pb2.SlotInfo:
+    msg = trainer_pb2.SlotInfo(
+        slot=info.slot,
+        registration_id=info.registration_id,
+        optim_steps=info.optim_steps,
+        has_pending_gradients=info.has_pending_gradients,
+        tokens_trained=info.tokens_trained,
+    )
+    if info.spec is not None:
+        msg.lora_config.CopyFrom(spec_to_proto(info.spec))
+    return msg
+
+
+def fb_input_from_proto(inp: common_pb2.ForwardBackwardInput) -> domain.ForwardBackwardInput:
+    data = [
+        domain.Datum(
+            tokens=list(d.tokens),
+            loss_fn_inputs={
+                k: tensor_from_proto(v, f"data[{j}].loss_fn_inputs.{k}")
+                for k, v in d.loss_fn_inputs.items()
+            },
+        )
+        for j, d in enumerate(inp.data)
+    ]
+    return domain.ForwardBackwardInput(
+        data=data,
+        loss_fn=inp.loss_fn,
+        loss_fn_config=dict(inp.loss_fn_config),
+        forward_only=inp.forward_only,
+    )
+
+
+def fb_output_to_proto(out: domain.ForwardBackwardOutput) -> common_pb2.ForwardBackwardOutput:
+    return common_pb2.ForwardBackwardOutput(
+        outputs=[
+            common_pb2.DatumOutput(outputs={"logprobs": tensor_to_proto(t)}) for t in out.logprobs
+        ],
+        metrics=out.metrics,
+    )
+
+
+def adam_from_proto(p: common_pb2.AdamParams) -> domain.AdamParams:
+    return domain.AdamParams(
+        learning_rate=p.learning_rate,
+        beta1=p.beta1,
+        beta2=p.beta2,
+        eps=p.eps,
+        weight_decay=p.weight_decay,
+        grad_clip_norm=p.grad_clip_norm,
+    )
+
+
+def optim_to_proto(r: domain.OptimStepResult) -> common_pb2.OptimStepOutput:
+    return common_pb2.OptimStepOutput(metrics=r.metrics, applied=r.applied, note=r.note)
+
+
+def ref_to_proto(r: domain.StateRef) -> common_pb2.BlobRef:
+    return common_pb2.BlobRef(uri=r.uri, sha256=r.sha256, size_bytes=r.size_bytes)
+
+
+def ref_from_proto(r: common_pb2.BlobRef) -> domain.StateRef:
+    return domain.StateRef(uri=r.uri, sha256=r.sha256, size_bytes=r.size_bytes)

@@ -1,0 +1,110 @@
+"""Plain request/response types of the trainer engine (no grpc, no proto).
+
+The servicer converts proto messages into these and back; the engine and its tests speak
+only these, so the engine can be driven in-process by tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_ALPHA = 32.0
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A registration's LoRA configuration, as the controller sends it."""
+
+    rank: int
+    alpha: float = 0.0  # 0 = DEFAULT_ALPHA
+    dropout: float = 0.0
+    seed: int = 0
+    target_modules: tuple[str, ...] = ()
+    exclude_modules: tuple[str, ...] = ()
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+    lora_plus_ratio: float = 0.0  # 0 or 1 = off
+    a_only_weight_decay: bool = False
+
+    @property
+    def effective_alpha(self) -> float:
+        return self.alpha if self.alpha else DEFAULT_ALPHA
+
+    @property
+    def scale(self) -> float:
+        return self.effective_alpha / self.rank
+
+    @property
+    def b_lr_ratio(self) -> float:
+        return self.lora_plus_ratio if self.lora_plus_ratio not in (0.0, 1.0) else 1.0
+
+
+@dataclass
+class Datum:
+    """One Tinker datum: input tokens and per-position loss inputs."""
+
+    tokens: list[int]
+    loss_fn_inputs: dict[str, torch.Tensor]
+
+
+@dataclass
+class ForwardBackwardInput:
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float] = field(default_factory=dict)
+    forward_only: bool = False
+
+
+@dataclass
+class ForwardBackwardItem:
+    """One slot's share of a cross-slot batch, executing one ledger operation."""
+
+    operation_id: str
+    slot: int
+    registration_id: str
+    input: ForwardBackwardInput
+
+
+@dataclass
+class ForwardBackwardOutput:
+    logprobs: list[torch.Tensor]  # per datum, shaped like its target_tokens
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class OptimStepResult:
+    metrics: dict[str, float]
+    applied: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Where a saved state lives and what its manifest must hash to."""
+
+    uri: str
+    sha256: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    slot: int
+    registration_id: str  # "" = free
+    spec: LoraSpec | None
+    optim_steps: int
+    has_pending_gradients: bool
+    tokens_trained: int

@@ -1,0 +1,570 @@
+"""TrainerEngine: one base model, N fixed LoRA slots, exact per-slot training.
+
+Synchronous and single-threaded by design (torch is not re-entrant here): the servicer
+runs every call on one worker thread, which also makes each slot run one op at a time.
+Every mutating call validates everything first and only then changes state, and each
+carries an operation id: a repeated id returns the first result instead of applying twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lorafleet.errors import FailedPrecondition, Internal, InvalidArgument, LorafleetError
+from lorafleet_trainer import checkpoint, metrics
+from lorafleet_trainer.domain import (
+    DEFAULT_ALPHA,
+    AdamParams,
+    ForwardBackwardItem,
+    ForwardBackwardOutput,
+    LoraSpec,
+    OptimStepResult,
+    SlotInfo,
+    StateRef,
+)
+from lorafleet_trainer.dropout import row_key
+from lorafleet_trainer.lora import LoraWeights, Router, RowGroup, init_weights, wrap_linears
+from lorafleet_trainer.losses import (
+    SUPPORTED_LOSSES,
+    LossConfig,
+    PreparedDatum,
+    datum_loss,
+    prepare_input,
+)
+from lorafleet_trainer.optim import SlotOptimizer, validate_adam
+from lorafleet_trainer.slots import RESULT_UNKNOWN, Binding, OpLog, SlotTable
+from lorafleet_trainer.targets import peft_target_modules, resolve_targets
+
+OPTIMIZERS = ("adamw",)
+
+
+@dataclass
+class _Plan:
+    """One validated forward_backward item, ready to run."""
+
+    index: int
+    binding: Binding
+    slot: int
+    cfg: LossConfig
+    data: list[PreparedDatum]
+    backward: bool
+
+
+class TrainerEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        base_model: str,
+        num_slots: int,
+        max_rank: int,
+        storage_root: Path,
+        max_applied_ops: int = 1024,
+    ) -> None:
+        self.model = model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.base_model = base_model
+        self.max_rank = max_rank
+        self.storage_root = Path(storage_root)
+        self.max_applied_ops = max_applied_ops
+        self.router = Router()
+        self.wrappers = wrap_linears(model, self.router)
+        self.linear_names = list(self.wrappers)
+        self.slots = SlotTable(num_slots)
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_length = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
+        self.arch = str(getattr(config, "model_type", ""))
+        self.device = next(model.parameters()).device
+        self.incarnation = uuid.uuid4().hex
+        self._update_slot_gauge()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: Path, *, device: str = "auto", dtype: str = "auto", **kwargs: Any
+    ) -> TrainerEngine:
+        """Load the base causal LM: fp32 on CPU, bf16 on GPU unless `dtype` says otherwise."""
+        from transformers import AutoModelForCausalLM
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        return cls(model.to(device), base_model=Path(path).name, **kwargs)
+
+    # ------------------------------------------------------------------ slots
+    def info(self) -> dict[str, Any]:
+        return {
+            "base_model": self.base_model,
+            "num_slots": len(self.slots),
+            "max_rank": self.max_rank,
+            "loss_fns": list(SUPPORTED_LOSSES),
+            "optimizers": list(OPTIMIZERS),
+            "vocab_size": self.vocab_size,
+            "max_context_length": self.max_length,
+            "incarnation": self.incarnation,
+            "arch": self.arch,
+        }
+
+    def list_slots(self) -> list[SlotInfo]:
+        return [self.slots.info(i) for i in range(len(self.slots))]
+
+    def _validate_spec(self, spec: LoraSpec) -> tuple[str, ...]:
+        if not 1 <= spec.rank <= self.max_rank:
+            raise InvalidArgument(
+                f"rank {spec.rank} must be in [1, {self.max_rank}]", field="lora_config.rank"
+            )
+        for name, value, ok, rule in (
+            ("alpha", spec.alpha, spec.alpha >= 0, ">= 0"),
+            ("dropout", spec.dropout, 0 <= spec.dropout < 1, "in [0, 1)"),
+            ("lora_plus_ratio", spec.lora_plus_ratio, spec.lora_plus_ratio >= 0, ">= 0"),
+        ):
+            if not math.isfinite(value) or not ok:
+                raise InvalidArgument(
+                    f"must be finite and {rule}, got {value!r}", field=f"lora_config.{name}"
+                )
+        if not 0 <= spec.seed < 2**64:
+            raise InvalidArgument("must be in [0, 2**64)", field="lora_config.seed")
+        return resolve_targets(spec, self.linear_names)
+
+    def bind(self, slot: int, registration_id: str, spec: LoraSpec) -> SlotInfo:
+        """Fresh seeded weights, no optimizer state. Binding the same again is a no-op."""
+        self.slots.check_index(slot)
+        if not registration_id:
+            raise InvalidArgument("must not be empty", field="registration_id")
+        targets = self._validate_spec(spec)
+        current = self.slots.bindings[slot]
+        if current is not None:
+            if current.registration_id != registration_id:
+                raise FailedPrecondition(
+                    f"slot {slot} is bound to another registration",
+                    field="slot",
+                    reason="SLOT_BUSY",
+                )
+            if current.spec != spec:
+                raise FailedPrecondition(
+                    "the slot is already bound to this registration with another LoRA config",
+                    field="lora_config",
+                    reason="CONFIG_MISMATCH",
+                )
+            return self.slots.info(slot)
+        a: dict[str, nn.Parameter] = {}
+        b: dict[str, nn.Parameter] = {}
+        for name in targets:
+            w = self.wrappers[name]
+            a0, b0 = init_weights(
+                spec.seed, name, spec.rank, w.in_features, w.out_features, self.device
+            )
+            a[name], b[name] = nn.Parameter(a0), nn.Parameter(b0)
+        for name in targets:
+            self.wrappers[name].adapters[slot] = LoraWeights(
+                a[name], b[name], spec.scale, spec.dropout
+            )
+        optimizer = SlotOptimizer(spec, list(a.values()), list(b.values()))
+        self.slots.bindings[slot] = Binding(
+            registration_id, spec, targets, a, b, optimizer, OpLog(self.max_applied_ops)
+        )
+        self._update_slot_gauge()
+        return self.slots.info(slot)
+
+    def unbind(self, slot: int, registration_id: str) -> None:
+        """Drop weights, gradients, moments and step count. Unbinding a free slot is a no-op."""
+        self.slots.check_index(slot)
+        current = self.slots.bindings[slot]
+        if current is None:
+            return
+        if current.registration_id != registration_id:
+            raise FailedPrecondition(
+                f"slot {slot} is bound to another registration",
+                field="registration_id",
+                reason="LEASE_MISMATCH",
+            )
+        for name in current.targets:
+            del self.wrappers[name].adapters[slot]
+        self.slots.bindings[slot] = None
+        self._update_slot_gauge()
+
+    def _update_slot_gauge(self) -> None:
+        bound = sum(b is not None for b in self.slots.bindings)
+        metrics.SLOTS.labels(state="bound").set(bound)
+        metrics.SLOTS.labels(state="free").set(len(self.slots) - bound)
+
+    # ------------------------------------------------------------------ dedup helpers
+    @staticmethod
+    def _require_op_id(op_id: str, field: str = "operation_id") -> None:
+        if not op_id:
+            raise InvalidArgument("must not be empty", field=field)
+
+    @staticmethod
+    def _replay(binding: Binding, op_id: str) -> Any:
+        result = binding.ops.get(op_id)
+        if result is RESULT_UNKNOWN:
+            raise FailedPrecondition(
+                "operation already applied (restored from a saved state); its result is gone",
+                field="operation_id",
+                reason="ALREADY_APPLIED",
+            )
+        return result
+
+    # ------------------------------------------------------------------ forward/backward
+    def forward_backward(
+        self, items: list[ForwardBackwardItem]
+    ) -> list[ForwardBackwardOutput | LorafleetError]:
+        """One pass over the shared base for every valid item; per-item results or errors."""
+        start = time.perf_counter()
+        results: list[Any] = [None] * len(items)
+        plans: list[_Plan] = []
+        first_of: dict[tuple[int, str], int] = {}
+        duplicates: list[tuple[int, int]] = []
+        for i, item in enumerate(items):
+            try:
+                binding = self.slots.leased(item.slot, item.registration_id)
+                backward = not item.input.forward_only
+                if backward:
+                    self._require_op_id(item.operation_id)
+                    if item.operation_id in binding.ops:
+                        results[i] = self._replay(binding, item.operation_id)
+                        continue
+                    key = (item.slot, item.operation_id)
+                    if key in first_of:
+                        duplicates.append((i, first_of[key]))
+                        continue
+                    first_of[key] = i
+                cfg, data = prepare_input(item.input, self.vocab_size, self.max_length)
+                plans.append(_Plan(i, binding, item.slot, cfg, data, backward))
+            except LorafleetError as exc:
+                results[i] = exc
+        if plans:
+            try:
+                outputs = self._run(plans)
+            except Exception as exc:  # a failed pass poisons every window it touched
+                for plan in plans:
+                    if plan.backward:
+                        plan.binding.optimizer.clear_gradients()
+                        plan.binding.pending_datums = 0
+                error = Internal(f"forward_backward failed: {exc}")
+                outputs = [error] * len(plans)
+            for plan, out in zip(plans, outputs, strict=True):
+                results[plan.index] = out
+                if plan.backward and not isinstance(out, LorafleetError):
+                    item = items[plan.index]
+                    tokens = sum(len(d.tokens) for d in plan.data)
+                    plan.binding.pending_datums += len(plan.data)
+                    plan.binding.tokens_trained += tokens
+                    plan.binding.ops.record(item.operation_id, out)
+                    metrics.TOKENS.inc(tokens)
+        for i, first in duplicates:
+            results[i] = results[first]
+        metrics.OP_SECONDS.labels(kind="forward_backward").observe(time.perf_counter() - start)
+        return results
+
+    def _run(self, plans: list[_Plan]) -> list[ForwardBackwardOutput]:
+        rows: list[tuple[_Plan, PreparedDatum]] = []
+        group_rows: dict[tuple[int, bool], list[int]] = {}
+        group_keys: dict[tuple[int, bool], list[int]] = {}
+        ordinals: dict[int, int] = {}
+        for plan in plans:
+            spec = plan.binding.spec
+            dropout = plan.backward and spec.dropout > 0
+            for d in plan.data:
+                key = (plan.slot, dropout)
+                group_rows.setdefault(key, []).append(len(rows))
+                if dropout:
+                    ordinal = ordinals.get(plan.slot, plan.binding.pending_datums)
+                    ordinals[plan.slot] = ordinal + 1
+                    group_keys.setdefault(key, []).append(
+                        row_key(spec.seed, plan.binding.optimizer.steps, ordinal)
+                    )
+                rows.append((plan, d))
+        dev = self.device
+        # Sort rows by group so every group is a contiguous split of the batch.
+        rows = [rows[r] for members in group_rows.values() for r in members]
+        groups = [
+            RowGroup(
+                slot,
+                len(members),
+                torch.tensor(group_keys[(slot, dropout)], device=dev) if dropout else None,
+            )
+            for (slot, dropout), members in group_rows.items()
+        ]
+        width = max(len(d.tokens) for _, d in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        for r, (_, d) in enumerate(rows):
+            ids[r, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.int64)
+        need_grad = any(p.backward for p in plans)
+        with torch.set_grad_enabled(need_grad):
+            # Right padding needs no attention mask: causal attention never looks ahead.
+            with self.router.route(groups):
+                logits = self.model(input_ids=ids.to(dev), use_cache=False).logits
+            logp_all = torch.log_softmax(logits.float(), dim=-1)
+            losses: dict[int, list[torch.Tensor]] = {}
+            logprobs: dict[int, list[torch.Tensor]] = {}
+            for r, (plan, d) in enumerate(rows):
+                n = len(d.tokens)
+                lp = logp_all[r, :n]
+                targets = d.target_tokens.to(dev)
+                lp_t = lp.gather(-1, targets.view(n, -1)).view(targets.shape)
+                d_dev = _to_device(d, dev)
+                losses.setdefault(plan.index, []).append(datum_loss(plan.cfg, lp_t, d_dev))
+                logprobs.setdefault(plan.index, []).append(lp_t.detach())
+            backward_terms = [torch.stack(losses[p.index]).sum() for p in plans if p.backward]
+            if backward_terms:
+                torch.stack(backward_terms).sum().backward()
+        return [
+            ForwardBackwardOutput(
+                logprobs=[t.float().cpu() for t in logprobs[p.index]],
+                metrics={"loss:sum": float(torch.stack(losses[p.index]).sum().detach())},
+            )
+            for p in plans
+        ]
+
+    # ------------------------------------------------------------------ optimizer
+    def optim_step(
+        self, operation_id: str, slot: int, registration_id: str, hp: AdamParams
+    ) -> OptimStepResult:
+        start = time.perf_counter()
+        binding = self.slots.leased(slot, registration_id)
+        self._require_op_id(operation_id)
+        if operation_id in binding.ops:
+            return self._replay(binding, operation_id)
+        validate_adam(hp)
+        result = binding.optimizer.step(hp)
+        if result.applied:
+            metrics.OPTIM_STEPS.inc()
+        elif result.metrics.get("vetoed"):
+            metrics.NONFINITE_VETOES.inc()
+        binding.pending_datums = 0
+        binding.ops.record(operation_id, result)
+        metrics.OP_SECONDS.labels(kind="optim_step").observe(time.perf_counter() - start)
+        return result
+
+    # ------------------------------------------------------------------ state
+    def _no_pending(self, binding: Binding, what: str) -> None:
+        if binding.optimizer.has_gradients():
+            raise FailedPrecondition(
+                f"un-stepped gradients exist: optim_step before {what}",
+                field="slot",
+                reason="PENDING_GRADIENTS",
+            )
+
+    def _adapter_config(self, binding: Binding) -> dict[str, Any]:
+        from peft import LoraConfig
+
+        spec = binding.spec
+        cfg = LoraConfig(
+            r=spec.rank,
+            lora_alpha=spec.effective_alpha,
+            lora_dropout=spec.dropout,
+            target_modules=peft_target_modules(binding.targets, self.linear_names),
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=self.base_model,
+        )
+        return cfg.to_dict()
+
+    def _adapter_tensors(self, binding: Binding) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in binding.targets:
+            out[checkpoint.peft_key(name, "A")] = binding.a[name].detach()
+            out[checkpoint.peft_key(name, "B")] = binding.b[name].detach()
+        return out
+
+    def _param_keys(self, binding: Binding) -> list[str]:
+        """PEFT key of each optimizer parameter, in SlotOptimizer.params order."""
+        return [checkpoint.peft_key(n, "A") for n in binding.targets] + [
+            checkpoint.peft_key(n, "B") for n in binding.targets
+        ]
+
+    def save_state(
+        self, operation_id: str, slot: int, registration_id: str, name: str, include_optimizer: bool
+    ) -> StateRef:
+        start = time.perf_counter()
+        binding = self.slots.leased(slot, registration_id)
+        self._require_op_id(operation_id)
+        if operation_id in binding.ops:
+            return self._replay(binding, operation_id)
+        checkpoint.validate_name(name)
+        final = checkpoint.state_dir(self.storage_root, registration_id, name)
+        self._no_pending(binding, "save_state")
+        optimizer = None
+        if include_optimizer:
+            keys = self._param_keys(binding)
+            optimizer = {}
+            for i, (m, v) in binding.optimizer.moments().items():
+                optimizer[keys[i] + ".exp_avg"] = m
+                optimizer[keys[i] + ".exp_avg_sq"] = v
+        spec = dataclasses.asdict(binding.spec)
+        ref = checkpoint.save_state(
+            final,
+            adapter_config=self._adapter_config(binding),
+            adapter=self._adapter_tensors(binding),
+            optimizer=optimizer,
+            trainer_state={
+                "registration_id": registration_id,
+                "base_model": self.base_model,
+                "spec": {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()},
+                "targets": list(binding.targets),
+                "optim_steps": binding.optimizer.steps,
+                "has_optimizer": include_optimizer,
+                "applied_ops": binding.ops.ids(),
+            },
+        )
+        binding.ops.record(operation_id, ref)
+        metrics.STATE_IO_SECONDS.labels(op="save").observe(time.perf_counter() - start)
+        return ref
+
+    def _check_weights(
+        self, binding: Binding, tensors: dict[str, torch.Tensor], field: str
+    ) -> None:
+        """Same key set, same shapes, finite values: the shape fence of load and import."""
+        expected = self._adapter_tensors(binding)
+        missing = sorted(set(expected) - set(tensors))
+        extra = sorted(set(tensors) - set(expected))
+        if missing or extra:
+            what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+            raise FailedPrecondition(
+                f"the adapter's modules differ from the slot's targets ({what})",
+                field=field,
+                reason="TARGET_MISMATCH",
+            )
+        for key, ref in expected.items():
+            if tuple(tensors[key].shape) != tuple(ref.shape):
+                raise FailedPrecondition(
+                    f"{key} has shape {list(tensors[key].shape)}, the slot {list(ref.shape)}",
+                    field=field,
+                    reason="SHAPE_MISMATCH",
+                )
+            if not bool(torch.isfinite(tensors[key]).all()):
+                raise FailedPrecondition(
+                    f"{key} holds non-finite values", field=field, reason="NONFINITE_WEIGHTS"
+                )
+
+    def _assign(self, binding: Binding, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name in binding.targets:
+                binding.a[name].copy_(tensors[checkpoint.peft_key(name, "A")])
+                binding.b[name].copy_(tensors[checkpoint.peft_key(name, "B")])
+
+    def load_state(
+        self,
+        operation_id: str,
+        slot: int,
+        registration_id: str,
+        ref: StateRef,
+        include_optimizer: bool,
+    ) -> None:
+        start = time.perf_counter()
+        binding = self.slots.leased(slot, registration_id)
+        self._require_op_id(operation_id)
+        if operation_id in binding.ops:
+            return self._replay(binding, operation_id)
+        self._no_pending(binding, "load_state")
+        state = checkpoint.open_state(self.storage_root, ref)
+        saved = state.trainer_state
+        spec = saved.get("spec", {})
+        theirs = {"rank": spec.get("rank"), "alpha": spec.get("alpha") or DEFAULT_ALPHA}
+        for key, mine in (("rank", binding.spec.rank), ("alpha", binding.spec.effective_alpha)):
+            if theirs[key] != mine:
+                raise FailedPrecondition(
+                    f"{key} is {theirs[key]} in the saved state but {mine} in the slot",
+                    field="manifest",
+                    reason=f"{key.upper()}_MISMATCH",
+                )
+        if list(saved.get("targets", [])) != list(binding.targets):
+            raise FailedPrecondition(
+                "the saved state's target modules differ from the slot's",
+                field="manifest",
+                reason="TARGET_MISMATCH",
+            )
+        self._check_weights(binding, state.adapter, "manifest")
+        moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if include_optimizer:
+            if state.optimizer is None or not saved.get("has_optimizer"):
+                raise FailedPrecondition(
+                    "the saved state holds no optimizer state",
+                    field="include_optimizer",
+                    reason="NO_OPTIMIZER",
+                )
+            for i, key in enumerate(self._param_keys(binding)):
+                if key + ".exp_avg" in state.optimizer:
+                    moments[i] = (
+                        state.optimizer[key + ".exp_avg"],
+                        state.optimizer[key + ".exp_avg_sq"],
+                    )
+        self._assign(binding, state.adapter)
+        binding.optimizer.restore(
+            int(saved.get("optim_steps", 0)) if include_optimizer else 0, moments
+        )
+        binding.pending_datums = 0
+        binding.ops.restore(list(saved.get("applied_ops", [])))
+        binding.ops.record(operation_id, None)
+        metrics.STATE_IO_SECONDS.labels(op="load").observe(time.perf_counter() - start)
+        return None
+
+    def export_adapter(self, slot: int, registration_id: str, folder: Path) -> None:
+        """Write the slot's weights as an HF PEFT adapter folder."""
+        start = time.perf_counter()
+        binding = self.slots.leased(slot, registration_id)
+        checkpoint.write_adapter(
+            folder, self._adapter_config(binding), self._adapter_tensors(binding)
+        )
+        metrics.STATE_IO_SECONDS.labels(op="export").observe(time.perf_counter() - start)
+
+    def import_adapter(
+        self, operation_id: str, slot: int, registration_id: str, folder: Path
+    ) -> None:
+        """Load an HF PEFT adapter into a bound slot with the same rank, alpha and targets.
+
+        The optimizer restarts (no moments, step 0): moments of other weights are meaningless.
+        """
+        start = time.perf_counter()
+        binding = self.slots.leased(slot, registration_id)
+        self._require_op_id(operation_id)
+        if operation_id in binding.ops:
+            return self._replay(binding, operation_id)
+        self._no_pending(binding, "import_adapter")
+        config, tensors = checkpoint.read_adapter(folder)
+        if config.get("use_rslora") or config.get("use_dora"):
+            raise FailedPrecondition(
+                "rsLoRA and DoRA adapters are not supported",
+                field="adapter",
+                reason="UNSUPPORTED_ADAPTER",
+            )
+        for key, mine in (("r", binding.spec.rank), ("lora_alpha", binding.spec.effective_alpha)):
+            if config.get(key) != mine:
+                raise FailedPrecondition(
+                    f"{key} is {config.get(key)} in the adapter but {mine} in the slot",
+                    field="adapter",
+                    reason=f"{key.upper()}_MISMATCH",
+                )
+        tensors = {k: v.to(torch.float32) for k, v in tensors.items()}
+        self._check_weights(binding, tensors, "adapter")
+        self._assign(binding, tensors)
+        binding.optimizer.restore(0, {})
+        binding.ops.record(operation_id, None)
+        metrics.STATE_IO_SECONDS.labels(op="import").observe(time.perf_counter() - start)
+        return None
+
+
+def _to_device(d: PreparedDatum, dev: torch.device) -> PreparedDatum:
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dev)
+
+    return dataclasses.replace(
+        d,
+        weights=move(d.weights),
+        sampling_logprobs=move(d.sampling_logprobs),
+        advantages=move(d.advantages),
+        ratio_mask=move(d.ratio_mask),
+    )

@@ -1,0 +1,123 @@
+"""Per-slot AdamW with two-pass gradient preparation.
+
+Each slot owns one `torch.optim.AdamW` over exactly its own A and B tensors (two parameter
+groups), built from the slot's tensor list, never by filtering on requires_grad, so a step
+on one slot cannot touch another. Hyperparameters come with every call.
+
+Pass 1 sums the squared gradient norm in float64; any non-finite value vetoes the step,
+clears this slot's gradients and leaves weights, moments and the step count untouched.
+Pass 2 applies one combined clip scale; then AdamW steps. Decoupled weight decay in
+torch's AdamW already uses the pre-update value and the uncorrected learning rate, which is
+exactly the A-only decay rule; LoRA+ is a larger learning rate on the B group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lorafleet.errors import InvalidArgument
+from lorafleet_trainer.domain import AdamParams, LoraSpec, OptimStepResult
+
+NO_GRADIENT_NOTE = "no accumulated gradient: nothing to apply"
+VETO_NOTE = "non-finite gradient: step vetoed, gradients cleared, weights and moments unchanged"
+
+
+def validate_adam(p: AdamParams) -> None:
+    """Finite and in range, checked before anything moves."""
+    checks = (
+        ("learning_rate", p.learning_rate, p.learning_rate >= 0, ">= 0"),
+        ("beta1", p.beta1, 0 <= p.beta1 < 1, "in [0, 1)"),
+        ("beta2", p.beta2, 0 <= p.beta2 < 1, "in [0, 1)"),
+        ("eps", p.eps, p.eps > 0, "> 0"),
+        ("weight_decay", p.weight_decay, p.weight_decay >= 0, ">= 0"),
+        ("grad_clip_norm", p.grad_clip_norm, p.grad_clip_norm >= 0, ">= 0"),
+    )
+    for name, value, ok, rule in checks:
+        if not math.isfinite(value) or not ok:
+            raise InvalidArgument(
+                f"must be finite and {rule}, got {value!r}", field=f"adam_params.{name}"
+            )
+
+
+class SlotOptimizer:
+    def __init__(
+        self, spec: LoraSpec, a_params: list[torch.Tensor], b_params: list[torch.Tensor]
+    ) -> None:
+        self.spec = spec
+        self.a_params = a_params
+        self.b_params = b_params
+        self.steps = 0
+        self._opt = torch.optim.AdamW(
+            [{"params": a_params}, {"params": b_params}], lr=0.0, weight_decay=0.0, foreach=True
+        )
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.a_params + self.b_params
+
+    def has_gradients(self) -> bool:
+        return any(p.grad is not None for p in self.params)
+
+    def clear_gradients(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self, hp: AdamParams) -> OptimStepResult:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return OptimStepResult(metrics={}, applied=False, note=NO_GRADIENT_NOTE)
+        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        for g in grads:
+            sq += g.double().square().sum()
+        norm = math.sqrt(float(sq)) if math.isfinite(float(sq)) else math.inf
+        if not math.isfinite(norm) or not all(bool(torch.isfinite(g).all()) for g in grads):
+            self.clear_gradients()
+            return OptimStepResult(metrics={"vetoed": 1.0}, applied=False, note=VETO_NOTE)
+        if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
+            coef = hp.grad_clip_norm / (norm + 1e-6)
+            for g in grads:
+                g.mul_(coef)
+        group_a, group_b = self._opt.param_groups
+        for group, lr, wd in (
+            (group_a, hp.learning_rate, hp.weight_decay),
+            (
+                group_b,
+                hp.learning_rate * self.spec.b_lr_ratio,
+                0.0 if self.spec.a_only_weight_decay else hp.weight_decay,
+            ),
+        ):
+            group.update(lr=lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=wd)
+        self._opt.step()
+        self._opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        return OptimStepResult(
+            metrics={
+                "grad_norm": norm,
+                "learning_rate": hp.learning_rate,
+                "step": float(self.steps),
+            },
+            applied=True,
+        )
+
+    def moments(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """(exp_avg, exp_avg_sq) by parameter index in `params`; empty before the first step."""
+        out = {}
+        for i, p in enumerate(self.params):
+            state = self._opt.state.get(p)
+            if state:
+                out[i] = (state["exp_avg"], state["exp_avg_sq"])
+        return out
+
+    def restore(self, steps: int, moments: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Replace the moments and step count (from a saved state); clears nothing else."""
+        self._opt.state.clear()
+        for i, (m, v) in moments.items():
+            p = self.params[i]
+            self._opt.state[p] = {
+                "step": torch.tensor(float(steps), dtype=torch.float32),
+                "exp_avg": m.to(p.device, p.dtype).clone(),
+                "exp_avg_sq": v.to(p.device, p.dtype).clone(),
+            }
+        self.steps = steps

@@ -1,0 +1,204 @@
+"""TrainerService: translates proto ⇄ engine calls; never aborts, only raises domain errors.
+
+All engine work runs on one worker thread (torch is not re-entrant here), which also
+serialises operations per slot. Adapters stream as file chunks, each file's last chunk
+carrying its SHA-256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lorafleet.errors import InvalidArgument, LorafleetError
+from lorafleet.rpc.errors import error_info
+from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from lorafleet_trainer import convert
+from lorafleet_trainer.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lorafleet_trainer.domain import ForwardBackwardItem
+from lorafleet_trainer.engine import TrainerEngine
+
+T = TypeVar("T")
+CHUNK_BYTES = 1 << 20
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, engine: TrainerEngine, replica_id: str) -> None:
+        self.engine = engine
+        self.replica_id = replica_id
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+
+    async def GetTrainerInfo(self, request, context):
+        info = self.engine.info()
+        return trainer_pb2.GetTrainerInfoResponse(
+            replica_id=self.replica_id,
+            base_model=info["base_model"],
+            num_slots=info["num_slots"],
+            max_rank=info["max_rank"],
+            loss_fns=info["loss_fns"],
+            optimizers=info["optimizers"],
+            vocab_size=info["vocab_size"],
+            max_context_length=info["max_context_length"],
+            incarnation=info["incarnation"],
+        )
+
+    async def ListSlots(self, request, context):
+        slots = await self._run(self.engine.list_slots)
+        return trainer_pb2.ListSlotsResponse(slots=[convert.slot_to_proto(s) for s in slots])
+
+    async def BindSlot(self, request, context):
+        spec = convert.spec_from_proto(request.lora_config)
+        info = await self._run(self.engine.bind, request.slot, request.registration_id, spec)
+        return trainer_pb2.BindSlotResponse(slot=convert.slot_to_proto(info))
+
+    async def UnbindSlot(self, request, context):
+        await self._run(self.engine.unbind, request.slot, request.registration_id)
+        return trainer_pb2.UnbindSlotResponse()
+
+    async def ForwardBackward(self, request, context):
+        items: list[ForwardBackwardItem] = []
+        results: list[Any] = [None] * len(request.items)
+        positions = []
+        for i, it in enumerate(request.items):
+            try:
+                inp = convert.fb_input_from_proto(it.input)
+            except LorafleetError as exc:
+                results[i] = exc
+                continue
+            positions.append(i)
+            items.append(ForwardBackwardItem(it.operation_id, it.slot, it.registration_id, inp))
+        outs = await self._run(self.engine.forward_backward, items) if items else []
+        for i, out in zip(positions, outs, strict=True):
+            results[i] = out
+        response = trainer_pb2.ForwardBackwardResponse()
+        for it, res in zip(request.items, results, strict=True):
+            r = response.results.add(operation_id=it.operation_id)
+            if isinstance(res, LorafleetError):
+                r.error.CopyFrom(error_info(res))
+            else:
+                r.output.CopyFrom(convert.fb_output_to_proto(res))
+        return response
+
+    async def OptimStep(self, request, context):
+        result = await self._run(
+            self.engine.optim_step,
+            request.operation_id,
+            request.slot,
+            request.registration_id,
+            convert.adam_from_proto(request.adam_params),
+        )
+        return trainer_pb2.OptimStepResponse(output=convert.optim_to_proto(result))
+
+    async def SaveState(self, request, context):
+        ref = await self._run(
+            self.engine.save_state,
+            request.operation_id,
+            request.slot,
+            request.registration_id,
+            request.name,
+            request.include_optimizer,
+        )
+        return trainer_pb2.SaveStateResponse(manifest=convert.ref_to_proto(ref))
+
+    async def LoadState(self, request, context):
+        await self._run(
+            self.engine.load_state,
+            request.operation_id,
+            request.slot,
+            request.registration_id,
+            convert.ref_from_proto(request.manifest),
+            request.include_optimizer,
+        )
+        return trainer_pb2.LoadStateResponse()
+
+    async def ExportAdapter(
+        self, request, context
+    ) -> AsyncIterator[trainer_pb2.ExportAdapterChunk]:
+        folder = Path(tempfile.mkdtemp(prefix="lorafleet-export-"))
+        try:
+            await self._run(
+                self.engine.export_adapter, request.slot, request.registration_id, folder
+            )
+            for name in ADAPTER_FILES:
+                data = (folder / name).read_bytes()
+                digest = hashlib.sha256(data).hexdigest()
+                starts = range(0, max(len(data), 1), CHUNK_BYTES)
+                for offset in starts:
+                    last = offset + CHUNK_BYTES >= len(data)
+                    yield trainer_pb2.ExportAdapterChunk(
+                        chunk=common_pb2.FileChunk(
+                            path=name,
+                            offset=offset,
+                            data=data[offset : offset + CHUNK_BYTES],
+                            sha256=digest if last else "",
+                        )
+                    )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    async def ImportAdapter(self, request_iterator, context):
+        folder = Path(tempfile.mkdtemp(prefix="lorafleet-import-"))
+        try:
+            header = None
+            sizes: dict[str, int] = {}
+            hashes: dict[str, Any] = {}
+            done: set[str] = set()
+            async for part in request_iterator:
+                if part.HasField("header"):
+                    if header is not None:
+                        raise InvalidArgument(
+                            "only the first message may be a header", field="header"
+                        )
+                    header = part.header
+                    continue
+                if header is None:
+                    raise InvalidArgument("the first message must be the header", field="header")
+                c = part.chunk
+                if c.path not in ADAPTER_FILES:
+                    raise InvalidArgument(
+                        f"expected one of {', '.join(ADAPTER_FILES)}", field="chunk.path"
+                    )
+                if c.path in done or c.offset != sizes.get(c.path, 0):
+                    raise InvalidArgument(
+                        f"chunk of {c.path} at offset {c.offset} is out of order",
+                        field="chunk.offset",
+                    )
+                with (folder / c.path).open("ab") as f:
+                    f.write(c.data)
+                sizes[c.path] = c.offset + len(c.data)
+                hashes.setdefault(c.path, hashlib.sha256()).update(c.data)
+                if c.sha256:
+                    if hashes[c.path].hexdigest() != c.sha256:
+                        raise InvalidArgument(
+                            f"{c.path} does not match its SHA-256", field="chunk.sha256"
+                        )
+                    done.add(c.path)
+            if header is None:
+                raise InvalidArgument("the stream carried no header", field="header")
+            missing = [n for n in ADAPTER_FILES if n not in done]
+            if missing:
+                raise InvalidArgument(
+                    f"{missing[0]} is missing or has no final SHA-256", field="chunk"
+                )
+            await self._run(
+                self.engine.import_adapter,
+                header.operation_id,
+                header.slot,
+                header.registration_id,
+                folder,
+            )
+            return trainer_pb2.ImportAdapterResponse()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,50 @@
+"""TrainerSettings: everything the trainer process reads from `LORAFLEET_TRAINER_*`.
+
+Parsed before torch is imported, so a typo fails in milliseconds with one line naming the
+variable rather than after a model load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafleet.settings import setting
+
+PREFIX = "LORAFLEET_TRAINER_"
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    model_path: Path = setting(doc="Local folder of the base causal LM (HF format, with config).")
+    num_slots: int = setting(
+        8, doc="Number of fixed LoRA slots held on the base model.", min=1, max=4096
+    )
+    max_rank: int = setting(64, doc="Largest LoRA rank a slot may be bound with.", min=1, max=4096)
+    storage_root: Path = setting(
+        Path(".cache/trainer-states"), doc="Folder for saved states (save_state/load_state)."
+    )
+    device: str = setting(
+        "auto", doc="Torch device; auto = cuda when present.", choices=("auto", "cpu", "cuda")
+    )
+    dtype: str = setting(
+        "auto",
+        doc="Base weights dtype; auto = float32 on CPU, bfloat16 on GPU.",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    replica_id: str = setting("trainer-0", doc="Name this replica reports to the controller.")
+    controller_address: str = setting(
+        "", doc="host:port of the controller to register with; empty = do not register."
+    )
+    advertise_address: str = setting(
+        "", doc="host:port the controller should dial; empty = 127.0.0.1:<port>."
+    )
+    register_interval_seconds: float = setting(
+        5.0, doc="How often to (re-)register with the controller.", min=0.5, max=3600.0
+    )
+    max_applied_ops: int = setting(
+        1024, doc="Applied operation ids (and results) remembered per slot.", min=16, max=1_000_000
+    )
+    torch_threads: int = setting(
+        0, doc="torch intra-op threads; 0 = torch's default.", min=0, max=1024
+    )
