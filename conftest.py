@@ -73,14 +73,3 @@ def shared_fleet(
     )
     with Fleet(config) as fleet:
         yield fleet
-
-
-SDK_VENVS = {v: REPO / ".venvs" / f"tinker-{v}" / "bin" / "python" for v in ("0.24.1", "0.38.0")}
-
-
-def sdk_python(version: str) -> Path:
-    """The python of the real tinker SDK venv (tests/sdk/setup_venvs.sh); skip when absent."""
-    path = SDK_VENVS[version]
-    if not path.exists():
-        pytest.skip(f"tinker {version} venv missing: run tests/sdk/setup_venvs.sh")
-    return path

@@ -1,0 +1,69 @@
+"""Model presets: the shape of each locally built model and how long it is pre-trained.
+
+"tiny" (~0.7 M parameters) is what unit tests load; it is pre-trained on the shipped corpus so
+LoRA has something to adapt. "bench" (~20 M, the 512/6/1536 shape of platform.md §2.2) exists
+for speed figures, so it gets only a short pre-training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorafleet.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    pretrain_steps: int
+    batch_size: int
+    seq_len: int
+    learning_rate: float
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=384,
+        vocab_size=2048,
+        max_position_embeddings=512,
+        pretrain_steps=400,
+        batch_size=16,
+        seq_len=64,
+        learning_rate=6e-3,
+    ),
+    "bench": Preset(
+        name="bench",
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=8,
+        intermediate_size=1536,
+        vocab_size=2048,
+        max_position_embeddings=2048,
+        pretrain_steps=20,
+        batch_size=8,
+        seq_len=128,
+        learning_rate=1e-3,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}", field="preset"
+        ) from None
