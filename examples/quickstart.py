@@ -66,7 +66,7 @@ def save_loss_curve(losses: list[float], path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-model", default="")
-    ap.add_argument("--steps", type=int, default=int(os.environ.get("QUICKSTART_STEPS", 30)))
+    ap.add_argument("--steps", type=int, default=int(os.environ.get("QUICKSTART_STEPS", 15)))
     ap.add_argument("--lr", type=float, default=float(os.environ.get("QUICKSTART_LR", 1e-3)))
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)

@@ -45,10 +45,11 @@ def _redis_answers(url: str) -> bool:
 def resolve_model(spec: str) -> Path:
     """tiny | bench | smollm2 | a model folder → a validated local folder."""
     from lorafleet.errors import LorafleetError
+    from lorafleet_models.cli import default_cache_root
     from lorafleet_models.tiny import ensure_model
     from lorafleet_models.validate import validate_model_dir
 
-    cache = runs.home() / "models"
+    cache = default_cache_root()
     try:
         if spec in ("tiny", "bench"):
             return ensure_model(spec, cache)

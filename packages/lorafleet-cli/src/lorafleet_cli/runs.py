@@ -10,7 +10,7 @@ from typing import Any
 
 
 def home() -> Path:
-    """LORAFLEET_HOME (default ~/.lorafleet): run folders, the model cache, the current pointer."""
+    """LORAFLEET_HOME (default ~/.lorafleet): run folders and the pointer to the current one."""
     return Path(os.environ.get("LORAFLEET_HOME", Path.home() / ".lorafleet"))
 
 
