@@ -67,14 +67,18 @@ def trainer_proc(
     return Proc([sys.executable, "-m", "lorafleet_trainer"], e, port, root / f"{replica}.log")
 
 
-def rollout_proc(model: Path, controller_port: int, root: Path, replica: str) -> Proc:
-    port = free_port()
+def rollout_proc(
+    model: Path, controller_port: int, root: Path, replica: str, *, port: int = 0,
+    register: bool = True,
+) -> Proc:  # fmt: skip
+    """A rollout; `register=False` leaves it to the controller's discovery to find it."""
+    port = port or free_port()
     e = child_env(
         LORAFLEET_ROLLOUT_MODEL_PATH=str(model),
         LORAFLEET_ROLLOUT_PORT=str(port),
         LORAFLEET_ROLLOUT_ADAPTER_DIR=str(root / f"{replica}-adapters"),
         LORAFLEET_ROLLOUT_REPLICA_ID=replica,
-        LORAFLEET_ROLLOUT_CONTROLLER_ADDRESS=f"127.0.0.1:{controller_port}",
+        LORAFLEET_ROLLOUT_CONTROLLER_ADDRESS=f"127.0.0.1:{controller_port}" if register else "",
         LORAFLEET_ROLLOUT_REGISTER_INTERVAL_SECONDS="0.5",
         LORAFLEET_ROLLOUT_TORCH_THREADS="1",
     )

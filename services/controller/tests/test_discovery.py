@@ -390,7 +390,9 @@ async def test_leader_releases_the_lease_on_shutdown(apiserver):
     log: list = []
     a = elector(apiserver, "a", log, lease_duration=30.0, renew_deadline=20.0)
     task = asyncio.create_task(a.run())
-    await watch_leaders([a], 0.5)
+    # Wait for the callback, not a fixed time: under load the first write may be slow, and
+    # cancelling between the write and the callback would leave nothing to step down from.
+    await wait_until(lambda: log, within=30)
     assert a.is_leader
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -400,6 +402,21 @@ async def test_leader_releases_the_lease_on_shutdown(apiserver):
     # A standby takes the released lease at once instead of waiting 30 s for expiry.
     b = elector(apiserver, "b", [], lease_duration=30.0, renew_deadline=20.0)
     assert await asyncio.to_thread(b.try_acquire_or_renew) is True
+
+
+async def test_cancel_during_the_first_write_still_releases(apiserver):
+    """A write in flight at shutdown may still make us holder: it is waited for, then undone."""
+    a = elector(apiserver, "a", [], lease_duration=30.0, renew_deadline=20.0)
+    apiserver.blocked.add("a")
+    task = asyncio.create_task(a.run())
+    await wait_until(lambda: apiserver.requests)  # a's first read is held by the "partition"
+    task.cancel()
+    await asyncio.sleep(0.1)
+    apiserver.blocked.clear()  # the read goes on to create the lease, after the cancel
+    await asyncio.gather(task, return_exceptions=True)
+    assert apiserver.lease_writes[0] == ("a", "a")
+    assert apiserver.lease["spec"].get("holderIdentity") is None
+    assert not a.is_leader
 
 
 async def test_a_live_lease_is_respected(apiserver):

@@ -224,3 +224,39 @@ async def test_state_survives_a_controller_restart(domain: Domain) -> None:
     ready = await pop_ready(d2)
     assert ready == [L.operation_id(rid, 2)]
     await d2.notifier.stop()
+
+
+async def test_retired_registrations_lose_their_records_after_the_result_ttl(
+    domain: Domain,
+) -> None:
+    p = domain.settings.key_prefix
+    live = await domain.ready_registration(session="s-live")
+    kept = await submit(domain, live, 1, b"k")
+    rid = await domain.ready_registration(session="s-gone")
+    acked, done = await submit(domain, rid, 1, b"a"), await submit(domain, rid, 2, b"b")
+    blocked = await submit(domain, rid, 4, b"c")  # behind the missing seq 3
+    for opid in await pop_ready(domain):
+        await run_one(domain, opid)
+    await run_one(domain, (await pop_ready(domain))[0])  # seq 2, after seq 1 finished
+    await domain.ledger.ack("t1", acked.operation_id)
+    retired = errors.FailedPrecondition("retired", field="registration_id", reason="RETIRED")
+    assert await domain.ledger.fence(rid, "retired", retired) == 1  # the blocked one
+    ids = [acked.operation_id, done.operation_id, blocked.operation_id]
+    domain.clock.now += domain.settings.result_ttl_seconds / 2
+    await domain.ledger.sweep()
+    assert await domain.client.exists(*(f"{p}op:{i}" for i in ids)) == 3  # not yet
+    domain.clock.now += domain.settings.result_ttl_seconds
+    await domain.ledger.sweep()
+    assert await domain.client.exists(*(f"{p}op:{i}" for i in ids)) == 0
+    assert await domain.client.zcard(f"{p}retired") == 0
+    assert await domain.client.zscore(f"{p}results", done.operation_id) is None
+    with pytest.raises(errors.NotFound):
+        await domain.ledger.get("t1", done.operation_id)
+    with pytest.raises(errors.FailedPrecondition):  # a late retry is refused, not re-admitted
+        await submit(domain, rid, 2, b"b")
+    # the live registration's expired record stays: its seq_id remains reserved
+    assert (await domain.ledger.get("t1", kept.operation_id)).state == L.EXPIRED
+    assert int(await domain.client.get(f"{p}unacked")) == 0
+    depth = await domain.ledger.depth()
+    assert depth.get("expired") == 1 and depth.get("failed", 0) == 0
+    assert depth.get("succeeded", 0) == 0

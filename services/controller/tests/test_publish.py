@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from lorafleet.testing import start_redis
+from lorafleet.testing import free_port, start_redis
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2, rollout_pb2_grpc
 
 from .fleet import (
@@ -34,15 +34,25 @@ async def fleet_with_rollouts(
     tmp_path: Path, tiny_model_dir: Path
 ) -> AsyncIterator[tuple[Fleet, list[Proc]]]:
     redis = start_redis(tmp_path / "redis")
-    controller = controller_proc(redis, tmp_path)
+    # rollout-0 registers itself; rollout-1 does not: the controller finds it in its static
+    # replica list and probes it (GetRolloutInfo) every heartbeat interval.
+    static_port = free_port()
+    controller = controller_proc(
+        redis, tmp_path, LORAFLEET_CONTROLLER_DISCOVERY="static",
+        LORAFLEET_CONTROLLER_ROLLOUTS=f"rollout-1=127.0.0.1:{static_port}",
+        LORAFLEET_CONTROLLER_HEARTBEAT_INTERVAL_SECONDS="0.5",
+    )  # fmt: skip
     procs: list[Proc] = []
     client = None
     try:
         controller.start()
         trainer = trainer_proc(tiny_model_dir, controller.port, tmp_path, "trainer-0")
         procs.append(trainer)
-        rollouts = [rollout_proc(tiny_model_dir, controller.port, tmp_path, f"rollout-{i}")
-                    for i in range(2)]  # fmt: skip
+        rollouts = [
+            rollout_proc(tiny_model_dir, controller.port, tmp_path, "rollout-0"),
+            rollout_proc(tiny_model_dir, controller.port, tmp_path, "rollout-1",
+                         port=static_port, register=False),
+        ]  # fmt: skip
         procs += rollouts
         for p in procs:
             p.start(timeout=120)
@@ -54,6 +64,13 @@ async def fleet_with_rollouts(
                 break
             await asyncio.sleep(0.1)
         assert [(m.name, m.trainable, m.sampleable) for m in caps.models] == [(base, True, True)]  # type: ignore[attr-defined]
+        for _ in range(100):  # both rollouts known: the barrier must cover the static one too
+            fleet_status = await client("GetFleetStatus", K.GetFleetStatusRequest())
+            ids = {r.replica_id for r in fleet_status.replicas}  # type: ignore[attr-defined]
+            if {"rollout-0", "rollout-1"} <= ids:
+                break
+            await asyncio.sleep(0.1)
+        assert {"rollout-0", "rollout-1"} <= ids
         yield Fleet(tmp_path, redis, controller, trainer, client, base), rollouts
     finally:
         if client is not None:
@@ -121,7 +138,8 @@ async def test_publish_reaches_every_rollout_then_samples(
         )
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
 
-    # a restarted rollout (new incarnation) is reconciled with the live version
+    # a restarted rollout (new incarnation) is reconciled with the live version; rollout-1
+    # never calls RegisterReplica, so only discovery's probe can notice its restart
     rollouts[1].kill()
     rollouts[1].start(timeout=120)
     for _ in range(100):

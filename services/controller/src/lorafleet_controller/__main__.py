@@ -1,16 +1,26 @@
 """`python -m lorafleet_controller`: the ControllerService over Redis.
 
 Settings come from LORAFLEET_CONTROLLER_* (see `--help`) and the server's from the same
-prefix (host, port, metrics_port, ...). Bad settings or an unreachable Redis print one line
-and exit 2, before anything listens.
+prefix (host, port, metrics_port, ...). Bad settings, an unreachable Redis or an unusable
+Kubernetes configuration print one line and exit 2, before anything listens.
+
+With LEADER_ELECTION on, every replica answers RPCs but only the Lease holder dispatches;
+the others report `lorafleet.v1.ControllerService` NOT_SERVING (the overall health stays
+SERVING, so liveness holds) and the chart's readiness probe routes traffic to the leader.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
 import sys
 
 from lorafleet.settings import ServerSettings, load_or_exit
 from lorafleet_controller.settings import PREFIX, ControllerSettings
+
+SERVICE = "lorafleet.v1.ControllerService"
+log = logging.getLogger("lorafleet_controller")
 
 
 def main() -> None:
@@ -19,35 +29,90 @@ def main() -> None:
 
     import redis
 
-    from lorafleet.rpc.server import ServiceSpec, serve
-    from lorafleet.v1 import controller_pb2_grpc
-    from lorafleet_controller.controller import Controller
-    from lorafleet_controller.servicer import ControllerServicer
+    from lorafleet.errors import LorafleetError
+    from lorafleet.logging import setup_logging
+    from lorafleet_controller import cluster
 
     try:
         redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
     except (redis.RedisError, ValueError) as exc:
         print(f"error: cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    try:
+        discovery = cluster.build_discovery(settings)
+        if settings.leader_election:
+            cluster.check_lease_timings(settings)
+            cluster.kube_api_client()
+    except LorafleetError as exc:
+        print(f"error: {PREFIX}{exc.field.upper()}: {exc.message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except Exception as exc:  # kubernetes ConfigException and friends
+        print(f"error: no usable Kubernetes configuration: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    setup_logging("controller", server.log_level)
+    asyncio.run(run(settings, server, discovery))
 
-    holder: dict[str, Controller] = {}
 
-    async def startup() -> None:
-        holder["c"] = controller = Controller(settings)
-        servicer.c = controller
-        await controller.start()
+async def run(settings: ControllerSettings, server: ServerSettings, discovery: object) -> None:
+    """Serve until SIGTERM/SIGINT; with leader election, dispatch only while leading."""
+    from grpc_health.v1 import health_pb2
+    from prometheus_client import start_http_server
 
-    async def shutdown() -> None:
-        if "c" in holder:
-            await holder["c"].stop()
+    from lorafleet.rpc.server import ServiceSpec, start_server
+    from lorafleet.v1 import controller_pb2_grpc
+    from lorafleet_controller import cluster
+    from lorafleet_controller.controller import Controller
+    from lorafleet_controller.servicer import ControllerServicer
 
-    servicer = ControllerServicer.__new__(ControllerServicer)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if server.metrics_port:
+        start_http_server(server.metrics_port, addr=server.host)
+
+    controller = Controller(settings, discovery=discovery)  # type: ignore[arg-type]
     spec = ServiceSpec(
-        servicer=servicer,
+        servicer=ControllerServicer(controller),
         add_fn=controller_pb2_grpc.add_ControllerServiceServicer_to_server,
-        full_name="lorafleet.v1.ControllerService",
+        full_name=SERVICE,
     )
-    serve("controller", server, [spec], startup=startup, shutdown=shutdown)
+    state = {"health": None}
+    status = health_pb2.HealthCheckResponse
+
+    async def set_serving(serving: bool) -> None:
+        if state["health"] is not None and not stop.is_set():
+            await state["health"].set(SERVICE, status.SERVING if serving else status.NOT_SERVING)
+
+    async def started_leading() -> None:
+        await controller.start_leading()
+        await set_serving(True)
+
+    async def stopped_leading() -> None:
+        await set_serving(False)
+        await controller.stop_leading()
+
+    elector = None
+    if settings.leader_election:
+        elector = cluster.build_elector(settings, started_leading, stopped_leading)
+        controller.is_leader = lambda: elector.is_leader
+
+    running = await start_server(server, [spec], lambda: controller.start(lead=elector is None))
+    campaign = None
+    if elector is not None:
+        state["health"] = running.health
+        await running.health.set(SERVICE, status.NOT_SERVING)  # until the lease is ours
+        campaign = asyncio.create_task(elector.run(), name="leader-election")
+    log.info("controller serving on %s:%d", server.host, running.port)
+    await stop.wait()
+    log.info("controller stopping: draining for up to %.1fs", server.grace_seconds)
+    await running.health.enter_graceful_shutdown()
+    if campaign is not None:  # step down and release the lease: a standby takes over now
+        campaign.cancel()
+        await asyncio.gather(campaign, return_exceptions=True)
+    await running.server.stop(server.grace_seconds)
+    await controller.stop()
+    log.info("controller stopped")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from pathlib import PurePath
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -26,11 +26,21 @@ from lorafleet_controller import metrics
 from lorafleet_controller import validate as V
 from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
 from lorafleet_controller.clients import Pool
+from lorafleet_controller.discovery.types import Discovery
 from lorafleet_controller.ledger import Admission, Ledger
 from lorafleet_controller.lua import Scripts
+from lorafleet_controller.membership import Membership
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.publish import Publisher
-from lorafleet_controller.registry import ROLLOUT, TRAINER, Placer, Registry, RegRecord, Replica
+from lorafleet_controller.registry import (
+    ROLLOUT,
+    TRAINER,
+    Placer,
+    Registry,
+    RegRecord,
+    Replica,
+    base_model_name,
+)
 from lorafleet_controller.samplers import SamplerRecord, Samplers, sampler_id_of
 from lorafleet_controller.scheduler import Scheduler
 from lorafleet_controller.settings import ControllerSettings
@@ -38,14 +48,6 @@ from lorafleet_controller.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 K = controller_pb2
-
-
-def base_model_name(name: str) -> str:
-    """A base model served from a local folder is named by the folder, as trainers report it.
-
-    Rollouts report the absolute path they loaded; HF hub names ("org/model") are kept.
-    """
-    return PurePath(name).name if name.startswith("/") else name
 
 
 def connect(url: str) -> aioredis.Redis:
@@ -64,7 +66,21 @@ def connect(url: str) -> aioredis.Redis:
 
 
 class Controller:
-    def __init__(self, settings: ControllerSettings, clock: Callable[[], float] = time.time):
+    """The controller's parts and loops.
+
+    `start()` makes it answer RPCs; `start_leading()` starts dispatch (scheduler, sweeper,
+    discovery). Without leader election both happen at start; with it, the elector calls
+    `start_leading` / `stop_leading`, and `is_leader` (the elector's clock-based check) is
+    asked again before every claim, dispatch and sweep, so a controller whose lease ran out
+    stops writing even before its loops are cancelled.
+    """
+
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        clock: Callable[[], float] = time.time,
+        discovery: Discovery | None = None,
+    ):
         self.settings = settings
         p = settings.key_prefix
         self.redis = connect(settings.redis_url)
@@ -84,44 +100,88 @@ class Controller:
             self.redis, p, settings.storage_root, self.registry, self.catalog, self.samplers,
             self.pool, settings.resident_versions,
         )  # fmt: skip
+        self.is_leader: Callable[[], bool] = lambda: True  # the elector's check, when electing
         self.scheduler = Scheduler(
-            self.blocking, self.ledger, self.registry, self.catalog, self.pool, settings
-        )
+            self.blocking, self.ledger, self.registry, self.catalog, self.pool, settings,
+            gate=lambda: self.is_leader(),
+        )  # fmt: skip
         self.scheduler.publish = self.publisher.publish
+        self.membership: Membership | None = None
+        if discovery is not None:
+            self.membership = Membership(
+                discovery, self.registry, self.pool, self.admit_replica, self.lose_replica,
+                probe_interval=settings.heartbeat_interval_seconds,
+            )  # fmt: skip
         self._loops: list[asyncio.Task[None]] = []
         self._side: set[asyncio.Task[None]] = set()
+        self._leading = asyncio.Lock()
 
     # --- lifecycle ------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, lead: bool = True) -> None:
         await self.redis.ping()
         await self.notifier.start()
-        await self.scheduler.recover()
-        await self.samplers.recover()
-        self._loops = [
-            asyncio.create_task(self.scheduler.run(), name="scheduler"),
-            asyncio.create_task(self._sweeper(), name="sweeper"),
-        ]
+        if lead:
+            await self.start_leading()
+
+    async def start_leading(self) -> None:
+        """Recover what a previous leader left (claims, ready heads) and start dispatching."""
+        async with self._leading:
+            if self._loops:
+                return
+            await self.scheduler.recover()
+            await self.samplers.recover()
+            self._loops = [
+                asyncio.create_task(self.scheduler.run(), name="scheduler"),
+                asyncio.create_task(self._sweeper(), name="sweeper"),
+            ]
+            if self.membership is not None:
+                self._loops.append(asyncio.create_task(self.membership.run(), name="membership"))
+        self._background(self._fill_all())
+
+    async def _fill_all(self) -> None:
+        """Place what queued up while no leader acted on it (e.g. a trainer came back)."""
+        for base in sorted({r.base_model for r in await self.registry.replicas(TRAINER)}):
+            await self.placer.fill(base)
+
+    async def stop_leading(self) -> None:
+        """Stop every loop and in-flight dispatch; CLAIMED operations stay for the next leader.
+
+        The next leader re-sends them under the same operation id, and the trainer answers a
+        repeated id with its first result, so nothing runs twice.
+        """
+        async with self._leading:
+            tasks = [*self._loops, *self._side]
+            self._loops = []
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await self.scheduler.stop()
+            await self.samplers.stop()
 
     async def stop(self) -> None:
-        for task in [*self._loops, *self._side]:
-            task.cancel()
-        for task in [*self._loops, *self._side]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        await self.scheduler.stop()
-        await self.samplers.stop()
+        await self.stop_leading()
         await self.notifier.stop()
         await self.pool.close()
         await self.blocking.aclose()
         await self.redis.aclose()
 
-    def _background(self, coro: object) -> None:
-        task = asyncio.create_task(coro)  # type: ignore[arg-type]
+    @property
+    def leading(self) -> bool:
+        """Dispatch loops are running and the lease (if any) is still held."""
+        return bool(self._loops) and self.is_leader()
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        if not self.leading:  # a standby changes no placements; the leader re-derives them
+            coro.close()
+            return
+        task = asyncio.create_task(coro)
         self._side.add(task)
         task.add_done_callback(self._side.discard)
 
     async def _sweeper(self) -> None:
-        while True:
+        while self.is_leader():
             try:
                 await self.sweep_once()
             except asyncio.CancelledError:
@@ -134,17 +194,27 @@ class Controller:
         await self.ledger.sweep()
         await self.catalog.sweep_expired()
         for rep in await self.registry.silent_replicas(self.settings.heartbeat_timeout_seconds):
-            reason = (f"{rep.kind} replica {rep.replica_id} missed heartbeats for "
-                      f"{self.settings.heartbeat_timeout_seconds:g}s")  # fmt: skip
-            if rep.kind == TRAINER:
-                await self.registry.replica_lost(rep.replica_id, reason)
-                await self.placer.fill(rep.base_model)
-            else:
-                await self.redis.hset(f"{self.settings.key_prefix}replica:{rep.replica_id}",
-                                      "healthy", "0")  # fmt: skip
+            await self.lose_replica(
+                rep.replica_id,
+                f"{rep.kind} replica {rep.replica_id} missed heartbeats for "
+                f"{self.settings.heartbeat_timeout_seconds:g}s",
+            )
         for rid in await self.registry.binding_ids():
             await self.placer.finish_binding(rid)
         await self._update_gauges()
+
+    async def lose_replica(self, replica_id: str, reason: str) -> None:
+        """A replica is gone: a trainer's registrations become UNAVAILABLE and re-queue."""
+        rep = await self.registry.replica(replica_id)
+        if rep is None or not rep.healthy:
+            return
+        if rep.kind == TRAINER:
+            await self.registry.replica_lost(rep.replica_id, reason)
+            await self.placer.fill(rep.base_model)
+        else:
+            log.warning("%s", reason)
+            await self.redis.hset(f"{self.settings.key_prefix}replica:{replica_id}",
+                                  "healthy", "0")  # fmt: skip
 
     async def _update_gauges(self) -> None:
         for state, n in (await self.ledger.depth()).items():
@@ -289,14 +359,19 @@ class Controller:
             last_seen=0, healthy=True, tokenizer_id=req.tokenizer_id, max_rank=req.max_rank,
             max_context_length=req.max_context_length, arch=req.arch,
         )  # fmt: skip
+        await self.admit_replica(rep)
+
+    async def admit_replica(self, rep: Replica) -> str:
+        """Record a replica (RegisterReplica or discovery) and act on what changed."""
         change = await self.registry.register_replica(rep)
         if change == "same":
-            return
-        log.info("%s replica %s: %s", kind, rep.replica_id, change)
-        if kind == TRAINER:
+            return change
+        log.info("%s replica %s: %s", rep.kind, rep.replica_id, change)
+        if rep.kind == TRAINER:
             self._background(self._trainer_joined(rep))
         else:
             self._background(self.publisher.reconcile(rep))
+        return change
 
     async def _trainer_joined(self, rep: Replica) -> None:
         try:

@@ -84,6 +84,17 @@ class OpRecord:
 
 
 @dataclass(frozen=True)
+class Outcome:
+    """What became of one claimed operation, for `Ledger.complete_many`."""
+
+    operation_id: str
+    state: int
+    result: bytes = b""
+    error: errors.LorafleetError | None = None
+    effects: Sequence[tuple[str, str, Any]] = ()
+
+
+@dataclass(frozen=True)
 class Claim:
     operation_id: str
     registration_id: str
@@ -301,6 +312,11 @@ class Ledger:
         out = await self.scripts.run("claim", opid, self.clock())
         return _claim(opid, out) if out else None
 
+    async def claim_many(self, popped: Sequence[str], limit: int) -> list[Claim]:
+        """Claim the popped ids and more ready ones, up to `limit` ids, in one round trip."""
+        out = await self.scripts.run("claim_many", self.clock(), limit, *popped)
+        return [_claim(_s(out[i]), out[i + 1 : i + 11]) for i in range(0, len(out), 11)]
+
     async def load_claim(self, opid: str) -> Claim | None:
         """The claim of an operation already CLAIMED (re-dispatch after a restart)."""
         raw = await self.r.hmget(
@@ -323,14 +339,22 @@ class Ledger:
         from_state: str = "claimed",
     ) -> bool:
         """Record an outcome; `effects` update the registration in the same transaction."""
+        (done,) = await self.complete_many([Outcome(opid, state, result, error, effects)],
+                                           from_state)  # fmt: skip
+        return done
+
+    async def complete_many(
+        self, outcomes: Sequence[Outcome], from_state: str = "claimed"
+    ) -> list[bool]:
+        """Record several outcomes in one round trip (a data batch); True where recorded."""
         flat: list[Any] = []
-        for op, field, value in effects:
-            flat += [op, field, value]
-        err = error_json(error) if error is not None else ""
-        done = await self.scripts.run(
-            "complete", opid, state, result, err, self.clock(), from_state, *flat
-        )
-        return bool(done)
+        for o in outcomes:
+            err = error_json(o.error) if o.error is not None else ""
+            flat += [o.operation_id, o.state, o.result, err, from_state, len(o.effects)]
+            for op, field, value in o.effects:
+                flat += [op, field, value]
+        done = await self.scripts.run("complete", self.clock(), *flat)
+        return [bool(x) for x in done]
 
     async def set_field(self, opid: str, field: str, value: Any) -> None:
         await self.r.hset(f"{self.p}op:{opid}", field, value)
@@ -352,7 +376,11 @@ class Ledger:
 
     # --- housekeeping ---------------------------------------------------------------------
     async def sweep(self, limit: int = 500) -> tuple[int, int, int]:
-        """Fail stale claims, expire old results, seal old gaps. Returns the three counts."""
+        """Fail stale claims, expire old results, seal old gaps. Returns the three counts.
+
+        Also deletes the operation records of registrations retired longer ago than the
+        result TTL, so Redis does not grow forever.
+        """
         now = self.clock()
         s = self.settings
         claimed_err = error_json(
@@ -361,7 +389,7 @@ class Ledger:
                 reason="CLAIM_TIMEOUT",
             )
         )
-        failed, expired = await self.scripts.run(
+        failed, expired, _deleted = await self.scripts.run(
             "sweep", now, now - s.claimed_timeout_seconds, now - s.result_ttl_seconds, limit,
             claimed_err,
         )  # fmt: skip

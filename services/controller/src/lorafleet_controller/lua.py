@@ -12,14 +12,20 @@ from typing import Any
 import redis.asyncio as aioredis
 
 NAMES = (
-    "submit", "claim", "complete", "ack", "sweep", "seal", "fence",
+    "submit", "claim", "claim_many", "complete", "ack", "sweep", "seal", "fence",
     "place", "bound", "release", "replica_lost", "repush", "create_reg", "submit_sample",
 )  # fmt: skip
 
 
 def _source(name: str) -> str:
+    """`common.lua`, then the script's body run as a function, then one PUBLISH of every
+    operation it finished (so no script can forget to wake the long polls)."""
     folder = resources.files("lorafleet_controller") / "scripts"
-    return (folder / "common.lua").read_text() + "\n" + (folder / f"{name}.lua").read_text()
+    body = (folder / f"{name}.lua").read_text()
+    return (
+        (folder / "common.lua").read_text()
+        + f"\nlocal function main()\n{body}\nend\nlocal out = main()\npublish_done()\nreturn out\n"
+    )
 
 
 class Scripts:

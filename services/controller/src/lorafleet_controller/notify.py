@@ -1,8 +1,9 @@
 """Wake long-polling GetOperation calls when an operation finishes.
 
-Every terminal transition PUBLISHes the operation id on `<prefix>done` (inside its Lua
-script). One subscription per controller fans the messages out to in-process waiters, so a
-thousand long polls cost one Redis connection, not a thousand. Waiters always re-read the
+Every Lua script that makes operations terminal PUBLISHes their ids on `<prefix>done`, once
+per script call and newline-separated, so a batch of completions costs one message. One
+subscription per controller fans the messages out to in-process waiters, so a thousand long
+polls cost one Redis connection, not a thousand. Waiters always re-read the
 record from Redis: the message is only a wake-up, never the state.
 """
 
@@ -69,7 +70,9 @@ class Notifier:
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
                         data = message["data"]
-                        self._wake(data.decode() if isinstance(data, bytes) else data)
+                        text = data.decode() if isinstance(data, bytes) else data
+                        for opid in text.split("\n"):
+                            self._wake(opid)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection loss: resubscribe after a pause

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
 import redis.asyncio as aioredis
 
@@ -38,6 +39,14 @@ TRAINER, ROLLOUT = "trainer", "rollout"
 
 def _s(value: bytes | None, default: str = "") -> str:
     return value.decode() if value is not None else default
+
+
+def base_model_name(name: str) -> str:
+    """A base model served from a local folder is named by the folder, as trainers report it.
+
+    Rollouts report the absolute path they loaded; HF hub names ("org/model") are kept.
+    """
+    return PurePath(name).name if name.startswith("/") else name
 
 
 def registration_id(session_id: str, model_seq_id: int) -> str:
@@ -307,6 +316,7 @@ class Placer:
         self.registry = registry
         self.pool = pool
         self.manifest_for = manifest_for
+        self._binding: set[str] = set()  # registrations with a binding attempt in flight
 
     async def fill(self, base_model: str) -> None:
         """Place queued registrations of a base model while free slots remain."""
@@ -318,7 +328,21 @@ class Placer:
                 await self.finish_binding(rid)
 
     async def finish_binding(self, rid: str) -> None:
-        """Bind (and restore) a placed registration on its trainer; retried by the sweeper."""
+        """Bind (and restore) a placed registration on its trainer; retried by the sweeper.
+
+        One attempt per registration at a time: two overlapping attempts (the create call
+        and the sweeper) would see each other's bind, and the loser would unbind the slot
+        the winner had just marked READY.
+        """
+        if rid in self._binding:
+            return
+        self._binding.add(rid)
+        try:
+            await self._finish_binding(rid)
+        finally:
+            self._binding.discard(rid)
+
+    async def _finish_binding(self, rid: str) -> None:
         rec = await self.registry.get_any(rid)
         if rec is None or rec.state != "binding":
             return

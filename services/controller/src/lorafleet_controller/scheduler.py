@@ -44,6 +44,7 @@ KIND_NAMES = {v.number: v.name.removeprefix("OPERATION_KIND_").lower()
               for v in K.OperationKind.DESCRIPTOR.values}  # fmt: skip
 
 Effects = list[tuple[str, str, Any]]
+CLAIM_BATCH = 64  # ready operations claimed per round trip
 PublishFn = Callable[[L.Claim, Any], Any]
 
 
@@ -56,8 +57,10 @@ class Scheduler:
         catalog: Catalog,
         pool: Pool,
         settings: ControllerSettings,
+        gate: Callable[[], bool] = lambda: True,
     ) -> None:
         self.blocking = blocking
+        self.gate = gate  # False once this controller may no longer dispatch (lease lost)
         self.ledger = ledger
         self.registry = registry
         self.catalog = catalog
@@ -83,8 +86,11 @@ class Scheduler:
                 continue
             if popped is None:
                 continue
-            claim = await self.ledger.claim(popped[1].decode())
-            if claim is not None:
+            if not self.gate():  # hand the id back for the next leader, and stop
+                await self.blocking.lpush(popped[0], popped[1])
+                return
+            # One round trip claims the popped id and whatever else is ready right now.
+            for claim in await self.ledger.claim_many([popped[1].decode()], CLAIM_BATCH):
                 self.dispatch(claim)
 
     async def recover(self) -> None:
@@ -119,9 +125,12 @@ class Scheduler:
         task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
-        for task in [*self._workers.values(), *self._tasks]:
+        tasks = [*self._workers.values(), *self._tasks]
+        self._queues.clear()
+        self._workers.clear()
+        for task in tasks:
             task.cancel()
-        for task in [*self._workers.values(), *self._tasks]:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
@@ -139,6 +148,8 @@ class Scheduler:
                 log.exception("data batch on %s failed unexpectedly", replica)
 
     async def _run_batch(self, replica: str, batch: list[L.Claim]) -> None:
+        if not self.gate():  # no longer the leader: the claims stay for the next one
+            return
         rep = await self.registry.replica(replica)
         if rep is None:
             await self._fail_all(batch, errors.Unavailable(f"trainer replica {replica} is gone"))
@@ -165,27 +176,21 @@ class Scheduler:
             await self._fail_all(batch, _server_failure(exc, replica))
             return
         by_id = {r.operation_id: r for r in resp.results}
-        await asyncio.gather(*(self._record_item(c, by_id.get(c.operation_id)) for c in batch))
-
-    async def _record_item(
-        self, claim: L.Claim, item: trainer_pb2.ForwardBackwardItemResult | None
-    ) -> None:
-        if item is None:
-            await self._finish(claim, L.FAILED, error=errors.Internal("trainer returned no result"))
-        elif item.WhichOneof("outcome") == "output":
-            result = controller_pb2.OperationResult(forward_backward=item.output)
-            effects: Effects = [("set", "dirty", "1")]
-            if claim.kind == K.OPERATION_KIND_FORWARD:
-                effects = []
-            await self._finish(claim, L.SUCCEEDED, result, effects=effects)
-        else:
-            await self._finish(claim, L.FAILED, error=exception_from_info(item.error))
+        await self._record(batch, [_outcome(c, by_id.get(c.operation_id)) for c in batch])
 
     async def _fail_all(self, batch: Sequence[L.Claim], exc: errors.LorafleetError) -> None:
-        await asyncio.gather(*(self._finish(c, L.FAILED, error=exc) for c in batch))
+        await self._record(batch, [L.Outcome(c.operation_id, L.FAILED, error=exc) for c in batch])
+
+    async def _record(self, batch: Sequence[L.Claim], outcomes: list[L.Outcome]) -> None:
+        """Every outcome of a batch in one ledger call."""
+        for claim, done in zip(batch, await self.ledger.complete_many(outcomes), strict=True):
+            if done:
+                _observe(claim)
 
     # --- control operations ---------------------------------------------------------------
     async def _run_control(self, claim: L.Claim) -> None:
+        if not self.gate():  # no longer the leader: the claim stays for the next one
+            return
         try:
             result, effects = await self._control(claim)
         except errors.LorafleetError as exc:
@@ -283,9 +288,25 @@ class Scheduler:
     ) -> None:
         body = result.SerializeToString() if result is not None else b""
         if await self.ledger.complete(claim.operation_id, state, body, error, effects):
-            metrics.OPERATION_LATENCY.labels(kind=KIND_NAMES.get(claim.kind, "other")).observe(
-                max(0.0, time.time() - claim.submitted_at)
-            )
+            _observe(claim)
+
+
+def _observe(claim: L.Claim) -> None:
+    metrics.OPERATION_LATENCY.labels(kind=KIND_NAMES.get(claim.kind, "other")).observe(
+        max(0.0, time.time() - claim.submitted_at)
+    )
+
+
+def _outcome(claim: L.Claim, item: trainer_pb2.ForwardBackwardItemResult | None) -> L.Outcome:
+    """A data operation's outcome from its item of the trainer's batch answer."""
+    opid = claim.operation_id
+    if item is None:
+        return L.Outcome(opid, L.FAILED, error=errors.Internal("trainer returned no result"))
+    if item.WhichOneof("outcome") != "output":
+        return L.Outcome(opid, L.FAILED, error=exception_from_info(item.error))
+    result = controller_pb2.OperationResult(forward_backward=item.output).SerializeToString()
+    effects: Effects = [] if claim.kind == K.OPERATION_KIND_FORWARD else [("set", "dirty", "1")]
+    return L.Outcome(opid, L.SUCCEEDED, result, effects=effects)
 
 
 def round_robin(batch: list[L.Claim]) -> list[L.Claim]:

@@ -86,9 +86,45 @@ class ControllerSettings:
     resident_versions: int = setting(
         3, doc="Published adapter versions kept resident per registration.", min=1, max=64
     )
+    discovery: str = setting(
+        "self",
+        doc="How replicas are found: 'self' (they call RegisterReplica), 'static' (TRAINERS and "
+        "ROLLOUTS) or 'kubernetes' (EndpointSlices of TRAINER_SERVICE and ROLLOUT_SERVICE).",
+        choices=("self", "static", "kubernetes"),
+    )
     trainers: tuple[str, ...] = setting(
-        (), doc="Static trainer replicas 'id=host:port,...' (besides self-registration)."
+        (), doc="Static trainer replicas 'id=host:port,...' (discovery=static)."
     )
     rollouts: tuple[str, ...] = setting(
-        (), doc="Static rollout replicas 'id=host:port,...' (besides self-registration)."
+        (), doc="Static rollout replicas 'id=host:port,...' (discovery=static)."
     )
+    trainer_service: str = setting(
+        "", doc="Headless Service of the trainer pods (discovery=kubernetes)."
+    )
+    rollout_service: str = setting(
+        "", doc="Headless Service of the rollout pods (discovery=kubernetes)."
+    )
+    namespace: str = setting(
+        "default", doc="Namespace of the Services and of the leader Lease (Kubernetes)."
+    )
+    replica_id: str = setting(
+        "", doc="This controller's identity in the Lease (the pod name); empty = the hostname."
+    )
+    leader_election: bool = setting(
+        False,
+        doc="Elect one dispatching controller through a coordination.k8s.io Lease; standbys "
+        "report ControllerService NOT_SERVING.",
+    )
+    lease_name: str = setting("lorafleet-controller", doc="Name of the leader Lease.")
+    lease_duration_seconds: float = setting(
+        15.0, doc="A candidate takes over a lease not renewed for this long.", min=1.0,
+        max=3600.0,
+    )  # fmt: skip
+    lease_renew_deadline_seconds: float = setting(
+        10.0, doc="The leader steps down when it could not renew for this long (< duration).",
+        min=0.1, max=3600.0,
+    )  # fmt: skip
+    lease_retry_period_seconds: float = setting(
+        2.0, doc="Interval between acquire/renew attempts (< renew deadline).", min=0.05,
+        max=600.0,
+    )  # fmt: skip

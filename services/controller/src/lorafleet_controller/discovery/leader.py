@@ -80,6 +80,7 @@ class LeaderElector:
 
     async def run(self) -> None:
         """Campaign and renew until cancelled; step down (and release) on the way out."""
+        attempt: asyncio.Future[bool] | None = None
         try:
             while True:
                 # A leader waits for an attempt only until its renew deadline: a hung API
@@ -89,8 +90,8 @@ class LeaderElector:
                     None if last is None else max(0.0, last + self.renew_deadline - self._clock())
                 )
                 try:
-                    attempt = asyncio.to_thread(self.try_acquire_or_renew)
-                    renewed = await asyncio.wait_for(attempt, budget)
+                    attempt = asyncio.ensure_future(asyncio.to_thread(self.try_acquire_or_renew))
+                    renewed = await asyncio.wait_for(asyncio.shield(attempt), budget)
                 except TimeoutError:
                     renewed = False
                 except Exception:  # network, 5xx: keep trying; the deadline decides
@@ -104,9 +105,15 @@ class LeaderElector:
                     await self._step_down("lease lost or not renewed in time")
                 await asyncio.sleep(self.retry_period)
         finally:
+            # An attempt still in flight may yet write us in as holder (stepping down makes
+            # it count for nothing here, not on the server): let it land, then release.
+            in_flight = attempt is not None and not attempt.done()
             held = self._last_renew is not None
             await self._step_down("stopping")
-            if held:
+            if in_flight:
+                assert attempt is not None
+                await asyncio.wait([attempt], timeout=self._timeout)
+            if held or in_flight:
                 await asyncio.to_thread(self._release)
 
     async def _step_down(self, why: str) -> None:

@@ -5,6 +5,13 @@ local P = ARGV[1]
 local QUEUED, CLAIMED, SUCCEEDED, FAILED, CANCELLED, EXPIRED = 1, 2, 3, 4, 5, 6
 local DATA_KINDS = { ['1'] = true, ['2'] = true }
 
+-- Operations this script made terminal: announced with one PUBLISH when it ends (lua.py).
+local DONE = {}
+
+local function publish_done()
+  if #DONE > 0 then redis.call('PUBLISH', P .. 'done', table.concat(DONE, '\n')) end
+end
+
 local function regkey(rid) return P .. 'reg:' .. rid end
 local function opkey(opid) return P .. 'op:' .. opid end
 local function opid_of(rid, seq) return rid .. '#' .. seq end
@@ -79,7 +86,7 @@ local function finish(opid, state, result, err, now)
   redis.call('INCR', P .. 'unacked')
   depth(st, -1)
   depth(state, 1)
-  redis.call('PUBLISH', P .. 'done', opid)
+  table.insert(DONE, opid)
   return true
 end
 
@@ -107,4 +114,27 @@ local function fail_open(rid, err, now)
     if finish(opid_of(rid, seq), FAILED, '', err, now) then n = n + 1 end
   end
   return n
+end
+
+-- Claim a queued operation for dispatch. Ordered operations are claimable only at their
+-- registration's head while it is bound. Returns false, or {rid, seq, kind, payload,
+-- replica, slot, dirty, base_model, tenant, submitted_at}.
+local function claim_op(id, now)
+  local ok = opkey(id)
+  local f = redis.call('HMGET', ok, 'state', 'rid', 'seq', 'kind', 'payload', 'ordered',
+    'tenant', 'submitted_at')
+  if tonumber(f[1] or '0') ~= QUEUED then return false end
+  local r = redis.call('HMGET', regkey(f[2] or ''), 'state', 'head', 'replica', 'slot', 'dirty',
+    'base_model')
+  if f[6] == '1' and (r[1] ~= 'ready' or tonumber(r[2]) ~= tonumber(f[3])) then
+    redis.call('HDEL', ok, 'pushed')
+    return false
+  end
+  redis.call('HSET', ok, 'state', CLAIMED, 'claimed_at', now)
+  redis.call('HDEL', ok, 'pushed')
+  redis.call('ZADD', P .. 'claimed', now, id)
+  depth(QUEUED, -1)
+  depth(CLAIMED, 1)
+  return { f[2], f[3], f[4], f[5] or '', r[3] or '', r[4] or '', r[5] or '0', r[6] or '', f[7],
+    f[8] }
 end
