@@ -97,11 +97,15 @@ async def run(settings: ControllerSettings, server: ServerSettings, discovery: o
         elector = cluster.build_elector(settings, started_leading, stopped_leading)
         controller.is_leader = lambda: elector.is_leader
 
-    running = await start_server(server, [spec], lambda: controller.start(lead=elector is None))
+    running = await start_server(
+        server,
+        [spec],
+        lambda: controller.start(lead=elector is None),
+        standby=(SERVICE,) if elector is not None else (),  # NOT_SERVING until the lease is ours
+    )
     campaign = None
     if elector is not None:
         state["health"] = running.health
-        await running.health.set(SERVICE, status.NOT_SERVING)  # until the lease is ours
         campaign = asyncio.create_task(elector.run(), name="leader-election")
     log.info("controller serving on %s:%d", server.host, running.port)
     await stop.wait()

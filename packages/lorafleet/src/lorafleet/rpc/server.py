@@ -53,9 +53,17 @@ class RunningServer:
 
 
 async def start_server(
-    settings: ServerSettings, services: Sequence[ServiceSpec], startup: Hook | None = None
+    settings: ServerSettings,
+    services: Sequence[ServiceSpec],
+    startup: Hook | None = None,
+    *,
+    standby: Sequence[str] = (),
 ) -> RunningServer:
-    """Bind, run `startup`, then report SERVING. The caller owns stopping it."""
+    """Bind, run `startup`, then report SERVING. The caller owns stopping it.
+
+    Services named in `standby` stay NOT_SERVING after startup (a controller replica that
+    does not hold the leader lease): the caller flips them when it may serve.
+    """
     server = grpc.aio.server(
         interceptors=[ErrorsAndMetricsInterceptor()],
         options=message_options(settings.max_message_bytes),
@@ -79,7 +87,8 @@ async def start_server(
     if startup is not None:
         await startup()
     for name in (*names, health.OVERALL_HEALTH):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if name not in standby:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server, health_servicer, port, names)
 
 
