@@ -47,15 +47,29 @@ def module_key(module_name: str) -> int:
     return zlib.crc32(module_name.encode())
 
 
-def keep_mask(
-    row_keys: torch.Tensor, seq_len: int, features: int, module: int, p: float
-) -> torch.Tensor:
-    """Inverted-dropout multiplier of shape (rows, seq_len, features): 0 or 1/(1-p)."""
-    device = row_keys.device
-    h = mix32_tensor(row_keys.view(-1, 1, 1) ^ module)
-    pos = torch.arange(seq_len, device=device, dtype=torch.int64).view(1, -1, 1)
-    h = mix32_tensor(h ^ pos)
-    feat = torch.arange(features, device=device, dtype=torch.int64).view(1, 1, -1)
-    h = mix32_tensor(h ^ mix32_tensor(feat + 0x9E3779B))
-    threshold = int(p * 2**32)
-    return (h >= threshold).to(torch.float32) * (1.0 / (1.0 - p))
+class RowDropout:
+    """The dropout of one forward pass: each batch row's mask key and drop probability.
+
+    Built once per forward and asked for a mask by every wrapped Linear, so a batch that mixes
+    slots with different probabilities (or rows without dropout: p = 0 keeps everything,
+    exactly) costs one vectorised hash per module instead of one per slot.
+    """
+
+    def __init__(self, row_keys: list[int], p: list[float], device: torch.device) -> None:
+        self.keys = torch.tensor(row_keys, dtype=torch.int64, device=device).view(-1, 1, 1)
+        self.thresholds = torch.tensor(
+            [int(q * 2**32) for q in p], dtype=torch.int64, device=device
+        ).view(-1, 1, 1)
+        self.keep_scale = torch.tensor(
+            [1.0 / (1.0 - q) for q in p], dtype=torch.float32, device=device
+        ).view(-1, 1, 1)
+
+    def mask(self, module: int, seq_len: int, features: int) -> torch.Tensor:
+        """Inverted-dropout multiplier of shape (rows, seq_len, features): 0 or 1/(1-p)."""
+        device = self.keys.device
+        h = mix32_tensor(self.keys ^ module)
+        pos = torch.arange(seq_len, device=device, dtype=torch.int64).view(1, -1, 1)
+        h = mix32_tensor(h ^ pos)
+        feat = torch.arange(features, device=device, dtype=torch.int64).view(1, 1, -1)
+        h = mix32_tensor(h ^ mix32_tensor(feat + 0x9E3779B))
+        return (h >= self.thresholds).to(torch.float32) * self.keep_scale

@@ -168,9 +168,7 @@ class TrainerEngine:
             )
             a[name], b[name] = nn.Parameter(a0), nn.Parameter(b0)
         for name in targets:
-            self.wrappers[name].adapters[slot] = LoraWeights(
-                a[name], b[name], spec.scale, spec.dropout
-            )
+            self.wrappers[name].adapters[slot] = LoraWeights(a[name], b[name])
         optimizer = SlotOptimizer(spec, list(a.values()), list(b.values()))
         self.slots.bindings[slot] = Binding(
             registration_id, spec, targets, a, b, optimizer, OpLog(self.max_applied_ops)
@@ -288,13 +286,19 @@ class TrainerEngine:
                     )
                 rows.append((plan, d))
         dev = self.device
-        # Sort rows by group so every group is a contiguous split of the batch.
+        # Sort rows by group, and groups by rank (largest first, stable), so every group is a
+        # contiguous split of the batch and every rank class a contiguous run of groups.
+        specs = {plan.slot: plan.binding.spec for plan in plans}
+        group_rows = dict(sorted(group_rows.items(), key=lambda kv: -specs[kv[0][0]].rank))
         rows = [rows[r] for members in group_rows.values() for r in members]
         groups = [
             RowGroup(
                 slot,
                 len(members),
-                torch.tensor(group_keys[(slot, dropout)], device=dev) if dropout else None,
+                specs[slot].rank,
+                specs[slot].scale,
+                specs[slot].dropout if dropout else 0.0,
+                group_keys.get((slot, dropout)),
             )
             for (slot, dropout), members in group_rows.items()
         ]
@@ -305,7 +309,7 @@ class TrainerEngine:
         need_grad = any(p.backward for p in plans)
         with torch.set_grad_enabled(need_grad):
             # Right padding needs no attention mask: causal attention never looks ahead.
-            with self.router.route(groups):
+            with self.router.route(groups, dev):
                 logits = self.model(input_ids=ids.to(dev), use_cache=False).logits
             logp_all = torch.log_softmax(logits.float(), dim=-1)
             losses: dict[int, list[torch.Tensor]] = {}

@@ -3,10 +3,21 @@
 Every base `nn.Linear` is wrapped once at start-up by `MultiLoraLinear`, which holds the
 A/B weights of each bound slot that targets it. Before a forward pass the engine tells the
 shared `Router` which batch rows belong to which slot; each wrapper then adds
-`scale * B(A(dropout(x_rows)))` to exactly those rows (the same arithmetic as PEFT's
-`lora_B(lora_A(dropout(x))) * scaling`). One pass over the shared base serves every slot,
-and because a row only ever touches its own slot's A/B, backward gives each slot exactly
-the gradient it would get alone.
+`scale * B(A(dropout(x_rows)))` to exactly those rows (PEFT's
+`lora_B(lora_A(dropout(x))) * scaling`, with the scale applied to the rank-sized middle
+instead of the output). One pass over the shared base serves every slot, and because a row
+only ever touches its own slot's A/B, backward gives each slot exactly the gradient it would
+get alone.
+
+The LoRA path of a mixed batch is a pair of batched matmuls per rank, not a loop over
+slots. The engine sorts rows by slot and slots by rank; each run of equal-rank slots (a
+`RankClass`, usually the whole batch) is cut into equal runs of rows ("units": the gcd of
+its group sizes), the A/B of its slots are stacked, and `bmm` runs every unit against its own
+slot's weights. Ranks are never padded: a zero-padded rank changes which GEMM kernel runs
+and so the rounding, and gradients must match PEFT to 1e-5. Per-slot weights stay separate
+tensors, so per-slot AdamW and the state files are unchanged. The earlier per-slot loop paid a
+split, a full-size scale and a full-size cat per slot and module in forward and again in
+backward.
 
 We write this instead of using PEFT's `adapter_names=` because PEFT refuses mixed batches in
 training mode, ties `requires_grad` to the active adapter, and draws dropout and init from
@@ -22,10 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lorafleet_trainer.dropout import keep_mask, mix32, module_key
+from lorafleet_trainer.dropout import RowDropout, mix32, module_key
 
 
 @dataclass
@@ -34,22 +44,75 @@ class RowGroup:
 
     slot: int
     size: int  # rows; groups tile the batch in order
-    dropout_keys: torch.Tensor | None  # int64 per-row mask keys; None = no dropout
+    rank: int  # the slot's LoRA rank
+    scale: float  # the slot's alpha / rank
+    dropout: float = 0.0  # drop probability; 0 = no dropout (forward-only rows, p = 0)
+    dropout_keys: list[int] | None = None  # per-row mask keys, required when dropout > 0
+
+
+@dataclass
+class RankClass:
+    """Consecutive groups whose slots share one LoRA rank, run as one pair of batched matmuls.
+
+    The rows are cut into `units` equal runs (the gcd of the group sizes), each of one group.
+    """
+
+    rank: int
+    rows: int
+    groups: list[RowGroup]
+    units: int
+    unit_group: torch.Tensor | None  # group index of each unit; None when unit i is group i
+    scales: torch.Tensor  # (units, 1, 1) float32: each unit's LoRA scale
+
+    @classmethod
+    def build(cls, rank: int, groups: list[RowGroup], device: torch.device) -> RankClass:
+        unit = math.gcd(*(g.size for g in groups))
+        owner = [i for i, g in enumerate(groups) for _ in range(g.size // unit)]
+        unit_group = None
+        if len(owner) != len(groups):
+            unit_group = torch.tensor(owner, dtype=torch.int64, device=device)
+        scales = torch.tensor(
+            [groups[i].scale for i in owner], dtype=torch.float32, device=device
+        ).view(-1, 1, 1)
+        return cls(rank, sum(g.size for g in groups), groups, len(owner), unit_group, scales)
+
+
+@dataclass
+class Routing:
+    """How one forward's batch maps onto slots, computed once and read by every wrapper."""
+
+    classes: list[RankClass]  # tile the batch in order
+    dropout: RowDropout | None  # None when no row has dropout
+
+    @classmethod
+    def build(cls, groups: list[RowGroup], device: torch.device) -> Routing:
+        runs: list[tuple[int, list[RowGroup]]] = []
+        for g in groups:
+            if runs and runs[-1][0] == g.rank:
+                runs[-1][1].append(g)
+            else:
+                runs.append((g.rank, [g]))
+        dropout = None
+        if any(g.dropout > 0 for g in groups):
+            keys = [k for g in groups for k in (g.dropout_keys or [0] * g.size)]
+            p = [g.dropout for g in groups for _ in range(g.size)]
+            dropout = RowDropout(keys, p, device)
+        return cls([RankClass.build(r, members, device) for r, members in runs], dropout)
 
 
 class Router:
-    """The per-forward routing table shared by every wrapped Linear."""
+    """The per-forward routing shared by every wrapped Linear."""
 
     def __init__(self) -> None:
-        self.groups: list[RowGroup] = []
+        self.routing: Routing | None = None
 
     @contextlib.contextmanager
-    def route(self, groups: list[RowGroup]) -> Iterator[None]:
-        self.groups = groups
+    def route(self, groups: list[RowGroup], device: torch.device) -> Iterator[None]:
+        self.routing = Routing.build(groups, device)
         try:
             yield
         finally:
-            self.groups = []
+            self.routing = None
 
 
 @dataclass
@@ -58,8 +121,6 @@ class LoraWeights:
 
     A: nn.Parameter  # (rank, in_features)
     B: nn.Parameter  # (out_features, rank)
-    scale: float
-    dropout: float
 
 
 class MultiLoraLinear(nn.Module):
@@ -83,30 +144,47 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        groups = self.router.groups
-        # Rows arrive sorted by slot, so each group is a split of the batch (a view, and one
-        # cat in backward), not a gather/scatter.
-        parts = x.split([g.size for g in groups]) if len(groups) > 1 else (x,)
-        deltas: list[torch.Tensor | None] = []
-        for group, xs in zip(groups, parts, strict=True):
-            w = self.adapters.get(group.slot)
-            if w is None:
-                deltas.append(None)
-                continue
-            xs = xs.to(w.A.dtype)
-            if group.dropout_keys is not None and w.dropout > 0:
-                mask = keep_mask(group.dropout_keys, xs.shape[1], xs.shape[2], self.key, w.dropout)
-                xs = xs * mask
-            deltas.append((F.linear(F.linear(xs, w.A), w.B) * w.scale).to(out.dtype))
-        if all(d is None for d in deltas):
+        routing = self.router.routing
+        if not any(g.slot in self.adapters for c in routing.classes for g in c.groups):
             return out
-        if len(deltas) == 1:
-            return out + deltas[0]
-        filled = [
-            d if d is not None else out.new_zeros((g.size, *out.shape[1:]))
-            for g, d in zip(groups, deltas, strict=True)
-        ]
-        return out + torch.cat(filled)
+        xs = x.to(torch.float32)
+        if routing.dropout is not None:
+            xs = xs * routing.dropout.mask(self.key, x.shape[1], x.shape[2])
+        classes = routing.classes
+        if len(classes) == 1:  # no split: its backward is a full-size cat
+            return self._add_delta(classes[0], xs, out)
+        sizes = [c.rows for c in classes]
+        return torch.cat(
+            [
+                self._add_delta(c, xc, oc)
+                for c, xc, oc in zip(classes, xs.split(sizes), out.split(sizes), strict=True)
+            ]
+        )
+
+    def _add_delta(self, c: RankClass, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out + scale * B(A(x))` for the rows of one rank class, unit by unit."""
+        weights = [self.adapters.get(g.slot) for g in c.groups]
+        if all(w is None for w in weights):
+            return out
+        if any(w is None for w in weights):
+            zero = LoraWeights(
+                x.new_zeros(c.rank, self.in_features), x.new_zeros(self.out_features, c.rank)
+            )
+            weights = [zero if w is None else w for w in weights]
+        a = torch.stack([w.A for w in weights])  # (groups, rank, in)
+        b = torch.stack([w.B for w in weights])  # (groups, out, rank)
+        if c.unit_group is not None:
+            a, b = a[c.unit_group], b[c.unit_group]
+        x = x.reshape(c.units, -1, self.in_features)
+        base = out.reshape(c.units, -1, self.out_features).to(torch.float32)
+        if c.units == 1:
+            # One run of rows: the plain 2-D kernels of F.linear (PEFT's), since bmm takes a
+            # naive path for tiny products whose rounding differs from mm's.
+            h = torch.mm(x[0], a[0].t()) * c.scales[0]
+            y = torch.addmm(base[0], h, b[0].t())
+        else:
+            y = torch.baddbmm(base, torch.bmm(x, a.transpose(1, 2)) * c.scales, b.transpose(1, 2))
+        return y.view(out.shape).to(out.dtype)
 
 
 def wrap_linears(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:

@@ -68,17 +68,15 @@ class SlotOptimizer:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return OptimStepResult(metrics={}, applied=False, note=NO_GRADIENT_NOTE)
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        for g in grads:
-            sq += g.double().square().sum()
-        norm = math.sqrt(float(sq)) if math.isfinite(float(sq)) else math.inf
-        if not math.isfinite(norm) or not all(bool(torch.isfinite(g).all()) for g in grads):
+        # One float64 reduction over all gradients: squares of float32 values cannot overflow
+        # float64, so the norm is finite exactly when every gradient entry is.
+        flat = torch.cat([g.reshape(-1) for g in grads]).double()
+        norm = math.sqrt(float(torch.dot(flat, flat)))
+        if not math.isfinite(norm):
             self.clear_gradients()
             return OptimStepResult(metrics={"vetoed": 1.0}, applied=False, note=VETO_NOTE)
         if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
-            coef = hp.grad_clip_norm / (norm + 1e-6)
-            for g in grads:
-                g.mul_(coef)
+            torch._foreach_mul_(grads, hp.grad_clip_norm / (norm + 1e-6))
         group_a, group_b = self._opt.param_groups
         for group, lr, wd in (
             (group_a, hp.learning_rate, hp.weight_decay),
