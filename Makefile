@@ -4,6 +4,9 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 PROTO_OUT := packages/lorafleet/src
 PROTOS := $(wildcard proto/lorafleet/v1/*.proto)
+# Tinker's public schema, vendored for the gateway (it never imports the SDK).
+TINKER_PROTO := proto/tinker_public/tinker_public.proto
+TINKER_OUT := services/gateway/src/lorafleet_gateway/tinker_proto
 PKGS := -e packages/lorafleet -e packages/lorafleet-models -e packages/lorafleet-cli -e services/controller \
         -e services/trainer -e services/rollout -e services/gateway
 export HF_HUB_OFFLINE := 1
@@ -25,11 +28,16 @@ venv: .venv/.installed  ## create .venv with the pinned requirements and editabl
 proto: .venv/.installed  ## regenerate the checked-in gRPC code from proto/
 	$(PY) -m grpc_tools.protoc -I proto --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
 	  --pyi_out=$(PROTO_OUT) $(PROTOS)
+	$(PY) -m grpc_tools.protoc -I proto/tinker_public --python_out=$(TINKER_OUT) \
+	  --pyi_out=$(TINKER_OUT) $(TINKER_PROTO)
 
 proto-check: .venv/.installed  ## fail if the checked-in generated code drifts from proto/
-	@tmp=$$(mktemp -d); \
+	@tmp=$$(mktemp -d); mkdir -p $$tmp/tinker; \
 	$(PY) -m grpc_tools.protoc -I proto --python_out=$$tmp --grpc_python_out=$$tmp --pyi_out=$$tmp $(PROTOS) && \
-	if diff -r -x __init__.py -x __pycache__ $$tmp/lorafleet/v1 $(PROTO_OUT)/lorafleet/v1; then echo "proto-check: generated code is up to date"; rm -rf $$tmp; \
+	$(PY) -m grpc_tools.protoc -I proto/tinker_public --python_out=$$tmp/tinker --pyi_out=$$tmp/tinker $(TINKER_PROTO) && \
+	if diff -r -x __init__.py -x __pycache__ $$tmp/lorafleet/v1 $(PROTO_OUT)/lorafleet/v1 && \
+	   diff -r -x __init__.py -x __pycache__ $$tmp/tinker $(TINKER_OUT); then \
+	  echo "proto-check: generated code is up to date"; rm -rf $$tmp; \
 	else echo "proto-check: generated code drifts from proto/: run 'make proto'"; rm -rf $$tmp; exit 1; fi
 
 lint: .venv/.installed  ## ruff check + format check

@@ -1,0 +1,64 @@
+"""API-key authentication: X-API-Key → tenant, via the controller's Authenticate.
+
+Keys are never stored here; a successful lookup is remembered for a few seconds under the
+key's SHA-256, so a revoked key stops working within `auth_cache_seconds`. Missing or
+unknown keys are 401 in Tinker's shape. Every router takes the tenant from `Tenant`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from lorafleet import errors
+from lorafleet.v1 import controller_pb2 as cpb
+
+HEADER = "X-API-Key"
+_MAX_ENTRIES = 10_000
+
+
+class AuthCache:
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self.entries: dict[str, tuple[str, float]] = {}
+
+    def get(self, digest: str) -> str | None:
+        hit = self.entries.get(digest)
+        if hit is None or hit[1] < time.monotonic():
+            return None
+        return hit[0]
+
+    def put(self, digest: str, tenant: str) -> None:
+        if self.ttl <= 0:
+            return
+        if len(self.entries) >= _MAX_ENTRIES:
+            self.entries.clear()
+        self.entries[digest] = (tenant, time.monotonic() + self.ttl)
+
+
+async def tenant_of(request: Request) -> str:
+    """The authenticated tenant, or PermissionDenied (401)."""
+    key = request.headers.get(HEADER, "")
+    if not key:
+        raise errors.PermissionDenied("missing API key", field=HEADER)
+    state = request.app.state
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    tenant = state.auth_cache.get(digest)
+    if tenant is None:
+        try:
+            reply = await state.controller.call(
+                "Authenticate", cpb.AuthenticateRequest(api_key=key)
+            )
+        except (errors.NotFound, errors.InvalidArgument, errors.PermissionDenied):
+            raise errors.PermissionDenied("invalid API key", field=HEADER) from None
+        tenant = reply.tenant
+        if not tenant:
+            raise errors.PermissionDenied("invalid API key", field=HEADER)
+        state.auth_cache.put(digest, tenant)
+    return tenant
+
+
+Tenant = Annotated[str, Depends(tenant_of)]

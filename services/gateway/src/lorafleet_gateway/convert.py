@@ -1,0 +1,493 @@
+"""Tinker wire data (JSON and tinker_public protobuf) ⇄ lorafleet.v1 messages.
+
+Inputs are validated completely before anything is sent on: every tensor's byte length must
+match dtype × shape, sparse CSR structure must be consistent, floats must be finite, token
+ids non-negative int32, and every loss input's leading dimension must equal the datum's
+token count. Failures raise InvalidArgument naming the dotted field, e.g.
+"forward_backward_input.data[2].loss_fn_inputs.weights". Tinker only has float32 and int64
+on the JSON wire; proto int32/bfloat16 inputs are widened here so the trainer sees two dtypes.
+Outputs become Tinker JSON (0.24.1) or tinker_public protobuf (BatchedTensor per field).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from lorafleet.errors import InvalidArgument
+from lorafleet.v1 import common_pb2 as pb
+from lorafleet_gateway import protocol
+from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
+
+# Losses this server implements, and the loss_fn_inputs each one needs (tinker-api.md §7.3).
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens",),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+}
+INT_INPUTS = frozenset({"target_tokens"})
+
+_LE = {
+    pb.DTYPE_FLOAT32: "<f4",
+    pb.DTYPE_INT64: "<i8",
+    pb.DTYPE_INT32: "<i4",
+    pb.DTYPE_FLOAT64: "<f8",
+    pb.DTYPE_BFLOAT16: "<u2",
+}
+_TINKER_LE = {
+    tpb.DTYPE_FLOAT32: "<f4",
+    tpb.DTYPE_INT64: "<i8",
+    tpb.DTYPE_INT32: "<i4",
+    tpb.DTYPE_BFLOAT16: "<u2",
+}
+
+
+# --- small helpers ------------------------------------------------------------------------
+def _bf16_to_f32(raw_u16: np.ndarray) -> np.ndarray:
+    return (raw_u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def _finite(arr: np.ndarray, field: str) -> None:
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        bad = int(np.flatnonzero(~np.isfinite(arr.reshape(-1)))[0])
+        raise InvalidArgument(f"non-finite value at flat index {bad}", field=field)
+
+
+def _to_tensor(arr: np.ndarray) -> pb.Tensor:
+    if arr.dtype.kind == "f":
+        return pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=arr.shape, data=arr.astype("<f4").tobytes())
+    return pb.Tensor(dtype=pb.DTYPE_INT64, shape=arr.shape, data=arr.astype("<i8").tobytes())
+
+
+def _shape(shape: Sequence[int] | None, count: int, field: str) -> tuple[int, ...]:
+    if not shape:
+        return (count,)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"negative dimension in shape {list(shape)}", field=f"{field}.shape")
+    if math.prod(shape) != count:
+        raise InvalidArgument(
+            f"{count} elements do not fill shape {list(shape)} ({math.prod(shape)} expected)",
+            field=f"{field}.shape",
+        )
+    return tuple(shape)
+
+
+def _densify(
+    values: np.ndarray, crow: np.ndarray, col: np.ndarray, shape: Sequence[int] | None, field: str
+) -> np.ndarray:
+    """Sparse CSR (values, crow_indices, col_indices) → the dense 2-D array, checked."""
+    if not shape or len(shape) != 2:
+        raise InvalidArgument("sparse CSR tensors need a 2-D shape", field=f"{field}.shape")
+    rows, cols = int(shape[0]), int(shape[1])
+    if rows < 0 or cols < 0:
+        raise InvalidArgument(f"negative dimension in shape {list(shape)}", field=f"{field}.shape")
+    if len(crow) != rows + 1:
+        raise InvalidArgument(
+            f"expected {rows + 1} row pointers, got {len(crow)}",
+            field=f"{field}.sparse_crow_indices",
+        )
+    if crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != len(values):
+        raise InvalidArgument(
+            "row pointers must start at 0, never decrease and end at nnz",
+            field=f"{field}.sparse_crow_indices",
+        )
+    if len(col) != len(values):
+        raise InvalidArgument(
+            f"{len(col)} column indices for {len(values)} values",
+            field=f"{field}.sparse_col_indices",
+        )
+    if len(col) and (col.min() < 0 or col.max() >= cols):
+        raise InvalidArgument(
+            f"column index out of range [0, {cols})", field=f"{field}.sparse_col_indices"
+        )
+    dense = np.zeros((rows, cols), dtype=values.dtype)
+    dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return dense
+
+
+# --- tensors in ---------------------------------------------------------------------------
+def array_from_json(td: protocol.TensorData, field: str) -> np.ndarray:
+    """TensorData JSON → a checked numpy array (float32 or int64)."""
+    if td.dtype == "int64":
+        if any(isinstance(x, float) and not x.is_integer() for x in td.data):
+            raise InvalidArgument("int64 tensor holds a non-integer", field=f"{field}.data")
+        try:
+            values = np.asarray(td.data, dtype=np.int64)
+        except OverflowError:
+            raise InvalidArgument("value out of int64 range", field=f"{field}.data") from None
+    else:
+        with np.errstate(over="ignore"):  # overflow to inf is reported just below
+            values = np.asarray(td.data, dtype=np.float64).astype(np.float32)
+        _finite(values, f"{field}.data")
+    if td.sparse_crow_indices is not None or td.sparse_col_indices is not None:
+        if td.sparse_crow_indices is None or td.sparse_col_indices is None:
+            raise InvalidArgument(
+                "sparse CSR needs both sparse_crow_indices and sparse_col_indices", field=field
+            )
+        crow = np.asarray(td.sparse_crow_indices, dtype=np.int64)
+        col = np.asarray(td.sparse_col_indices, dtype=np.int64)
+        return _densify(values, crow, col, td.shape, field)
+    return values.reshape(_shape(td.shape, values.size, field))
+
+
+def _frombuffer(raw: bytes, le: str, field: str) -> np.ndarray:
+    itemsize = np.dtype(le).itemsize
+    if len(raw) % itemsize:
+        raise InvalidArgument(
+            f"{len(raw)} bytes is not a whole number of {itemsize}-byte elements", field=field
+        )
+    return np.frombuffer(raw, dtype=le)
+
+
+def array_from_proto(t: tpb.Tensor, field: str) -> np.ndarray:
+    """tinker_public.Tensor (dense or sparse_csr) → a checked float32/int64 numpy array."""
+    le = _TINKER_LE.get(t.dtype)
+    if le is None:
+        raise InvalidArgument(f"unsupported dtype {t.dtype}", field=f"{field}.dtype")
+    encoding = t.WhichOneof("encoding")
+    if encoding == "sparse_csr":
+        values = _frombuffer(t.sparse_csr.values, le, f"{field}.sparse_csr.values")
+        crow = _frombuffer(t.sparse_csr.crow_indices, "<i8", f"{field}.sparse_csr.crow_indices")
+        col = _frombuffer(t.sparse_csr.col_indices, "<i8", f"{field}.sparse_csr.col_indices")
+        arr = _densify(values, crow, col, list(t.shape), field)
+    else:
+        values = _frombuffer(t.dense, le, f"{field}.dense")
+        arr = values.reshape(_shape(list(t.shape), values.size, field))
+    if t.dtype == tpb.DTYPE_BFLOAT16:
+        arr = _bf16_to_f32(arr)
+    elif t.dtype == tpb.DTYPE_INT32:
+        arr = arr.astype(np.int64)
+    _finite(arr, field)
+    return arr
+
+
+# --- data in ------------------------------------------------------------------------------
+def tokens_from_json(model_input: protocol.ModelInput, field: str) -> list[int]:
+    tokens: list[int] = []
+    for j, chunk in enumerate(model_input.chunks):
+        where = f"{field}.chunks[{j}]"
+        if chunk.type != "encoded_text":
+            raise InvalidArgument(
+                f"chunk type {chunk.type!r} is not supported (text only)", field=f"{where}.type"
+            )
+        if chunk.tokens is None:
+            raise InvalidArgument("missing", field=f"{where}.tokens")
+        tokens.extend(chunk.tokens)
+    if not tokens:
+        raise InvalidArgument("needs at least one token", field=field)
+    return tokens
+
+
+def tokens_from_proto(chunks: Iterable[tpb.Chunk], field: str) -> list[int]:
+    tokens: list[int] = []
+    for j, chunk in enumerate(chunks):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise InvalidArgument(
+                f"chunk type {kind!r} is not supported (text only)", field=f"{field}[{j}]"
+            )
+        ids = _frombuffer(chunk.encoded_text.tokens, "<i4", f"{field}[{j}].encoded_text.tokens")
+        if ids.size and ids.min() < 0:
+            raise InvalidArgument("negative token id", field=f"{field}[{j}].encoded_text.tokens")
+        tokens.extend(ids.tolist())
+    if not tokens:
+        raise InvalidArgument("needs at least one token", field=field)
+    return tokens
+
+
+def _datum(
+    tokens: list[int], inputs: Mapping[str, np.ndarray], loss_fn: str, field: str
+) -> pb.Datum:
+    for name in REQUIRED_INPUTS[loss_fn]:
+        if name not in inputs:
+            raise InvalidArgument(f"{loss_fn} needs {name!r}", field=f"{field}.loss_fn_inputs")
+    datum = pb.Datum(tokens=tokens)
+    for name, arr in inputs.items():
+        where = f"{field}.loss_fn_inputs.{name}"
+        if arr.ndim == 0 or arr.shape[0] != len(tokens):
+            raise InvalidArgument(
+                f"leading dimension {arr.shape[0] if arr.ndim else '()'} != model_input "
+                f"length {len(tokens)}",
+                field=where,
+            )
+        if name in INT_INPUTS and arr.dtype.kind != "i":
+            raise InvalidArgument("must be int64", field=f"{where}.dtype")
+        if name in INT_INPUTS and arr.size and arr.min() < 0:
+            raise InvalidArgument("negative token id", field=where)
+        datum.loss_fn_inputs[name].CopyFrom(_to_tensor(arr))
+    return datum
+
+
+def check_loss_fn(loss_fn: str, field: str) -> None:
+    if loss_fn not in REQUIRED_INPUTS:
+        known = ", ".join(sorted(REQUIRED_INPUTS))
+        raise InvalidArgument(
+            f"unknown or unsupported loss {loss_fn!r} (supported: {known})", field=field
+        )
+
+
+def _config(config: Mapping[str, float], field: str) -> dict[str, float]:
+    for key, value in config.items():
+        if not math.isfinite(value):
+            raise InvalidArgument("must be finite", field=f"{field}.{key}")
+    return dict(config)
+
+
+def fb_input_from_json(
+    body: protocol.ForwardBackwardInput, field: str, forward_only: bool
+) -> pb.ForwardBackwardInput:
+    check_loss_fn(body.loss_fn, f"{field}.loss_fn")
+    if not body.data:
+        raise InvalidArgument("needs at least one datum", field=f"{field}.data")
+    data = []
+    for i, d in enumerate(body.data):
+        where = f"{field}.data[{i}]"
+        tokens = tokens_from_json(d.model_input, f"{where}.model_input")
+        inputs = {
+            k: array_from_json(v, f"{where}.loss_fn_inputs.{k}")
+            for k, v in d.loss_fn_inputs.items()
+        }
+        data.append(_datum(tokens, inputs, body.loss_fn, where))
+    config = _config(body.loss_fn_config or {}, f"{field}.loss_fn_config")
+    return pb.ForwardBackwardInput(
+        data=data, loss_fn=body.loss_fn, loss_fn_config=config, forward_only=forward_only
+    )
+
+
+def fb_request_from_proto(raw: bytes) -> tuple[str, int, pb.ForwardBackwardInput]:
+    """A tinker_public.ForwardBackwardRequest body → (model_id, seq_id, input)."""
+    request = tpb.ForwardBackwardRequest()
+    try:
+        request.ParseFromString(raw)
+    except Exception:  # protobuf raises DecodeError (or RuntimeWarning-ish) on garbage
+        raise InvalidArgument(
+            "not a valid tinker_public.ForwardBackwardRequest", field="body"
+        ) from None
+    if not request.model_id:
+        raise InvalidArgument("missing", field="model_id")
+    if request.seq_id < 0:
+        raise InvalidArgument("must be >= 0", field="seq_id")
+    check_loss_fn(request.loss_fn, "loss_fn")
+    if not request.data:
+        raise InvalidArgument("needs at least one datum", field="data")
+    data = []
+    for i, d in enumerate(request.data):
+        where = f"data[{i}]"
+        tokens = tokens_from_proto(d.model_input, f"{where}.model_input")
+        inputs = {
+            k: array_from_proto(v, f"{where}.loss_fn_inputs.{k}")
+            for k, v in d.loss_fn_inputs.items()
+        }
+        data.append(_datum(tokens, inputs, request.loss_fn, where))
+    if request.loss_fn_config_v2:
+        config = {}
+        for key, value in request.loss_fn_config_v2.items():
+            if value.WhichOneof("value") != "number":
+                raise InvalidArgument(
+                    "only numeric loss config values are supported",
+                    field=f"loss_fn_config_v2.{key}",
+                )
+            config[key] = value.number
+        config = _config(config, "loss_fn_config_v2")
+    else:
+        config = _config(request.loss_fn_config, "loss_fn_config")
+    fb = pb.ForwardBackwardInput(
+        data=data, loss_fn=request.loss_fn, loss_fn_config=config, forward_only=request.forward_only
+    )
+    return request.model_id, request.seq_id, fb
+
+
+def adam_from_json(params: protocol.AdamParams, field: str = "adam_params") -> pb.AdamParams:
+    """AdamParams, all finite and in range (a NaN learning rate would poison a slot)."""
+    values = params.model_dump()
+    for key, value in values.items():
+        if not math.isfinite(value):
+            raise InvalidArgument("must be finite", field=f"{field}.{key}")
+    rules = {
+        "learning_rate": values["learning_rate"] >= 0,
+        "beta1": 0 <= values["beta1"] < 1,
+        "beta2": 0 <= values["beta2"] < 1,
+        "eps": values["eps"] > 0,
+        "weight_decay": values["weight_decay"] >= 0,
+        "grad_clip_norm": values["grad_clip_norm"] >= 0,
+    }
+    for key, ok in rules.items():
+        if not ok:
+            raise InvalidArgument(f"out of range: {values[key]!r}", field=f"{field}.{key}")
+    return pb.AdamParams(**values)
+
+
+def lora_from_json(config: protocol.LoraConfig, field: str = "lora_config") -> pb.LoraConfig:
+    if not (config.train_attn or config.train_mlp or config.train_unembed):
+        raise InvalidArgument(
+            "at least one of train_attn, train_mlp, train_unembed must be true", field=field
+        )
+    return pb.LoraConfig(
+        rank=config.rank,
+        seed=config.seed or 0,
+        train_attn=config.train_attn,
+        train_mlp=config.train_mlp,
+        train_unembed=config.train_unembed,
+    )
+
+
+def sampling_params_from_json(params: protocol.SamplingParams) -> pb.SamplingParams:
+    """Tinker SamplingParams → v1. stop=None: EOS only; stop=[]: not even EOS (0.38 docs)."""
+    out = pb.SamplingParams(
+        max_tokens=params.max_tokens or 0,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+    )
+    if params.seed is not None:
+        out.seed = params.seed
+    stop = params.stop
+    if isinstance(stop, str):
+        out.stop_strings.append(stop)
+    elif isinstance(stop, list):
+        if not stop:
+            out.disable_eos_stop = True
+        elif isinstance(stop[0], str):
+            out.stop_strings.extend(stop)  # type: ignore[arg-type]
+        else:
+            if min(stop) < 0:  # type: ignore[type-var]
+                raise InvalidArgument("negative token id", field="sampling_params.stop")
+            out.stop_token_ids.extend(stop)  # type: ignore[arg-type]
+    return out
+
+
+def metadata(values: Mapping[str, Any] | None) -> dict[str, str]:
+    """Tinker user_metadata (any JSON values) → map<string, string>."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in (values or {}).items()}
+
+
+# --- outputs ------------------------------------------------------------------------------
+def array(t: pb.Tensor) -> np.ndarray:
+    """A v1 Tensor → numpy (bfloat16 widened to float32, float64 narrowed to float32)."""
+    arr = np.frombuffer(t.data, dtype=_LE[t.dtype]).reshape(tuple(t.shape) or (-1,))
+    if t.dtype == pb.DTYPE_BFLOAT16:
+        return _bf16_to_f32(arr)
+    if t.dtype == pb.DTYPE_FLOAT64:
+        return arr.astype(np.float32)
+    if t.dtype == pb.DTYPE_INT32:
+        return arr.astype(np.int64)
+    return arr
+
+
+def tensor_json(arr: np.ndarray) -> dict[str, Any]:
+    is_float = arr.dtype.kind == "f"
+    return {
+        "data": arr.reshape(-1).tolist(),
+        "dtype": "float32" if is_float else "int64",
+        "shape": list(arr.shape),
+    }
+
+
+def fb_output_json(out: pb.ForwardBackwardOutput) -> dict[str, Any]:
+    """ForwardBackwardOutput as 0.24.1 parses it from JSON (§7.4)."""
+    return {
+        "loss_fn_output_type": "ArrayRecord",
+        "loss_fn_outputs": [
+            {k: tensor_json(array(t)) for k, t in d.outputs.items()} for d in out.outputs
+        ],
+        "metrics": dict(out.metrics),
+    }
+
+
+def _signature(outputs: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
+    return tuple((k, a.dtype.kind, a.shape[1:]) for k, a in sorted(outputs.items()))
+
+
+def fb_output_proto(out: pb.ForwardBackwardOutput) -> bytes:
+    """tinker_public.ForwardBackwardOutput: one ArrayRecord per run of datums that share
+    field names, dtypes and trailing shapes; each field a BatchedTensor with byte offsets."""
+    result = tpb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=out.metrics)
+    datums = [{k: array(t) for k, t in d.outputs.items()} for d in out.outputs]
+    groups: list[list[dict[str, np.ndarray]]] = []
+    for datum in datums:
+        if groups and _signature(groups[-1][0]) == _signature(datum):
+            groups[-1].append(datum)
+        else:
+            groups.append([datum])
+    for group in groups:
+        record = result.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(group))
+        for name in group[0]:
+            parts = [d[name] for d in group]
+            is_float = parts[0].dtype.kind == "f"
+            le = "<f4" if is_float else "<i8"
+            blobs = [p.astype(le).tobytes() for p in parts]
+            field = record.fields[name]
+            field.dtype = tpb.DTYPE_FLOAT32 if is_float else tpb.DTYPE_INT64
+            field.data = b"".join(blobs)
+            field.offsets = np.cumsum([0] + [len(b) for b in blobs]).astype("<i8").tobytes()
+            field.trailing_shape.extend(parts[0].shape[1:])
+    return result.SerializeToString()
+
+
+_STOP = {pb.STOP_REASON_STOP: "stop", pb.STOP_REASON_LENGTH: "length"}
+EMPTY_TOPK = (0, -99999.0)
+
+
+def _topk_rows(out: pb.SampleOutput) -> list[list[tuple[int, float]]]:
+    return [
+        list(zip(row.token_ids, row.logprobs, strict=False)) for row in out.topk_prompt_logprobs
+    ]
+
+
+def sample_output_json(out: pb.SampleOutput) -> dict[str, Any]:
+    """SampleResponse as 0.24.1 parses it from JSON (§7.5)."""
+    prompt_lps = [None if math.isnan(x) else x for x in out.prompt_logprobs] or None
+    if prompt_lps:
+        prompt_lps[0] = None
+    topk = [rows or None for rows in _topk_rows(out)] or None
+    if topk:
+        topk[0] = None
+    return {
+        "type": "sample",
+        "sequences": [
+            {
+                "tokens": list(s.tokens),
+                "logprobs": list(s.logprobs),
+                "stop_reason": _STOP.get(s.stop_reason, "length"),
+            }
+            for s in out.sequences
+        ],
+        "prompt_logprobs": prompt_lps,
+        "topk_prompt_logprobs": topk,
+        "prompt_cache_hit_tokens": 0,
+    }
+
+
+def sample_output_proto(out: pb.SampleOutput) -> bytes:
+    """tinker_public.SampleResponse: int32 tokens, float32 logprobs, NaN for missing."""
+    result = tpb.SampleResponse()
+    for s in out.sequences:
+        result.sequences.add(
+            stop_reason=tpb.STOP_REASON_STOP
+            if s.stop_reason == pb.STOP_REASON_STOP
+            else tpb.STOP_REASON_LENGTH,
+            tokens=np.asarray(s.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(s.logprobs, dtype="<f4").tobytes(),
+        )
+    if len(out.prompt_logprobs):
+        lps = np.asarray(out.prompt_logprobs, dtype="<f4")
+        lps[0] = np.nan
+        result.prompt_logprobs = lps.tobytes()
+    rows = _topk_rows(out)
+    if rows:
+        k = max(len(r) for r in rows)
+        ids = np.full((len(rows), k), EMPTY_TOPK[0], dtype="<i4")
+        lps = np.full((len(rows), k), EMPTY_TOPK[1], dtype="<f4")
+        for i, row in enumerate(rows[1:], start=1):  # position 0 has no prediction
+            for j, (tok, lp) in enumerate(row):
+                ids[i, j], lps[i, j] = tok, lp
+        topk = result.topk_prompt_logprobs
+        topk.token_ids, topk.logprobs = ids.tobytes(), lps.tobytes()
+        topk.k, topk.length = k, len(rows)
+    return result.SerializeToString()

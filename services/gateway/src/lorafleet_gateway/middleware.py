@@ -1,0 +1,71 @@
+"""ASGI middleware: request-body limit and HTTP metrics.
+
+The body limit is enforced on the declared Content-Length (413 before reading) and on the
+bytes actually received (chunked uploads), so an oversized upload never fills memory. The
+metrics label each request with its route template, resolved by the router into
+scope["route"], so ids in paths never become label values.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from lorafleet_gateway.errors import PayloadTooLarge
+from lorafleet_gateway.metrics import HTTP_REQUESTS, HTTP_SECONDS, UNMATCHED
+
+
+class GatewayMiddleware:
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+        limit = self.max_body_bytes
+        received = 0
+
+        async def counted_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes", field="body")
+            return message
+
+        async def recording_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
+            if declared.isdigit() and int(declared) > limit:
+                await _reject_too_large(recording_send, limit)
+            else:
+                await self.app(scope, counted_receive, recording_send)
+        finally:
+            route = getattr(scope.get("route"), "path", UNMATCHED)
+            HTTP_REQUESTS.labels(route, scope["method"], str(status)).inc()
+            HTTP_SECONDS.labels(route).observe(time.perf_counter() - start)
+
+
+async def _reject_too_large(send: Any, limit: int) -> None:
+    body = json.dumps(
+        {
+            "detail": f"body: request body exceeds {limit} bytes",
+            "field": "body",
+            "reason": "PayloadTooLarge",
+            "category": "user",
+        }
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

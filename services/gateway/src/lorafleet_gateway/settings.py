@@ -1,0 +1,83 @@
+"""Gateway settings, from `LORAFLEET_GATEWAY_*` environment variables.
+
+The gateway is stateless: everything here is about reaching the controller and shaping the
+HTTP surface. The download secret signs the short-lived URLs of checkpoint downloads; with
+several gateway replicas it must be the same on all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorafleet.settings import setting
+
+ENV_PREFIX = "LORAFLEET_GATEWAY_"
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = setting("127.0.0.1", doc="Interface to listen on (0.0.0.0 in a cluster).")
+    port: int = setting(
+        8000, doc="HTTP port (the Tinker base URL; /metrics is served here too).", min=0, max=65535
+    )
+    metrics_port: int = setting(
+        0,
+        doc="Also serve /metrics on this separate port (0 = only /metrics on the HTTP port).",
+        min=0,
+        max=65535,
+    )
+    controller_address: str = setting(
+        "127.0.0.1:50051", doc="host:port of the controller's gRPC endpoint."
+    )
+    long_poll_seconds: float = setting(
+        20.0,
+        doc="How long retrieve_future waits for a result before answering try_again "
+        "(the SDK's read timeout is 45 s).",
+        min=0.0,
+        max=40.0,
+    )
+    max_body_bytes: int = setting(
+        64 * 1024 * 1024,
+        doc="Largest request body accepted, before and after zstd decompression (413 above).",
+        min=1024,
+        max=1024 * 1024 * 1024,
+    )
+    rpc_timeout_seconds: float = setting(
+        10.0, doc="Deadline of short controller calls (submits, lookups).", min=0.5, max=120.0
+    )
+    auth_cache_seconds: float = setting(
+        5.0,
+        doc="How long a successful API-key check is reused (0 = ask every time).",
+        min=0.0,
+        max=60.0,
+    )
+    proto_flags: bool = setting(
+        True,
+        doc="Offer the recommended client/config flags (proto_write_fwdbwd, fwd_via_fwdbwd, "
+        "create_model_via_load_weights) so 0.24.1 uses 0.38's wire paths; false serves {} "
+        "(0.24.1 then speaks JSON).",
+    )
+    compress_fwdbwd: bool = setting(
+        False, doc="Ask clients to zstd-compress forward_backward bodies (proto_compress_fwdbwd)."
+    )
+    ack_results: bool = setting(
+        True,
+        doc="Acknowledge an operation once its result was sent, releasing it in the ledger "
+        "(a later poll of the same id answers 410).",
+    )
+    download_secret: str = setting(
+        "",
+        doc="HMAC key for signed download URLs; empty = a random key per process "
+        "(fine for one replica).",
+    )
+    download_ttl_seconds: int = setting(
+        900, doc="Lifetime of a signed download URL.", min=10, max=7 * 24 * 3600
+    )
+    public_url: str = setting(
+        "",
+        doc="Base URL clients reach the gateway at, for download links; empty = the "
+        "request's own base URL.",
+    )
+    log_level: str = setting(
+        "INFO", doc="Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")
+    )

@@ -1,0 +1,235 @@
+"""The gateway over HTTP against a real fleet: auth, tenancy, bad input, futures, metrics.
+
+Every bad request must be a 4xx whose body names the field, and must change nothing: after
+the rejections the model still answers exactly as before.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import numpy as np
+import pytest
+import zstandard
+
+from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
+
+PROTO = "application/x-protobuf"
+
+
+class Client:
+    def __init__(self, base_url: str, key: str) -> None:
+        self.http = httpx.Client(
+            base_url=f"{base_url}/api/v1", headers={"X-API-Key": key}, timeout=60
+        )
+
+    def post(self, path: str, body: object = None, **kw: object) -> httpx.Response:
+        return (
+            self.http.post(path, json=body, **kw)
+            if body is not None
+            else self.http.post(path, **kw)
+        )
+
+    def result(self, request_id: str, accept: str = "application/json") -> httpx.Response:
+        """Poll retrieve_future until it is no longer try_again."""
+        for _ in range(60):
+            reply = self.post(
+                "/retrieve_future", {"request_id": request_id}, headers={"Accept": accept}
+            )
+            if reply.headers["content-type"].startswith(PROTO):
+                return reply
+            if reply.status_code != 200 or reply.json().get("type") != "try_again":
+                return reply
+        raise AssertionError(f"{request_id} never finished")
+
+
+@pytest.fixture(scope="module")
+def client(fleet: object) -> Client:
+    return Client(fleet.base_url, fleet.api_key)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def model(client: Client) -> dict:
+    caps = client.http.get("/get_server_capabilities").json()["supported_models"]
+    base = next(m["model_name"] for m in caps if m["trainable"])
+    session = client.post("/create_session", {"tags": [], "sdk_version": "test"}).json()
+    created = client.post(
+        "/create_model",
+        {
+            "session_id": session["session_id"],
+            "model_seq_id": 0,
+            "base_model": base,
+            "lora_config": {"rank": 4},
+        },
+    )
+    assert created.status_code == 200, created.text
+    model_id = created.json()["model_id"]
+    assert client.result(created.json()["request_id"]).json()["model_id"] == model_id
+    return {"model_id": model_id, "session_id": session["session_id"], "seq": 0}
+
+
+TOKENS = [5, 6, 7, 8]
+
+
+def fb_body(model: dict, seq: int, **over: object) -> dict:
+    datum = {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": TOKENS}]},
+        "loss_fn_inputs": {
+            "target_tokens": {"data": [6, 7, 8, 9], "dtype": "int64"},
+            "weights": {"data": [1.0] * 4, "dtype": "float32"},
+        },
+    }
+    body = {"loss_fn": "cross_entropy", "data": [datum]}
+    body.update(over)
+    return {"forward_input": body, "model_id": model["model_id"], "seq_id": seq}
+
+
+def next_seq(model: dict) -> int:
+    model["seq"] += 1
+    return model["seq"]
+
+
+def forward_logprobs(client: Client, model: dict) -> list[float]:
+    reply = client.post("/forward", fb_body(model, next_seq(model)))
+    assert reply.status_code == 200, reply.text
+    out = client.result(reply.json()["request_id"]).json()
+    return out["loss_fn_outputs"][0]["logprobs"]["data"]
+
+
+def assert_400(reply: httpx.Response, field: str, status: int = 400) -> None:
+    assert reply.status_code == status, reply.text
+    assert reply.json()["field"] == field, reply.json()
+
+
+def test_auth_is_required_and_checked(fleet: object) -> None:
+    base = f"{fleet.base_url}/api/v1"  # type: ignore[attr-defined]
+    assert httpx.get(f"{base}/training_runs").status_code == 401
+    wrong = httpx.get(f"{base}/training_runs", headers={"X-API-Key": "tml-nope"})
+    assert_400(wrong, "X-API-Key", 401)
+    unknown = httpx.get(f"{base}/no/such/route")
+    assert unknown.status_code == 404 and unknown.json()["detail"] == "Not Found"
+
+
+def test_bad_input_is_4xx_naming_the_field_and_changes_nothing(client: Client, model: dict) -> None:
+    before = forward_logprobs(client, model)
+    seq = model["seq"] + 1  # every rejected request below uses the next, still unspent seq_id
+    assert_400(
+        client.post("/forward", content=b"{not json", headers={"Content-Type": "application/json"}),
+        "body",
+    )
+    bad_shape = fb_body(model, seq)
+    bad_shape["forward_input"]["data"][0]["loss_fn_inputs"]["weights"]["shape"] = [5]
+    assert_400(
+        client.post("/forward", bad_shape), "forward_input.data[0].loss_fn_inputs.weights.shape"
+    )
+    assert_400(
+        client.post("/forward", fb_body(model, seq, loss_fn="nope")), "forward_input.loss_fn"
+    )
+    wrong_type = fb_body(model, seq)
+    wrong_type["forward_input"]["data"][0]["model_input"]["chunks"][0]["tokens"] = ["a"]
+    assert_400(
+        client.post("/forward", wrong_type), "forward_input.data[0].model_input.chunks[0].tokens[0]"
+    )
+    nan_adam = json.dumps(
+        {"model_id": model["model_id"], "seq_id": seq, "adam_params": {"learning_rate": math.nan}}
+    )
+    assert_400(
+        client.post(
+            "/optim_step", content=nan_adam.encode(), headers={"Content-Type": "application/json"}
+        ),
+        "adam_params.learning_rate",
+    )
+    garbage = client.post(
+        "/forward_backward", content=b"\xff\xfe\xfd", headers={"Content-Type": PROTO}
+    )
+    assert_400(garbage, "body")
+    bad_zstd = client.post(
+        "/forward_backward",
+        content=b"\x28\xb5\x2f\xfd junk",
+        headers={"Content-Type": PROTO, "Content-Encoding": "zstd"},
+    )
+    assert_400(bad_zstd, "body")
+    huge = client.post(
+        "/forward", content=b" " * (2 << 20), headers={"Content-Type": "application/json"}
+    )
+    assert_400(huge, "body", 413)
+    assert forward_logprobs(client, model) == pytest.approx(before, abs=0)
+
+
+def _proto_fb(model: dict, seq: int) -> bytes:
+    req = tpb.ForwardBackwardRequest(
+        model_id=model["model_id"], seq_id=seq, loss_fn="cross_entropy", forward_only=True
+    )
+    d = req.data.add()
+    d.model_input.add().encoded_text.tokens = np.array(TOKENS, "<i4").tobytes()
+    d.loss_fn_inputs["target_tokens"].CopyFrom(
+        tpb.Tensor(dense=np.array([6, 7, 8, 9], "<i8").tobytes(), dtype=tpb.DTYPE_INT64, shape=[4])
+    )
+    d.loss_fn_inputs["weights"].CopyFrom(
+        tpb.Tensor(dense=np.ones(4, "<f4").tobytes(), dtype=tpb.DTYPE_FLOAT32, shape=[4])
+    )
+    return req.SerializeToString()
+
+
+def test_proto_zstd_forward_returns_proto_and_json_results(client: Client, model: dict) -> None:
+    json_lps = forward_logprobs(client, model)
+    body = zstandard.ZstdCompressor().compress(_proto_fb(model, next_seq(model)))
+    reply = client.post(
+        "/forward_backward",
+        content=body,
+        headers={"Content-Type": PROTO, "Content-Encoding": "zstd"},
+    )
+    assert reply.status_code == 200, reply.text
+    result = client.result(reply.json()["request_id"], accept=PROTO)
+    assert result.headers["content-type"].startswith(PROTO), result.text
+    out = tpb.ForwardBackwardOutput.FromString(result.content)
+    lps = np.frombuffer(out.loss_fn_outputs[0].fields["logprobs"].data, "<f4").tolist()
+    assert lps == pytest.approx(json_lps, abs=1e-6)
+    assert math.isclose(out.metrics["loss:sum"], -sum(lps), rel_tol=1e-5)
+    # The result was acknowledged once delivered: polling it again is 410.
+    assert (
+        client.post("/retrieve_future", {"request_id": reply.json()["request_id"]}).status_code
+        == 410
+    )
+
+
+def test_same_seq_id_with_another_payload_is_422(client: Client, model: dict) -> None:
+    seq = next_seq(model)
+    first = client.post("/forward", fb_body(model, seq))
+    again = client.post("/forward", fb_body(model, seq))
+    assert first.json()["request_id"] == again.json()["request_id"]  # a retry dedups
+    other = fb_body(model, seq)
+    other["forward_input"]["data"][0]["loss_fn_inputs"]["weights"]["data"] = [0.5] * 4
+    assert client.post("/forward", other).status_code == 422
+    assert client.result(first.json()["request_id"]).status_code == 200
+
+
+def test_other_tenants_ids_are_404(fleet: object, client: Client, model: dict) -> None:
+    key = fleet.create_api_key("intruder", "test")  # type: ignore[attr-defined]
+    intruder = Client(fleet.base_url, key)  # type: ignore[attr-defined]
+    assert intruder.post("/get_info", {"model_id": model["model_id"]}).status_code == 404
+    assert intruder.http.get(f"/training_runs/{model['model_id']}").status_code == 404
+    reply = intruder.post("/forward", fb_body(model, model["seq"] + 1))
+    assert reply.status_code == 404, reply.text
+    info = client.post("/get_info", {"model_id": model["model_id"]}).json()
+    assert info["model_data"]["tokenizer_id"] and info["lora_rank"] == 4
+
+
+def test_finished_session_heartbeat_is_410(client: Client) -> None:
+    session = client.post("/create_session", {}).json()["session_id"]
+    assert client.post("/session_heartbeat", {"session_id": session}).status_code == 200
+    assert (
+        client.post(f"/sessions/{session}/finish", {"reason": {"type": "success"}}).status_code
+        == 200
+    )
+    assert client.post("/session_heartbeat", {"session_id": session}).status_code == 410
+
+
+def test_metrics_use_route_templates(fleet: object, client: Client) -> None:
+    client.http.get("/training_runs/some-id-that-does-not-exist")
+    text = httpx.get(f"{fleet.base_url}/metrics").text  # type: ignore[attr-defined]
+    assert 'route="/api/v1/training_runs/{run_id}"' in text
+    assert "some-id-that-does-not-exist" not in text
+    assert "lorafleet_http_request_seconds_bucket" in text

@@ -1,0 +1,132 @@
+"""Fixtures for the real-SDK tier: one fleet per module, the SDK venvs, and a runner.
+
+The SDK runs in its own venv (built by tests/sdk/setup_venvs.sh), as a separate process
+talking HTTP to the gateway, exactly like a user's script. Tests skip with the command to
+run when a venv is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lorafleet.testing import child_env, free_port, stop_process, wait_for_port
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SMOKE = "SMOKE OK "
+
+
+def _sdk_python(version: str) -> Path:
+    python = REPO / ".venvs" / f"tinker-{version}" / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no tinker {version} venv: run tests/sdk/setup_venvs.sh")
+    return python
+
+
+@dataclass
+class Target:
+    """A gateway an SDK process talks to."""
+
+    base_url: str
+    api_key: str
+    base_model: str
+    model_dir: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return child_env(
+            TINKER_BASE_URL=self.base_url,
+            TINKER_API_KEY=self.api_key,
+            SMOKE_BASE_MODEL=self.base_model,
+            MODEL_DIR=str(self.model_dir),
+            **extra,
+        )
+
+    def get(self, path: str, **kw: object) -> httpx.Response:
+        headers = {"X-API-Key": self.api_key}
+        return httpx.get(f"{self.base_url}{path}", headers=headers, timeout=60, **kw)
+
+
+def _run_sdk(version: str, script: str, target: Target, timeout: float = 600, **env: str) -> dict:
+    """Run tests/sdk/<script> with that SDK; return the JSON after its "SMOKE OK " line."""
+    proc = subprocess.run(
+        [str(_sdk_python(version)), "-W", "error::FutureWarning", str(HERE / script)],
+        env=target.env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(SMOKE)]
+    assert proc.returncode == 0 and lines, f"{script} with tinker {version} failed:\n" + (
+        proc.stdout[-4000:] + proc.stderr[-8000:]
+    )
+    return json.loads(lines[-1][len(SMOKE) :])
+
+
+@pytest.fixture
+def sdk_python() -> Callable[[str], Path]:
+    """sdk_python("0.38.0") → that venv's python, or skip with the command that builds it."""
+    return _sdk_python
+
+
+@pytest.fixture
+def run_sdk() -> Callable[..., dict]:
+    """run_sdk(version, script, target, **env) → the script's result JSON (asserts success)."""
+    return _run_sdk
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[object]:
+    from lorafleet_cli.fleet import Fleet, FleetConfig
+
+    config = FleetConfig(
+        model_path=tiny_model_dir,
+        run_dir=tmp_path_factory.mktemp("fleet"),
+        trainers=1,
+        rollouts=1,
+        slots=16,  # registrations keep their slot after a session ends; ~9 runs here
+    )
+    with Fleet(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def target(fleet: object, tiny_model_dir: Path) -> Target:
+    key = fleet.api_key  # type: ignore[attr-defined]
+    caps = httpx.get(
+        f"{fleet.base_url}/api/v1/get_server_capabilities",  # type: ignore[attr-defined]
+        headers={"X-API-Key": key},
+        timeout=30,
+    ).json()
+    name = caps["supported_models"][0]["model_name"]
+    return Target(fleet.base_url, key, name, tiny_model_dir)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def json_target(fleet: object, target: Target, tmp_path_factory: pytest.TempPathFactory):
+    """A second gateway on the same controller serving client/config {} (0.24.1 → JSON)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("gateway-json") / "gateway.log"
+    env = child_env(
+        LORAFLEET_GATEWAY_PORT=str(port),
+        LORAFLEET_GATEWAY_CONTROLLER_ADDRESS=fleet.controller_address,  # type: ignore[attr-defined]
+        LORAFLEET_GATEWAY_PROTO_FLAGS="false",
+    )
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lorafleet_gateway"], env=env, stdout=out, stderr=out
+        )
+    try:
+        wait_for_port(port, proc=proc)
+        yield Target(
+            f"http://127.0.0.1:{port}", target.api_key, target.base_model, target.model_dir
+        )
+    finally:
+        stop_process(proc)
