@@ -1,31 +1,51 @@
-"""Sampling throughput: TorchEngine (continuous, mixed-adapter batching) vs one-by-one `generate`.
+"""Rollout figures on the ~20 M "bench" model, measured side by side in one run. Prints JSON.
 
-16 concurrent requests over 8 LoRA adapters on the ~20 M "bench" model, each 32 prompt tokens
-and 64 greedy new tokens (EOS ignored, so both sides generate exactly the same token count),
-measured side by side in one run. The baseline is what a naive server does: transformers +
-PEFT with all adapters loaded, `set_adapter`, then `generate` per request. Prints JSON.
+1. Sampling throughput: 16 concurrent requests over 8 rank-8 LoRA adapters (32 prompt and 64
+   greedy new tokens each, EOS ignored so both sides generate the same tokens) on TorchEngine
+   (continuous, mixed-adapter batching) vs what a naive server does: transformers + PEFT with
+   every adapter loaded, `set_adapter`, then `generate` per request. Rounds alternate the two
+   sides so load drifts on a shared host hit both; the speedup is the median round's ratio.
+   Target >= 4x (S-LoRA reports 4x over HF PEFT).
+2. Publishing: two in-process RolloutService gRPC replicas. Latency = a rank-8 adapter folder
+   on disk (as the trainer exports it) -> LoadAdapter streamed to both replicas -> both
+   serving it; p50 target <= 100 ms. And sampling throughput of other adapters on both
+   replicas while versions are published back to back, vs without; target >= 0.9x.
 
-    .venv/bin/python bench/sampling.py [--requests 16] [--adapters 8] [--new-tokens 64]
+Torch runs one intra-op thread by default: on a shared host OpenMP's spinning worker threads
+measure the neighbours (2 threads ran both sides ~15x slower here under load); `--threads 0`
+keeps torch's default.
+
+    .venv/bin/python bench/sampling.py [--rounds 3] [--threads 1] [--skip-publish]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from lorafleet.rpc.channel import make_channel
+from lorafleet.rpc.server import RunningServer, ServiceSpec, start_server
+from lorafleet.settings import ServerSettings
+from lorafleet.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from lorafleet_rollout.core import Limits, RolloutCore
+from lorafleet_rollout.servicer import RolloutServicer
 from lorafleet_rollout.torch_engine import TorchEngine
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SamplingSpec
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK = 8
 
 
 def bench_model(work: Path) -> tuple[Path, str]:
@@ -42,27 +62,33 @@ def bench_model(work: Path) -> tuple[Path, str]:
     return ensure_model("bench", REPO / ".cache" / "models"), "lorafleet_models bench preset"
 
 
-def make_adapters(model_dir: Path, work: Path, n: int) -> list[Path]:
+def make_adapters(model_dir: Path, work: Path, n: int, prefix: str = "a") -> list[Path]:
     folders = []
     for i in range(n):
-        torch.manual_seed(100 + i)
+        torch.manual_seed(100 + i if prefix == "a" else 1000 + i)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
-        get_peft_model(base, config).save_pretrained(work / f"a{i}")
-        folders.append(work / f"a{i}")
+        config = LoraConfig(
+            r=RANK, lora_alpha=2 * RANK, target_modules=TARGETS, init_lora_weights=False
+        )
+        get_peft_model(base, config).save_pretrained(work / f"{prefix}{i}")
+        folders.append(work / f"{prefix}{i}")
     return folders
 
 
-def baseline(model_dir: Path, adapters: list[Path], prompts: list[list[int]], new: int) -> float:
+# ------------------------------------------------------------------ 1. throughput
+def baseline_model(model_dir: Path, adapters: list[Path]) -> PeftModel:
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = PeftModel.from_pretrained(base, adapters[0], adapter_name="a0")
     for i, folder in enumerate(adapters[1:], start=1):
         model.load_adapter(folder, adapter_name=f"a{i}")
-    model.eval()
+    return model.eval()
+
+
+def baseline_round(model: PeftModel, n_adapters: int, prompts: list[list[int]], new: int) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
         for r, prompt in enumerate(prompts):
-            model.set_adapter(f"a{r % len(adapters)}")
+            model.set_adapter(f"a{r % n_adapters}")
             ids = torch.tensor([prompt])
             out = model.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
@@ -72,27 +98,175 @@ def baseline(model_dir: Path, adapters: list[Path], prompts: list[list[int]], ne
     return time.perf_counter() - start
 
 
-async def engine_run(
-    model_dir: Path, adapters: list[Path], prompts: list[list[int]], new: int
-) -> tuple[float, float]:
+async def engine_round(engine: TorchEngine, requests: list[SampleRequest], new: int) -> float:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(engine.sample(r) for r in requests))
+    elapsed = time.perf_counter() - start
+    assert all(len(res.sequences[0].tokens) == new for res in results)
+    return elapsed
+
+
+async def throughput(
+    model_dir: Path, adapters: list[Path], prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, float | list[float]]:
+    new = args.new_tokens
     engine = TorchEngine(model_dir, max_batch_size=len(prompts))
     await engine.start()
     for i, folder in enumerate(adapters):
-        await engine.load_adapter(f"reg-{i}@1", folder, LoraSpec(8, 16))
+        await engine.load_adapter(f"reg-{i}@1", folder, LoraSpec(RANK, 2 * RANK))
     spec = SamplingSpec(max_tokens=new, temperature=0.0, disable_eos_stop=True)
     requests = [
         SampleRequest(f"reg-{r % len(adapters)}@1", tuple(p), spec) for r, p in enumerate(prompts)
     ]
     await engine.sample(requests[0])  # warm-up
-    start = time.perf_counter()
-    results = await asyncio.gather(*(engine.sample(r) for r in requests))
-    elapsed = time.perf_counter() - start
-    assert all(len(res.sequences[0].tokens) == new for res in results)
+    reference = baseline_model(model_dir, adapters)
+    engine_s, baseline_s = [], []
+    for _ in range(args.rounds):
+        engine_s.append(await engine_round(engine, requests, new))
+        baseline_s.append(baseline_round(reference, len(adapters), prompts, new))
     start = time.perf_counter()
     await engine.sample(requests[0])
     single = time.perf_counter() - start
     await engine.close()
-    return elapsed, single
+    tokens = len(prompts) * new
+    return {
+        "torch_engine_tok_s": round(tokens / statistics.median(engine_s), 1),
+        "one_by_one_generate_tok_s": round(tokens / statistics.median(baseline_s), 1),
+        "speedup": round(
+            statistics.median(b / e for e, b in zip(engine_s, baseline_s, strict=True)), 2
+        ),
+        "speedup_per_round": [round(b / e, 2) for e, b in zip(engine_s, baseline_s, strict=True)],
+        "torch_engine_single_request_s": round(single, 3),
+    }
+
+
+# ------------------------------------------------------------------ 2. publishing
+class Replica:
+    """One in-process rollout replica: TorchEngine -> RolloutCore -> gRPC server, plus a stub."""
+
+    def __init__(self, model_dir: Path, root: Path, index: int) -> None:
+        self.core = RolloutCore(
+            TorchEngine(model_dir, max_batch_size=32), Limits(), root / f"replica-{index}"
+        )
+        self.servicer = RolloutServicer(self.core, f"rollout-{index}")
+        self.server: RunningServer | None = None
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: rollout_pb2_grpc.RolloutServiceStub | None = None
+
+    async def start(self) -> None:
+        spec = ServiceSpec(
+            servicer=self.servicer,
+            add_fn=rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+            full_name="lorafleet.v1.RolloutService",
+        )
+        self.server = await start_server(ServerSettings(port=0), [spec], startup=self.core.start)
+        self.channel = make_channel(f"127.0.0.1:{self.server.port}")
+        self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        if self.server is not None:
+            await self.server.stop()
+        await self.core.close()
+
+
+def load_stream(reg: str, version: int, folder: Path) -> list[rollout_pb2.LoadAdapterChunk]:
+    """The LoadAdapter messages for an exported PEFT folder (reading and hashing included)."""
+    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    header = rollout_pb2.AdapterHeader(
+        adapter=common_pb2.AdapterRef(registration_id=reg, version=version),
+        lora_config=common_pb2.LoraConfig(rank=RANK, alpha=2 * RANK),
+        file_sha256=digests,
+    )
+    messages = [rollout_pb2.LoadAdapterChunk(header=header)]
+    step = 1 << 20
+    for name, data in files.items():
+        for offset in range(0, max(len(data), 1), step):
+            last = offset + step >= len(data)
+            chunk = common_pb2.FileChunk(
+                path=name, offset=offset, data=data[offset : offset + step],
+                sha256=digests[name] if last else "",
+            )  # fmt: skip
+            messages.append(rollout_pb2.LoadAdapterChunk(chunk=chunk))
+    return messages
+
+
+async def publish(replicas: list[Replica], reg: str, version: int, folder: Path) -> float:
+    """Seconds from the exported folder to every replica serving it."""
+    start = time.perf_counter()
+    messages = await asyncio.to_thread(load_stream, reg, version, folder)
+    await asyncio.gather(
+        *(r.stub.LoadAdapter(iter(messages), timeout=60) for r in replicas if r.stub)
+    )
+    return time.perf_counter() - start
+
+
+async def sample_load(replicas: list[Replica], prompts: list[list[int]], new: int) -> float:
+    """Seconds for every replica to serve all prompts over the 'other' adapters reg-0..3."""
+    params = common_pb2.SamplingParams(max_tokens=new, temperature=0.0, disable_eos_stop=True)
+    calls = [
+        r.stub.Sample(
+            rollout_pb2.SampleRequest(
+                adapter=common_pb2.AdapterRef(registration_id=f"reg-{i % 4}", version=1),
+                prompt_tokens=p,
+                params=params,
+            ),
+            timeout=300,
+        )
+        for r in replicas
+        if r.stub
+        for i, p in enumerate(prompts)
+    ]
+    start = time.perf_counter()
+    answers = await asyncio.gather(*calls)
+    elapsed = time.perf_counter() - start
+    assert all(len(a.output.sequences[0].tokens) == new for a in answers)
+    return elapsed
+
+
+async def publishing(
+    model_dir: Path, work: Path, others: list[Path], pushed: list[Path], prompts: list[list[int]],
+    args: argparse.Namespace,
+) -> dict[str, float | list[float]]:  # fmt: skip
+    replicas = [Replica(model_dir, work, i) for i in range(2)]
+    for replica in replicas:
+        await replica.start()
+    version = 0
+    try:
+        for i, folder in enumerate(others):
+            await publish(replicas, f"reg-{i}", 1, folder)
+        idle = []
+        for folder in pushed:
+            version += 1
+            idle.append(await publish(replicas, "reg-pub", version, folder))
+        await sample_load(replicas, prompts[:2], 4)  # warm-up
+        quiet, busy, during = [], [], []
+        for _ in range(args.rounds):
+            quiet.append(await sample_load(replicas, prompts, args.new_tokens))
+            load = asyncio.ensure_future(sample_load(replicas, prompts, args.new_tokens))
+            while not load.done():
+                version += 1
+                folder = pushed[version % len(pushed)]
+                during.append(await publish(replicas, "reg-pub", version, folder))
+            busy.append(await load)
+    finally:
+        for replica in replicas:
+            await replica.stop()
+    tokens = 2 * len(prompts) * args.new_tokens
+    return {
+        "replicas": 2,
+        "publish_p50_ms": round(1000 * statistics.median(idle), 1),
+        "publish_p90_ms": round(1000 * statistics.quantiles(idle, n=10)[-1], 1),
+        "publish_p50_ms_while_sampling": round(1000 * statistics.median(during), 1),
+        "publishes_while_sampling": len(during),
+        "other_adapters_tok_s_quiet": round(tokens / statistics.median(quiet), 1),
+        "other_adapters_tok_s_publishing": round(tokens / statistics.median(busy), 1),
+        "throughput_during_publish_ratio": round(
+            statistics.median(q / b for q, b in zip(quiet, busy, strict=True)), 3
+        ),
+    }
 
 
 def main() -> None:
@@ -101,37 +275,34 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 = default")
+    parser.add_argument("--publishes", type=int, default=10, help="idle publishes timed")
+    parser.add_argument("--skip-publish", action="store_true")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report: dict[str, object] = {"bench": "sampling", "torch_threads": torch.get_num_threads()}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir, model_kind = bench_model(work)
+        model_dir, report["model"] = bench_model(work)
         adapters = make_adapters(model_dir, work, args.adapters)
         gen = torch.Generator().manual_seed(0)
         prompts = [
             torch.randint(3, 2000, (args.prompt_tokens,), generator=gen).tolist()
             for _ in range(args.requests)
         ]
-        engine_s, single_s = asyncio.run(engine_run(model_dir, adapters, prompts, args.new_tokens))
-        baseline_s = baseline(model_dir, adapters, prompts, args.new_tokens)
-    tokens = args.requests * args.new_tokens
-    print(
-        json.dumps(
-            {
-                "bench": "sampling",
-                "model": model_kind,
-                "requests": args.requests,
-                "adapters": args.adapters,
-                "prompt_tokens": args.prompt_tokens,
-                "new_tokens": args.new_tokens,
-                "torch_threads": torch.get_num_threads(),
-                "torch_engine_tok_s": round(tokens / engine_s, 1),
-                "one_by_one_generate_tok_s": round(tokens / baseline_s, 1),
-                "speedup": round(baseline_s / engine_s, 2),
-                "torch_engine_single_request_s": round(single_s, 3),
-            },
-            indent=2,
-        )
-    )
+        report.update(
+            requests=args.requests, adapters=args.adapters, prompt_tokens=args.prompt_tokens,
+            new_tokens=args.new_tokens, rounds=args.rounds,
+        )  # fmt: skip
+        report["throughput"] = asyncio.run(throughput(model_dir, adapters, prompts, args))
+        if not args.skip_publish:
+            pushed = make_adapters(model_dir, work, args.publishes, prefix="p")
+            report["publish"] = asyncio.run(
+                publishing(model_dir, work, adapters[:4], pushed, prompts[:8], args)
+            )
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

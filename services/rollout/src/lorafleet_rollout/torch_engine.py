@@ -4,8 +4,10 @@ One scheduler thread owns the model. Between decode steps it applies adapter ins
 removals, admits waiting requests (prefilled together, left-padded, then merged into the
 running batch's KV cache, see `kvbatch.py`) and steps every live sequence together, so a
 long generation never blocks a short one and a publish never pauses sampling. Rows of one
-forward pass may use different adapters or the base model: PEFT's `adapter_names=[...]`
-routes each row through its own LoRA (exact, platform.md §3).
+forward pass may use different adapters or the base model: the grouped LoRA of `lora.py`
+routes each row through its own adapter (PEFT's arithmetic, platform.md §3) in a fixed
+number of batched matmuls, however many adapters the batch mixes. Adapters are paired and
+scaled on a worker thread; the scheduler thread only copies them into place.
 
 Seeds are per sequence (`sampling.py`), so a seeded request draws the same tokens alone or
 in any batch; reported logprobs are the plain log-softmax of the raw logits.
@@ -27,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
 from lorafleet_rollout.engine import AdapterSource
-from lorafleet_rollout.kvbatch import KVBatch
+from lorafleet_rollout.kvbatch import KVBatch, new_cache
+from lorafleet_rollout.lora import AdapterWeights, LoraBank, Route, adapter_weights
 from lorafleet_rollout.peft_io import check_fits, linear_shapes, read_peft_dir
 from lorafleet_rollout.sampling import choose_tokens, make_generator
 from lorafleet_rollout.stopping import StopRule
@@ -114,8 +117,7 @@ class TorchEngine:
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self._base: torch.nn.Module | None = None
-        self._peft: PeftModel | None = None
-        self._dormant: str | None = None
+        self._bank: LoraBank | None = None
         self._linears: dict[str, tuple[int, int]] = {}
         self._tokenizer: Any = None
         self._eos: frozenset[int] = frozenset()
@@ -129,6 +131,7 @@ class TorchEngine:
         self._thread: threading.Thread | None = None
         self._seqs: list[_Seq] = []
         self._batch: KVBatch | None = None
+        self._route: Route | None = None  # of the running batch; None = rebuild before a step
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -140,6 +143,7 @@ class TorchEngine:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.eval()
         self._base = model
+        self._bank = LoraBank(model)
         self._linears = linear_shapes(model)
         with contextlib.suppress(Exception):
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -174,8 +178,20 @@ class TorchEngine:
     async def load_adapter(self, adapter_id: str, source: AdapterSource, lora: LoraSpec) -> None:
         if adapter_id in self._names:
             return
+        weights = await asyncio.to_thread(self._prepare, source, lora)
+        name = f"a{next(self._counter)}"
+        await self._submit(lambda: self._bank_or_fail().install(name, weights))
+        self._names[adapter_id] = name
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        name = self._names.pop(adapter_id, None)
+        if name is not None:
+            await self._submit(lambda: self._bank_or_fail().remove(name))
+
+    def _prepare(self, source: AdapterSource, lora: LoraSpec) -> AdapterWeights:
+        """Read, check and pair an adapter's tensors, off the scheduler thread."""
         if isinstance(source, Path):
-            config, tensors = await asyncio.to_thread(read_peft_dir, source)
+            config, tensors = read_peft_dir(source)
         else:
             config = LoraConfig(
                 r=lora.rank,
@@ -185,14 +201,12 @@ class TorchEngine:
             )
             tensors = source
         check_fits(tensors, config, self._linears, self.max_lora_rank)
-        name = f"a{next(self._counter)}"
-        await self._submit(lambda: self._install(name, config, tensors))
-        self._names[adapter_id] = name
+        return adapter_weights(config, tensors)
 
-    async def unload_adapter(self, adapter_id: str) -> None:
-        name = self._names.pop(adapter_id, None)
-        if name is not None:
-            await self._submit(lambda: self._remove(name))
+    def _bank_or_fail(self) -> LoraBank:
+        if self._bank is None:
+            raise Unavailable("the model is still loading")
+        return self._bank
 
     async def _submit(self, apply: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()
@@ -203,31 +217,6 @@ class TorchEngine:
             self._commands.append(cmd)
             self._cv.notify()
         await cmd.future
-
-    def _install(self, name: str, config: LoraConfig, tensors: dict[str, torch.Tensor]) -> None:
-        if self._peft is None:
-            self._peft = get_peft_model(self._base, config, adapter_name=name)
-        else:
-            self._peft.add_adapter(name, config)
-        set_peft_model_state_dict(self._peft, tensors, adapter_name=name)
-        if self._dormant is not None:
-            self._peft.set_adapter(name)
-            self._peft.delete_adapter(self._dormant)
-            self._dormant = None
-        self._peft.eval()  # new LoRA modules are created in training mode
-
-    def _remove(self, name: str) -> None:
-        assert self._peft is not None
-        others = [n for n in self._peft.peft_config if n != name]
-        if not others:
-            # peft 0.21 breaks its active-adapter bookkeeping when the last adapter is
-            # deleted; keep its modules dormant (never selected) until the next install.
-            self._dormant = name
-            return
-        if name in self._peft.active_adapters:
-            self._peft.set_adapter(others[0])
-        self._peft.delete_adapter(name)
-        self._peft.eval()
 
     # ----------------------------------------------------------------- sampling
     async def sample(self, request: SampleRequest) -> SampleResult:
@@ -278,6 +267,8 @@ class TorchEngine:
                         self._decode()
                 except Exception as exc:  # a bug or OOM: fail the batch, keep serving
                     log.exception("generation step failed")
+                    for job in admitted:  # not yet in the running batch
+                        job.resolve(exc)
                     self._fail_all(exc)
         self._fail_all(Unavailable("the engine stopped"))
 
@@ -306,12 +297,27 @@ class TorchEngine:
         else:
             cmd.loop.call_soon_threadsafe(_settle, cmd.future, None)
 
-    def _forward(self, adapters: list[str], **inputs: Any) -> torch.Tensor:
-        if self._peft is None:
+    def _forward(self, route: Route | None, **inputs: Any) -> torch.Tensor:
+        bank = self._bank_or_fail()
+        bank.active = route
+        try:
             return self._base(**inputs, use_cache=True).logits
-        return self._peft(**inputs, adapter_names=adapters, use_cache=True).logits
+        finally:
+            bank.active = None
+
+    def _room(self) -> int:
+        """The most tokens any live sequence may still generate (sizes the KV buffers)."""
+        return max((s.rule.limit - len(s.tokens) for s in self._seqs), default=0)
 
     def _prefill(self, jobs: list[_Job]) -> None:
+        bank = self._bank_or_fail()
+        for job in [j for j in jobs if j.adapter not in bank]:  # unloaded while it waited
+            job.resolve(
+                NotFound(f"adapter {job.request.adapter_id} is not loaded", field="adapter")
+            )
+            jobs.remove(job)
+        if not jobs:
+            return
         prompts = [job.request.prompt_tokens for job in jobs]
         width = max(map(len, prompts))
         ids = torch.zeros((len(jobs), width), dtype=torch.long)
@@ -320,9 +326,9 @@ class TorchEngine:
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         want_prompt = any(j.request.prompt_logprobs or j.request.topk_prompt_logprobs for j in jobs)
-        cache = DynamicCache()
+        cache = new_cache()
         logits = self._forward(
-            [job.adapter for job in jobs],
+            bank.route([job.adapter for job in jobs]),
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
@@ -347,16 +353,17 @@ class TorchEngine:
                 rows.append(row)
             seqs.extend(job.seqs)
         index = torch.tensor(rows)
-        batch.select(index)
         self._append(seqs, logits[:, -1].index_select(0, index))
         now = time.monotonic()
         for job in jobs:
             metrics.TTFT.observe(now - job.enqueued)
+        self._seqs.extend(seqs)
+        batch.select(index, self._room())
         if self._batch is None:
             self._batch = batch
         else:
-            self._batch.extend(batch)
-        self._seqs.extend(seqs)
+            self._batch.extend(batch, self._room())
+        self._route = None
         self._retire_finished()
 
     def _prompt_logprobs(self, job: _Job, logits: torch.Tensor) -> None:
@@ -377,9 +384,11 @@ class TorchEngine:
 
     def _decode(self) -> None:
         assert self._batch is not None
+        if self._route is None:
+            self._route = self._bank_or_fail().route([s.job.adapter for s in self._seqs])
         last = torch.tensor([[s.tokens[-1]] for s in self._seqs])
         logits = self._forward(
-            [s.job.adapter for s in self._seqs],
+            self._route,
             input_ids=last,
             cache=self._batch.cache,
             **self._batch.step_inputs(),
@@ -412,9 +421,10 @@ class TorchEngine:
             if all(s.reason is not None for s in job.seqs):
                 job.resolve(_result(job))
         self._seqs = [self._seqs[i] for i in keep]
+        self._route = None
         if keep:
             assert self._batch is not None
-            self._batch.select(torch.tensor(keep))
+            self._batch.select(torch.tensor(keep), self._room())
         else:
             self._batch = None
 
@@ -429,6 +439,7 @@ class TorchEngine:
             cmd.loop.call_soon_threadsafe(_settle, cmd.future, exc)
         self._seqs = []
         self._batch = None
+        self._route = None
 
     def _decode_tokens(self, tokens: list[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=False)
