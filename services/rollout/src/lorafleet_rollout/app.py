@@ -72,7 +72,7 @@ def run(settings: RolloutSettings, server: ServerSettings) -> None:
             kind=controller_pb2.REPLICA_KIND_ROLLOUT,
             replica_id=settings.replica_id,
             address=settings.advertise_address or f"127.0.0.1:{server.port}",
-            base_model=info.base_model,
+            base_model=settings.served_base_model,
             num_slots=settings.max_loaded_adapters,
             incarnation=core.incarnation,
             tokenizer_id=str(settings.model_path),
@@ -101,7 +101,7 @@ def run(settings: RolloutSettings, server: ServerSettings) -> None:
                 await task
         await core.close()
 
-    servicer = RolloutServicer(core, settings.replica_id)
+    servicer = RolloutServicer(core, settings.replica_id, settings.served_base_model)
     spec = ServiceSpec(
         servicer=servicer,
         add_fn=rollout_pb2_grpc.add_RolloutServiceServicer_to_server,

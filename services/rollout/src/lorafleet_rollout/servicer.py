@@ -22,9 +22,10 @@ _STOP = {"stop": common_pb2.STOP_REASON_STOP, "length": common_pb2.STOP_REASON_L
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, core: RolloutCore, replica_id: str) -> None:
+    def __init__(self, core: RolloutCore, replica_id: str, base_model: str = "") -> None:
         self.core = core
         self.replica_id = replica_id
+        self.base_model = base_model
 
     async def GetRolloutInfo(
         self, request: rollout_pb2.GetRolloutInfoRequest, context: grpc.aio.ServicerContext
@@ -32,7 +33,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         info = self.core.info()
         return rollout_pb2.GetRolloutInfoResponse(
             replica_id=self.replica_id,
-            base_model=info.base_model,
+            base_model=self.base_model or info.base_model,
             engine=info.engine,
             max_loaded_adapters=self.core.limits.max_loaded_adapters,
             max_queued_requests=self.core.limits.max_queued_requests,

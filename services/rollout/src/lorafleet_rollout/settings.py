@@ -20,6 +20,11 @@ class RolloutSettings:
         doc="Base model: a local HF folder (torch engine loads it; SGLang/vLLM were started "
         "with it and it names the tokenizer)."
     )
+    base_model_name: str = setting(
+        "",
+        doc="Name this replica serves the base model under; must equal the trainers' "
+        "(default: the model folder's name).",
+    )
     engine: str = setting("torch", doc="Inference engine.", choices=("torch", "sglang", "vllm"))
     engine_url: str = setting(
         "", doc="Base URL of the SGLang/vLLM server (for example http://127.0.0.1:30000)."
@@ -66,3 +71,7 @@ class RolloutSettings:
     torch_threads: int = setting(
         0, doc="torch intra-op threads; 0 = torch's default.", min=0, max=1024
     )
+
+    @property
+    def served_base_model(self) -> str:
+        return self.base_model_name or Path(self.model_path).resolve().name

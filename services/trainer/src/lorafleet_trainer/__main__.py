@@ -55,6 +55,7 @@ def main() -> None:
             max_rank=settings.max_rank,
             storage_root=settings.storage_root,
             max_applied_ops=settings.max_applied_ops,
+            base_model=settings.served_base_model,
         )
     except Exception as exc:  # any load failure is an operator error: one line, exit 2
         _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: cannot load the model: {exc}")

@@ -91,9 +91,17 @@ class TrainerEngine:
 
     @classmethod
     def from_pretrained(
-        cls, path: Path, *, device: str = "auto", dtype: str = "auto", **kwargs: Any
+        cls,
+        path: Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        base_model: str = "",
+        **kwargs: Any,
     ) -> TrainerEngine:
-        """Load the base causal LM: fp32 on CPU, bf16 on GPU unless `dtype` says otherwise."""
+        """Load the base causal LM: fp32 on CPU, bf16 on GPU unless `dtype` says otherwise.
+
+        `base_model` is the name the fleet knows it by (default: the folder's name)."""
         from transformers import AutoModelForCausalLM
 
         if device == "auto":
@@ -101,7 +109,8 @@ class TrainerEngine:
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
-        return cls(model.to(device), base_model=Path(path).name, **kwargs)
+        name = base_model or Path(path).resolve().name
+        return cls(model.to(device), base_model=name, **kwargs)
 
     # ------------------------------------------------------------------ slots
     def info(self) -> dict[str, Any]:

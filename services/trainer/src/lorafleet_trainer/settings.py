@@ -17,6 +17,11 @@ PREFIX = "LORAFLEET_TRAINER_"
 @dataclass(frozen=True)
 class TrainerSettings:
     model_path: Path = setting(doc="Local folder of the base causal LM (HF format, with config).")
+    base_model_name: str = setting(
+        "",
+        doc="Name this replica serves the base model under; must equal the rollouts' "
+        "(default: the model folder's name).",
+    )
     num_slots: int = setting(
         8, doc="Number of fixed LoRA slots held on the base model.", min=1, max=4096
     )
@@ -48,3 +53,7 @@ class TrainerSettings:
     torch_threads: int = setting(
         0, doc="torch intra-op threads; 0 = torch's default.", min=0, max=1024
     )
+
+    @property
+    def served_base_model(self) -> str:
+        return self.base_model_name or Path(self.model_path).resolve().name
