@@ -1,9 +1,11 @@
-"""Fixtures shared by every test: free ports, a private redis-server, the tiny model."""
+"""Fixtures shared by every test: free ports, a private redis-server, the tiny model, whole
+fleets on it, and the real-SDK venvs."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -60,16 +62,38 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_fleet(
+def make_fleet(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[object]:
+) -> Callable[..., AbstractContextManager[object]]:
+    """make_fleet(**FleetConfig fields) → a Fleet on the tiny model in a fresh run folder, to
+    enter with `with`: one place that knows how tests start a whole fleet."""
+    from lorafleet_cli.fleet import Fleet, FleetConfig
+
+    def make(**config: object) -> Fleet:
+        run_dir = tmp_path_factory.mktemp("fleet")
+        return Fleet(FleetConfig(model_path=tiny_model_dir, run_dir=run_dir, **config))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def shared_fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator[object]:
     """One whole fleet on the tiny model (Redis, controller, trainer, rollout, gateway) for
     every end-to-end test that does not need a fleet of its own. Tests using it must not
     assume they are alone: each creates its own session and training runs."""
-    from lorafleet_cli.fleet import Fleet, FleetConfig
-
-    config = FleetConfig(
-        model_path=tiny_model_dir, run_dir=tmp_path_factory.mktemp("fleet"), slots=8
-    )
-    with Fleet(config) as fleet:
+    with make_fleet(slots=8) as fleet:
         yield fleet
+
+
+@pytest.fixture(scope="session")
+def sdk_python() -> Callable[[str], Path]:
+    """sdk_python("0.38.0") → that tinker venv's python, or skip with the command that builds
+    it (the venvs come from tests/sdk/setup_venvs.sh)."""
+
+    def find(version: str) -> Path:
+        python = REPO / ".venvs" / f"tinker-{version}" / "bin" / "python"
+        if not python.exists():
+            pytest.skip(f"no tinker {version} venv: run tests/sdk/setup_venvs.sh")
+        return python
+
+    return find

@@ -1,4 +1,4 @@
-"""Fixtures for the real-SDK tier: one fleet per module, the SDK venvs, and a runner.
+"""Fixtures for the real-SDK tier: one fleet per module, the gateways, and a runner.
 
 The SDK runs in its own venv (built by tests/sdk/setup_venvs.sh), as a separate process
 talking HTTP to the gateway, exactly like a user's script. Tests skip with the command to
@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,15 +21,7 @@ import pytest
 from lorafleet.testing import child_env, free_port, stop_process, wait_for_port
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 SMOKE = "SMOKE OK "
-
-
-def _sdk_python(version: str) -> Path:
-    python = REPO / ".venvs" / f"tinker-{version}" / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"no tinker {version} venv: run tests/sdk/setup_venvs.sh")
-    return python
 
 
 @dataclass
@@ -54,46 +47,32 @@ class Target:
         return httpx.get(f"{self.base_url}{path}", headers=headers, timeout=60, **kw)
 
 
-def _run_sdk(version: str, script: str, target: Target, timeout: float = 600, **env: str) -> dict:
-    """Run tests/sdk/<script> with that SDK; return the JSON after its "SMOKE OK " line."""
-    proc = subprocess.run(
-        [str(_sdk_python(version)), "-W", "error::FutureWarning", str(HERE / script)],
-        env=target.env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(SMOKE)]
-    assert proc.returncode == 0 and lines, f"{script} with tinker {version} failed:\n" + (
-        proc.stdout[-4000:] + proc.stderr[-8000:]
-    )
-    return json.loads(lines[-1][len(SMOKE) :])
-
-
 @pytest.fixture
-def sdk_python() -> Callable[[str], Path]:
-    """sdk_python("0.38.0") → that venv's python, or skip with the command that builds it."""
-    return _sdk_python
-
-
-@pytest.fixture
-def run_sdk() -> Callable[..., dict]:
+def run_sdk(sdk_python: Callable[[str], Path]) -> Callable[..., dict]:
     """run_sdk(version, script, target, **env) → the script's result JSON (asserts success)."""
-    return _run_sdk
+
+    def run(version: str, script: str, target: Target, timeout: float = 600, **env: str) -> dict:
+        """Run tests/sdk/<script> with that SDK; return the JSON after its "SMOKE OK " line."""
+        proc = subprocess.run(
+            [str(sdk_python(version)), "-W", "error::FutureWarning", str(HERE / script)],
+            env=target.env(**env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(SMOKE)]
+        assert proc.returncode == 0 and lines, f"{script} with tinker {version} failed:\n" + (
+            proc.stdout[-4000:] + proc.stderr[-8000:]
+        )
+        return json.loads(lines[-1][len(SMOKE) :])
+
+    return run
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[object]:
-    from lorafleet_cli.fleet import Fleet, FleetConfig
-
-    config = FleetConfig(
-        model_path=tiny_model_dir,
-        run_dir=tmp_path_factory.mktemp("fleet"),
-        trainers=1,
-        rollouts=1,
-        slots=16,  # registrations keep their slot after a session ends; ~9 runs here
-    )
-    with Fleet(config) as running:
+def fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator[object]:
+    # registrations keep their slot after a session ends; ~9 runs here
+    with make_fleet(trainers=1, rollouts=1, slots=16) as running:
         yield running
 
 

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollout_helpers import adapter_chunks, make_adapter, reference_greedy, reference_model
 
+from lorafleet import testing
 from lorafleet.errors import InvalidArgument, NotFound
 from lorafleet.rpc.errors import from_rpc_error
-from lorafleet.testing import child_env, free_port, wait_for_port
+from lorafleet.testing import child_env, free_port, service_process
 from lorafleet.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -44,39 +41,15 @@ def service(model_dir: Path, tmp_path: Path):
         LORAFLEET_ROLLOUT_CONTROLLER_ADDRESS=f"127.0.0.1:{free_port()}",  # nobody listens
         LORAFLEET_ROLLOUT_TORCH_THREADS="1",
     )
-    log = (tmp_path / "rollout.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lorafleet_rollout"], env=env, stdout=log, stderr=log
-    )
-    try:
-        wait_for_port(port, timeout=60, proc=proc)
+    with service_process("lorafleet_rollout", port, env, tmp_path / "rollout.log") as proc:
         yield proc, f"127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log.close()
-
-
-async def wait_serving(channel: grpc.aio.Channel) -> None:
-    """Health reports SERVING only after the model has loaded (the port opens earlier)."""
-    health = health_pb2_grpc.HealthStub(channel)
-    request = health_pb2.HealthCheckRequest(service="lorafleet.v1.RolloutService")
-    deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            reply = await health.Check(request, timeout=5)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        await asyncio.sleep(0.1)
-    raise TimeoutError("the rollout service never reported SERVING")
 
 
 async def test_push_sample_and_sigterm(service, model_dir: Path, tmp_path: Path) -> None:
     proc, address = service
     adapter = make_adapter(model_dir, tmp_path / "a1", seed=1)
     async with grpc.aio.insecure_channel(address) as channel:
-        await wait_serving(channel)
+        await testing.wait_serving(channel, "lorafleet.v1.RolloutService")
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         info = await stub.GetRolloutInfo(rollout_pb2.GetRolloutInfoRequest(), timeout=60)
         assert info.engine == "torch" and info.max_context_length > 0

@@ -6,12 +6,14 @@ started here is stopped by its own PID, never by name: these machines are shared
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,6 +112,41 @@ def redis_server(data_dir: Path, **kwargs: object) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def service_process(
+    module: str, port: int, env: dict[str, str], log: Path
+) -> Iterator[subprocess.Popen]:
+    """`python -m module` with stdout and stderr in `log`, yielded once `port` accepts
+    connections (the model may still be loading: see `wait_serving`); stopped by its PID."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_for_port(port, timeout=60, proc=proc)
+            yield proc
+        finally:
+            stop_process(proc)
+
+
+async def wait_serving(channel: object, service: str, within: float = 60.0) -> None:
+    """Poll gRPC health for `service` on `channel` (a grpc.aio.Channel) until SERVING: the
+    runtime reports NOT_SERVING until startup (model load) is done, though the port is open."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest(service=service)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            reply = await health.Check(request, timeout=5)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{service} never reported SERVING")
 
 
 def child_env(**extra: str) -> dict[str, str]:

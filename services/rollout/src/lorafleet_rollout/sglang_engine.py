@@ -26,11 +26,11 @@ from pathlib import Path
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
-from transformers import AutoConfig
 
 from lorafleet.errors import InvalidArgument, LorafleetError, NotFound, Unavailable
 from lorafleet_rollout import metrics, sglang_api
 from lorafleet_rollout.engine import AdapterSource
+from lorafleet_rollout.http_engine import engine_info, wait_healthy
 from lorafleet_rollout.types import (
     EngineInfo,
     LoraSpec,
@@ -80,26 +80,15 @@ class SGLangEngine:
     async def start(self) -> None:
         if self.launch:
             self._proc = await asyncio.to_thread(subprocess.Popen, self.launch_command())
-        deadline = time.monotonic() + self.ready_timeout
-        while True:
-            try:
-                if (await self._client.get(sglang_api.HEALTH, timeout=5.0)).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self._proc is not None and self._proc.poll() is not None:
-                raise Unavailable(f"the SGLang server exited with {self._proc.returncode}")
-            if time.monotonic() > deadline:
-                raise Unavailable(f"SGLang at {self.url} is not healthy")
-            await asyncio.sleep(1.0)
-        config = await asyncio.to_thread(AutoConfig.from_pretrained, self.model_path)
-        self._info = EngineInfo(
-            engine="sglang",
-            base_model=self.model_path,
-            max_context_length=int(config.max_position_embeddings),
-            vocab_size=int(config.vocab_size),
-            max_lora_rank=self.max_lora_rank,
+        await wait_healthy(
+            self._client,
+            sglang_api.HEALTH,
+            name="SGLang",
+            url=self.url,
+            ready_timeout=self.ready_timeout,
+            proc=self._proc,
         )
+        self._info = await engine_info("sglang", self.model_path, self.max_lora_rank)
 
     async def close(self) -> None:
         await self._client.aclose()

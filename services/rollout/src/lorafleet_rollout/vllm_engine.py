@@ -9,18 +9,17 @@ vLLM's default logprobs mode reports raw logprobs, as the trainer computes them.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from transformers import AutoConfig
 
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
 from lorafleet_rollout.engine import AdapterSource
+from lorafleet_rollout.http_engine import engine_info, wait_healthy
 from lorafleet_rollout.types import (
     EngineInfo,
     LoraSpec,
@@ -49,24 +48,10 @@ class VLLMEngine:
         self._info: EngineInfo | None = None
 
     async def start(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        while True:
-            try:
-                if (await self._client.get("/health", timeout=5.0)).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise Unavailable(f"vLLM at {self.url} is not healthy")
-            await asyncio.sleep(1.0)
-        config = await asyncio.to_thread(AutoConfig.from_pretrained, self.model_path)
-        self._info = EngineInfo(
-            engine="vllm",
-            base_model=self.model_path,
-            max_context_length=int(config.max_position_embeddings),
-            vocab_size=int(config.vocab_size),
-            max_lora_rank=self.max_lora_rank,
+        await wait_healthy(
+            self._client, "/health", name="vLLM", url=self.url, ready_timeout=self.ready_timeout
         )
+        self._info = await engine_info("vllm", self.model_path, self.max_lora_rank)
 
     async def close(self) -> None:
         await self._client.aclose()
