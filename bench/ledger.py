@@ -5,14 +5,17 @@
 Producers submit forward_backward ops for many registrations (each registration's ops in
 seq order, as the SDK sends them); consumers do what the scheduler does (BLPOP the ready
 lists, claim everything ready in one call, record the batch's results in one call) with no
-trainer call in between. Prints JSON: submit→claimed
-latency p50/p99 (ms), the submit call's own p50/p99, and sustained completed ops/s.
+trainer call in between. Runs twice side by side, with the `pipeline_submits` setting on
+(concurrent submits share one Redis pipeline) and off, on one redis-server under separate
+key prefixes. Prints JSON per mode: submit→claimed latency p50/p99 (ms), the submit call's
+own p50/p99, sustained completed ops/s, the idle submit→claimed latency, and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import statistics
@@ -37,10 +40,13 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] * 1000
 
 
-async def run(args: argparse.Namespace, url: str) -> dict[str, object]:
+async def run(
+    args: argparse.Namespace, url: str, pipelined: bool, prefix: str
+) -> dict[str, object]:
     settings = ControllerSettings(
-        redis_url=url, max_pending_per_registration=1024, max_unacked_results=10_000_000,
-        max_pending_global=10_000_000,
+        redis_url=url, key_prefix=prefix, max_pending_per_registration=1024,
+        max_unacked_results=10_000_000, max_pending_global=10_000_000,
+        pipeline_submits=pipelined,
     )  # fmt: skip
     client = aioredis.from_url(url)
     scripts = Scripts(client, settings.key_prefix)
@@ -123,10 +129,10 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, object]:
     }  # fmt: skip
 
 
-async def idle_latency(url: str, n: int) -> dict[str, float]:
+async def idle_latency(url: str, n: int, pipelined: bool, prefix: str) -> dict[str, float]:
     """Submit→claimed with one registration and an idle consumer (no queueing)."""
     args = argparse.Namespace(registrations=1, ops=n, consumers=1, lockstep=True)
-    out = await run(args, url.replace("/0", "/1"))
+    out = await run(args, url, pipelined, prefix + "idle:")
     return out["submit_to_claimed_ms"]  # type: ignore[return-value]
 
 
@@ -138,15 +144,23 @@ def main() -> None:
     args = parser.parse_args()
     args.lockstep = False
     load = os.getloadavg()[0]  # this machine is shared: report how busy it was
+    out: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp) / "redis")
         try:
-            loaded = asyncio.run(run(args, server.url))
-            unloaded = asyncio.run(idle_latency(server.url, 2000))
+            for name, pipelined in (("plain", False), ("pipelined", True)):
+                loaded = asyncio.run(run(args, server.url, pipelined, f"lf-{name}:"))
+                loaded["unloaded_submit_to_claimed_ms"] = asyncio.run(
+                    idle_latency(server.url, 2000, pipelined, f"lf-{name}:")
+                )
+                out[name] = loaded
         finally:
             server.stop()
-    print(json.dumps({"loaded": loaded, "unloaded_submit_to_claimed_ms": unloaded,
-                      "loadavg_1m_before": round(load, 2)}, indent=2))  # fmt: skip
+    ratio = out["pipelined"]["ops_per_second"] / out["plain"]["ops_per_second"]  # type: ignore[index]
+    out["pipelined_over_plain_ops_ratio"] = round(ratio, 3)
+    out["redis_parser"] = "hiredis" if importlib.util.find_spec("hiredis") else "python"
+    out["loadavg_1m"] = {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)}
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

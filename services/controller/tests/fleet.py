@@ -23,8 +23,16 @@ class Proc:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60) -> None:
-        out = self.log.open("ab")
-        self.proc = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=out)
+        self.launch()
+        self.wait(timeout)
+
+    def launch(self) -> None:
+        """Start the process without waiting: several can import torch side by side."""
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=out)
+
+    def wait(self, timeout: float = 60) -> None:
+        assert self.proc is not None
         wait_for_port(self.port, timeout=timeout, proc=self.proc)
 
     def kill(self) -> None:

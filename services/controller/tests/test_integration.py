@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -30,13 +30,42 @@ T = "tenant-a"
 
 
 @dataclass
-class Fleet:
+class Procs:
+    """Redis, the controller and one trainer: started once per module and shared, since
+    every test makes its own session and registrations (and deletes them afterwards)."""
+
     root: Path
     redis: RedisServer
     controller: Proc
     trainer: Proc
+
+
+@dataclass
+class Fleet:
+    procs: Procs
     client: Client
     base_model: str
+    rids: list[str] = field(default_factory=list)
+
+    @property
+    def root(self) -> Path:
+        return self.procs.root
+
+    @property
+    def redis(self) -> RedisServer:
+        return self.procs.redis
+
+    @redis.setter
+    def redis(self, server: RedisServer) -> None:  # a test that restarts Redis hands it back
+        self.procs.redis = server
+
+    @property
+    def controller(self) -> Proc:
+        return self.procs.controller
+
+    @property
+    def trainer(self) -> Proc:
+        return self.procs.trainer
 
     async def session(self) -> str:
         resp = await self.client("CreateSession", K.CreateSessionRequest(tenant=T))
@@ -51,7 +80,9 @@ class Fleet:
                                                   train_mlp=True),
             ),
         )  # fmt: skip
-        return resp.registration.registration_id  # type: ignore[attr-defined]
+        rid = resp.registration.registration_id  # type: ignore[attr-defined]
+        self.rids.append(rid)
+        return rid
 
     async def submit(self, rid: str, seq: int, payload: controller_pb2.OperationPayload):
         return await self.client(
@@ -64,27 +95,45 @@ class Fleet:
                                                                  timeout=5)  # fmt: skip
         return next(s for s in resp.slots if s.registration_id == rid)
 
+    async def release(self) -> None:
+        """Delete this test's registrations, so the next test finds every slot free."""
+        for rid in self.rids:
+            await self.client(
+                "DeleteRegistration", K.DeleteRegistrationRequest(tenant=T, registration_id=rid)
+            )
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Procs]:
+    root = tmp_path_factory.mktemp("fleet")
+    redis = start_redis(root / "redis", appendonly=True)
+    controller = controller_proc(redis, root)
+    trainer = trainer_proc(tiny_model_dir, controller.port, root, "trainer-0")
+    shared = Procs(root, redis, controller, trainer)
+    try:
+        controller.launch()  # the trainer registers itself once the controller listens
+        trainer.launch()
+        controller.wait()
+        trainer.wait(timeout=120)
+        yield shared
+    finally:
+        trainer.stop()
+        controller.stop()
+        shared.redis.stop()
+
 
 @pytest.fixture
-async def fleet(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[Fleet]:
-    redis = start_redis(tmp_path / "redis", appendonly=True)
-    controller = controller_proc(redis, tmp_path)
-    trainer = None
-    client = None
+async def fleet(procs: Procs) -> AsyncIterator[Fleet]:
+    client = Client(procs.controller.port)
+    fleet = Fleet(procs, client, "")
     try:
-        controller.start()
-        trainer = trainer_proc(tiny_model_dir, controller.port, tmp_path, "trainer-0")
-        trainer.start(timeout=120)
-        client = Client(controller.port)
-        base = await wait_for_model(client)
-        yield Fleet(tmp_path, redis, controller, trainer, client, base)
+        fleet.base_model = await wait_for_model(client)
+        yield fleet
     finally:
-        if client is not None:
+        try:
+            await fleet.release()
+        finally:
             await client.close()
-        if trainer is not None:
-            trainer.stop()
-        controller.stop()
-        redis.stop()
 
 
 TOKENS = [1, 5, 9, 13, 17, 21, 25, 29]

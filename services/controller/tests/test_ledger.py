@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis.asyncio as aioredis
 
 from lorafleet import errors
 from lorafleet_controller import ledger as L
+from lorafleet_controller.lua import Scripts
 
 from .conftest import Domain
 
@@ -260,3 +262,48 @@ async def test_retired_registrations_lose_their_records_after_the_result_ttl(
     depth = await domain.ledger.depth()
     assert depth.get("expired") == 1 and depth.get("failed", 0) == 0
     assert depth.get("succeeded", 0) == 0
+
+
+async def connections_made(d: Domain) -> int:
+    return int((await d.client.info("stats"))["total_connections_received"])
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+async def test_concurrent_submits_share_one_round_trip(domain: Domain, pipelined: bool) -> None:
+    """Submits made together each get their own answer (admitted, duplicate, refused), in
+    one pipeline on one connection when `pipeline_submits` is on."""
+    d = await domain.restart(pipeline_submits=pipelined)
+    rid = await d.ready_registration()
+    await submit(d, rid, 1, b"first")
+    fresh = aioredis.from_url(d.settings.redis_url)  # an empty pool: connections are counted
+    try:
+        ledger = L.Ledger(fresh, Scripts(fresh, d.settings.key_prefix), d.settings, d.notifier,
+                          d.clock)  # fmt: skip
+        before = await connections_made(d)
+        calls = [ledger.submit("t1", rid, seq, FB, b"x", f"d{seq}") for seq in range(2, 8)]
+        calls += [
+            ledger.submit("t1", rid, 1, FB, b"first", "d:b'first'"),  # a retry
+            ledger.submit("t1", rid, 1, FB, b"other", "other"),  # a conflict
+            ledger.submit("t1", "no-such-registration", 1, FB, b"x", "d"),
+        ]
+        out = await asyncio.gather(*calls, return_exceptions=True)
+        made = await connections_made(d) - before
+    finally:
+        await fresh.aclose()
+    assert [(a.operation_id, a.duplicate) for a in out[:7]] == [  # type: ignore[union-attr]
+        *((L.operation_id(rid, s), False) for s in range(2, 8)),
+        (L.operation_id(rid, 1), True),
+    ]
+    assert isinstance(out[7], errors.Conflict) and out[7].field == "seq_id"
+    assert isinstance(out[8], errors.NotFound) and out[8].field == "registration_id"
+    assert (made == 1) if pipelined else (made == len(calls)), made
+    assert (await d.ledger.get("t1", L.operation_id(rid, 7))).state == L.QUEUED
+
+
+async def test_pipelined_submits_survive_a_flushed_script_cache(domain: Domain) -> None:
+    """A restarted Redis has no scripts: the pipeline's NOSCRIPT answers are re-run."""
+    rid = await domain.ready_registration()
+    await domain.client.script_flush()
+    out = await asyncio.gather(*(submit(domain, rid, seq, b"x%d" % seq) for seq in (1, 2, 3)))
+    assert [a.operation_id for a in out] == [L.operation_id(rid, s) for s in (1, 2, 3)]
+    assert [a.duplicate for a in out] == [False] * 3

@@ -23,7 +23,7 @@ from .fleet import (
     wait_done,
     wait_for_model,
 )
-from .test_integration import TOKENS, Fleet
+from .test_integration import TOKENS, Fleet, Procs
 
 K = controller_pb2
 T = "tenant-a"
@@ -45,7 +45,7 @@ async def fleet_with_rollouts(
     procs: list[Proc] = []
     client = None
     try:
-        controller.start()
+        controller.launch()
         trainer = trainer_proc(tiny_model_dir, controller.port, tmp_path, "trainer-0")
         procs.append(trainer)
         rollouts = [
@@ -55,7 +55,10 @@ async def fleet_with_rollouts(
         ]  # fmt: skip
         procs += rollouts
         for p in procs:
-            p.start(timeout=120)
+            p.launch()
+        controller.wait()
+        for p in procs:
+            p.wait(timeout=120)
         client = Client(controller.port)
         base = await wait_for_model(client)
         for _ in range(100):
@@ -71,7 +74,7 @@ async def fleet_with_rollouts(
                 break
             await asyncio.sleep(0.1)
         assert {"rollout-0", "rollout-1"} <= ids
-        yield Fleet(tmp_path, redis, controller, trainer, client, base), rollouts
+        yield Fleet(Procs(tmp_path, redis, controller, trainer), client, base), rollouts
     finally:
         if client is not None:
             await client.close()

@@ -28,6 +28,7 @@ from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.discovery.types import Discovery
 from lorafleet_controller.ledger import Admission, Ledger
+from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.lua import Scripts
 from lorafleet_controller.membership import Membership
 from lorafleet_controller.notify import Notifier
@@ -188,6 +189,7 @@ class Controller:
                 raise
             except Exception:
                 log.exception("sweep failed")
+            raise_if_stopped()
             await asyncio.sleep(self.settings.sweep_interval_seconds)
 
     async def sweep_once(self) -> None:

@@ -180,7 +180,8 @@ class Ledger:
     ) -> Admission:
         s = self.settings
         born = error_json(rejection) if rejection is not None else ""
-        out = await self.scripts.run(
+        run = self.scripts.run_coalesced if s.pipeline_submits else self.scripts.run
+        out = await run(
             "submit", registration_id, seq_id, digest, kind, payload, self.clock(), tenant,
             s.max_pending_per_registration, s.max_unacked_results, s.max_pending_global,
             born, self.window,

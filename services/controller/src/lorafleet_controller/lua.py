@@ -11,6 +11,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from lorafleet_controller.coalesce import Coalescer
+
 NAMES = (
     "submit", "claim", "claim_many", "complete", "ack", "sweep", "seal", "fence",
     "place", "bound", "release", "replica_lost", "repush", "create_reg", "submit_sample",
@@ -34,6 +36,12 @@ class Scripts:
     def __init__(self, client: aioredis.Redis, prefix: str) -> None:
         self.prefix = prefix
         self._scripts = {name: client.register_script(_source(name)) for name in NAMES}
+        self._coalescers = {name: Coalescer(client, s) for name, s in self._scripts.items()}
 
     async def run(self, name: str, *args: Any) -> Any:
         return await self._scripts[name](keys=[], args=[self.prefix, *args])
+
+    async def run_coalesced(self, name: str, *args: Any) -> Any:
+        """`run`, but sharing one pipeline with the calls of `name` made in the same
+        event-loop tick (see coalesce.py); same result, same atomicity."""
+        return await self._coalescers[name]([self.prefix, *args])

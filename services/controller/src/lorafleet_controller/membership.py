@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from lorafleet import errors
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.discovery.types import Discovery, Endpoint
+from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.registry import TRAINER, Registry, Replica, base_model_name
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class Membership:
                     raise
                 except Exception:
                     log.warning("replica discovery failed; restarting it", exc_info=True)
+                raise_if_stopped()
                 await asyncio.sleep(self.restart_delay)
         finally:
             # Probes run as their own tasks, never inside this one: a gRPC call cancelled

@@ -33,6 +33,7 @@ from lorafleet_controller import ledger as L
 from lorafleet_controller import metrics
 from lorafleet_controller.catalog import TRAINING, Catalog
 from lorafleet_controller.clients import Pool
+from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.registry import Registry
 from lorafleet_controller.settings import ControllerSettings
 
@@ -76,6 +77,7 @@ class Scheduler:
     async def run(self) -> None:
         ready = [f"{self.p}ready:ctl", f"{self.p}ready:data"]
         while True:
+            raise_if_stopped()
             try:
                 popped = await self.blocking.blpop(ready, timeout=1)
             except asyncio.CancelledError:
@@ -146,6 +148,7 @@ class Scheduler:
                 await self._run_batch(replica, round_robin(batch))
             except Exception:  # never lose the worker; the claims stay CLAIMED and are swept
                 log.exception("data batch on %s failed unexpectedly", replica)
+            raise_if_stopped()
 
     async def _run_batch(self, replica: str, batch: list[L.Claim]) -> None:
         if not self.gate():  # no longer the leader: the claims stay for the next one

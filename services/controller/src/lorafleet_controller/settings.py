@@ -52,6 +52,11 @@ class ControllerSettings:
     max_pending_global: int = setting(
         65536, doc="Open operations across every registration.", min=1, max=10_000_000
     )
+    pipeline_submits: bool = setting(
+        True,
+        doc="Send SubmitOperation calls that arrive together to Redis as one pipeline (each "
+        "admission still one atomic script); off = one round trip per call.",
+    )
     coalesce_window_ms: float = setting(
         2.0,
         doc="How long the scheduler waits for more forward_backward ops to batch together.",
