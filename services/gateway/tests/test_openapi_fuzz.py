@@ -8,6 +8,8 @@ Hypothesis strategy is driven directly with @given.
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 import schemathesis
@@ -18,6 +20,9 @@ from schemathesis.checks import not_a_server_error
 # forward_backward also takes tinker_public protobuf bodies: fuzz them as arbitrary bytes.
 schemathesis.openapi.media_type("application/x-protobuf", st.binary(max_size=512))
 EXAMPLES = 12
+# CI replays the same examples every run (a red CI must be reproducible); locally each run
+# explores new ones.
+DERANDOMIZE = bool(os.environ.get("CI"))
 
 
 @pytest.mark.slow
@@ -34,6 +39,7 @@ def test_no_server_errors(fleet: object) -> None:
             max_examples=EXAMPLES,
             deadline=None,
             database=None,
+            derandomize=DERANDOMIZE,
             suppress_health_check=list(HealthCheck),
         )
         def fuzz(case: schemathesis.Case) -> None:

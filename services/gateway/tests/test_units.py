@@ -41,6 +41,9 @@ def test_download_tokens_are_signed_and_expire() -> None:
         signer.verify(payload[:-2] + "AA." + mac)
     with pytest.raises(errors.Expired):
         signer.verify(signer.sign("t", "p", time.time() - 1))
+    for garbage in ("(\x1a.\x9a\xf0", "é.ü", "\udcff.x"):  # found by the OpenAPI fuzz test
+        with pytest.raises(errors.PermissionDenied):
+            signer.verify(garbage)
 
 
 def test_tar_stream_holds_every_file_and_the_marker() -> None:

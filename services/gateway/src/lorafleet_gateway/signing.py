@@ -29,7 +29,9 @@ class Signer:
         self.secret = secret
 
     def _mac(self, payload: str) -> str:
-        return _b64(hmac.new(self.secret, payload.encode(), hashlib.sha256).digest())
+        return _b64(
+            hmac.new(self.secret, payload.encode("utf-8", "replace"), hashlib.sha256).digest()
+        )
 
     def sign(self, tenant: str, tinker_path: str, expires: float) -> str:
         payload = _b64(json.dumps([tenant, tinker_path, int(expires)]).encode())
@@ -38,7 +40,9 @@ class Signer:
     def verify(self, token: str) -> tuple[str, str]:
         """(tenant, tinker_path) of a valid token; 401 if forged, 410 if expired."""
         payload, _, mac = token.partition(".")
-        if not mac or not hmac.compare_digest(mac, self._mac(payload)):
+        # Bytes, not str: compare_digest refuses non-ASCII strings, and tokens come from URLs.
+        expected = self._mac(payload).encode()
+        if not mac or not hmac.compare_digest(mac.encode("utf-8", "replace"), expected):
             raise errors.PermissionDenied("invalid download token", field="token")
         tenant, path, expires = json.loads(_unb64(payload))
         if expires < time.time():
