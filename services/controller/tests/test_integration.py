@@ -267,3 +267,25 @@ async def test_delete_fences_and_frees_the_slot_for_the_queue(fleet: Fleet) -> N
                                                             timeout=5)  # fmt: skip
     bound = {s.registration_id for s in resp.slots if s.registration_id}
     assert bound == set(rids[1:])
+
+
+async def test_finishing_a_session_frees_its_slots_for_the_queue(fleet: Fleet) -> None:
+    ours = await fleet.session()
+    rids = [await fleet.registration(ours, i) for i in range(4)]  # every slot of the trainer
+    other = await fleet.session()
+    waiting_rid = await fleet.registration(other, 0)
+    get = K.GetRegistrationRequest(tenant=T, registration_id=waiting_rid)
+    queued = (await fleet.client("GetRegistration", get)).registration  # type: ignore[attr-defined]
+    assert queued.state == K.REGISTRATION_STATE_QUEUED
+    pending = await fleet.submit(rids[0], 2, fb_payload(TOKENS))  # blocked behind seq 1
+    waiting = await fleet.submit(waiting_rid, 1, fb_payload(TOKENS))
+
+    await fleet.client("FinishSession", K.FinishSessionRequest(tenant=T, session_id=ours))
+    op = await wait_done(fleet.client, T, pending.operation_id)  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_FAILED  # type: ignore[attr-defined]
+    assert op.error.reason == "SESSION_FINISHED"  # type: ignore[attr-defined]
+    op = await wait_done(fleet.client, T, waiting.operation_id)  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_SUCCEEDED  # type: ignore[attr-defined]
+    resp = await trainer_stub(fleet.trainer.port).ListSlots(trainer_pb2.ListSlotsRequest(),
+                                                            timeout=5)  # fmt: skip
+    assert {s.registration_id for s in resp.slots if s.registration_id} == {waiting_rid}

@@ -287,6 +287,26 @@ class Controller:
                 await self.placer.finish_binding(rec.registration_id)
         return await self.registry.get(req.tenant, rec.registration_id), load_op
 
+    async def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
+        """Finish a session and give its training runs' trainer slots back.
+
+        A finished session's client is closed (0.38 `close()`), so its runs can take no more
+        operations: their queues are fenced and their slots freed for queued registrations.
+        What they published stays: samplers keep serving, and saved states can be resumed
+        from another session (`create_training_client_from_state`).
+        """
+        await self.tenancy.finish(tenant, session_id, reason)
+        finished = errors.FailedPrecondition(
+            f"session {session_id} finished before the operation ran", field="model_id",
+            reason="SESSION_FINISHED",
+        )  # fmt: skip
+        for rid in await self.tenancy.training_runs(session_id):
+            rec = await self.registry.get(tenant, rid)
+            if rec.state == "retired":
+                continue
+            await self.ledger.fence(rid, "retired", finished)
+            await self.placer.retire(rid)
+
     async def delete_registration(self, tenant: str, rid: str) -> None:
         rec = await self.registry.get(tenant, rid)
         if rec.state == "retired":

@@ -56,7 +56,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return K.SessionHeartbeatResponse()
 
     async def FinishSession(self, request: Any, context: Any) -> K.FinishSessionResponse:
-        await self.c.tenancy.finish(request.tenant, request.session_id, request.reason)
+        await self.c.finish_session(request.tenant, request.session_id, request.reason)
         return K.FinishSessionResponse()
 
     async def GetSession(self, request: Any, context: Any) -> K.GetSessionResponse:

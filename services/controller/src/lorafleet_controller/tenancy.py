@@ -160,10 +160,13 @@ class Tenancy:
             f"{self.p}sess:{session_id}", mapping={"finished": "1", "finish_reason": reason}
         )
 
+    async def training_runs(self, session_id: str) -> list[str]:
+        return sorted(_s(x) for x in await self.r.smembers(f"{self.p}session_runs:{session_id}"))
+
     async def get(self, tenant: str, session_id: str) -> Session:
         await self.check_session(tenant, session_id)
         raw = await self.r.hgetall(f"{self.p}sess:{session_id}")
-        runs = sorted(_s(x) for x in await self.r.smembers(f"{self.p}session_runs:{session_id}"))
+        runs = await self.training_runs(session_id)
         samplers = sorted(
             _s(x) for x in await self.r.smembers(f"{self.p}session_samplers:{session_id}")
         )
