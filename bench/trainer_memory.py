@@ -5,6 +5,8 @@ Each measurement runs in its own child process. The base child loads the engine 
 tiny step on one slot (so the autograd/optimizer runtime is paid), then unbinds it; the slots
 child does the same and then binds 64 slots and steps each once. Target: measured / expected
 <= 1.2.
+
+    python bench/trainer_memory.py [MODEL_DIR]  # ~/.cache/lorafleet/models/smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def child(mode: str, model_dir: str) -> dict:
         return {"rss": rss_bytes(), "per_slot_bytes": per_slot}
 
 
-def main() -> dict:
-    model_dir, model_name = bench_model_dir()
+def main(model: str | None = None) -> dict:
+    """`model`: a model folder (for example the SmolLM2 import); default the ~20M bench model."""
+    model_dir, model_name = (Path(model), Path(model).name) if model else bench_model_dir()
     out = {}
     for mode in ("base", "slots"):
         proc = subprocess.run(
@@ -100,4 +103,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         print(json.dumps(child(sys.argv[2], sys.argv[3])))
     else:
-        print(json.dumps(main()))
+        print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else None)))
