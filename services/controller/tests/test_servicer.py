@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -97,3 +98,26 @@ def test_bad_settings_and_unreachable_redis_exit_2() -> None:
         )  # fmt: skip
         assert proc.returncode == 2
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+async def test_silent_sessions_are_finished(redis_server: RedisServer, tmp_path: Path) -> None:
+    proc = controller_proc(redis_server, tmp_path, LORAFLEET_CONTROLLER_SESSION_TIMEOUT_SECONDS="1")
+    proc.start()
+    c = Client(proc.port)
+    try:
+        new = [
+            (await c("CreateSession", K.CreateSessionRequest(tenant="a"))).session_id  # type: ignore[attr-defined]
+            for _ in range(2)
+        ]
+        silent, alive = new
+        for _ in range(8):  # 2 s: only `alive` heartbeats
+            await c("SessionHeartbeat", K.SessionHeartbeatRequest(tenant="a", session_id=alive))
+            await asyncio.sleep(0.25)
+        gone = await c("GetSession", K.GetSessionRequest(tenant="a", session_id=silent))
+        kept = await c("GetSession", K.GetSessionRequest(tenant="a", session_id=alive))
+        assert gone.session.finished and not kept.session.finished  # type: ignore[attr-defined]
+        with pytest.raises(errors.Expired):
+            await c("SessionHeartbeat", K.SessionHeartbeatRequest(tenant="a", session_id=silent))
+    finally:
+        await c.close()
+        proc.stop()

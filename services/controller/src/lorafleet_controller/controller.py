@@ -203,6 +203,10 @@ class Controller:
             )
         for rid in await self.registry.binding_ids():
             await self.placer.finish_binding(rid)
+        if timeout := self.settings.session_timeout_seconds:
+            for tenant, session_id in await self.tenancy.silent_sessions(timeout):
+                log.info("session %s missed heartbeats for %gs: finishing it", session_id, timeout)
+                await self.finish_session(tenant, session_id, "heartbeat timeout")
         await self._update_gauges()
 
     async def lose_replica(self, replica_id: str, reason: str) -> None:

@@ -72,6 +72,13 @@ class ControllerSettings:
     heartbeat_interval_seconds: float = setting(
         5.0, doc="Heartbeat interval the controller asks replicas for.", min=0.05, max=600.0
     )
+    session_timeout_seconds: float = setting(
+        1800.0,
+        doc="A session with no heartbeat for this long is finished and its trainer slots freed "
+        "(the SDK heartbeats every 10 s; 0.24.1 never calls finish). 0 = never.",
+        min=0.0,
+        max=30 * 86400.0,
+    )
     sweep_interval_seconds: float = setting(
         0.5, doc="How often the sweeper looks for gaps, stale claims and expired results.",
         min=0.01, max=60.0,

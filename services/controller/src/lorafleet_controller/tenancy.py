@@ -140,6 +140,7 @@ class Tenancy:
                 },
             )  # fmt: skip
             pipe.zadd(f"{self.p}sessions:{tenant}", {session_id: now})
+            pipe.zadd(f"{self.p}sessions_live", {session_id: now})
             await pipe.execute()
         return session_id
 
@@ -152,13 +153,27 @@ class Tenancy:
         await self.check_session(tenant, session_id)
         if await self.r.hget(f"{self.p}sess:{session_id}", "finished") == b"1":
             raise errors.Expired(f"session {session_id} is finished", field="session_id")
-        await self.r.hset(f"{self.p}sess:{session_id}", "last_heartbeat", self.clock())
+        now = self.clock()
+        await self.r.hset(f"{self.p}sess:{session_id}", "last_heartbeat", now)
+        await self.r.zadd(f"{self.p}sessions_live", {session_id: now}, xx=True)
+
+    async def silent_sessions(self, idle_seconds: float) -> list[tuple[str, str]]:
+        """(tenant, session_id) of live sessions with no heartbeat for `idle_seconds`."""
+        cutoff = self.clock() - idle_seconds
+        ids = await self.r.zrangebyscore(f"{self.p}sessions_live", "-inf", cutoff)
+        out = []
+        for raw in ids:
+            session_id = _s(raw)
+            tenant = await self.r.hget(f"{self.p}sess:{session_id}", "tenant")
+            out.append((_s(tenant), session_id))
+        return out
 
     async def finish(self, tenant: str, session_id: str, reason: str) -> None:
         await self.check_session(tenant, session_id)
         await self.r.hset(
             f"{self.p}sess:{session_id}", mapping={"finished": "1", "finish_reason": reason}
         )
+        await self.r.zrem(f"{self.p}sessions_live", session_id)
 
     async def training_runs(self, session_id: str) -> list[str]:
         return sorted(_s(x) for x in await self.r.smembers(f"{self.p}session_runs:{session_id}"))
