@@ -58,8 +58,12 @@ def test_up_detach_status_down_leaves_nothing(tmp_path: Path, tiny_model_dir: Pa
 
         status = _run(["status"], tmp_path, timeout=60)
         assert status.returncode == 0, status.stderr
-        for word in ("controller", "trainer-0", "rollout-0", "SERVING", "Trainer slots"):
+        for word in ("trainer-0", "rollout-0", "Trainer slots", "Rollout adapters"):
             assert word in status.stdout
+        health = {line.split()[0]: line.split()[-1] for line in status.stdout.splitlines()[3:8]}
+        assert health == dict.fromkeys(
+            ["controller", "trainer-0", "rollout-0", "gateway", "redis"], "SERVING"
+        )
     finally:
         down = _run(["down"], tmp_path, timeout=120)
     assert down.returncode == 0, down.stderr

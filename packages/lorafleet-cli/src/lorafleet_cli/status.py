@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import grpc
@@ -29,6 +32,29 @@ def _health(port: int, service: str) -> str:
         return f"DOWN ({exc.code().name})"
 
 
+def _http_health(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2) as r:
+            return "SERVING" if r.status == 200 else f"HTTP {r.status}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"DOWN ({exc.__class__.__name__})"
+
+
+def _redis_health(port: int) -> str:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
+            conn.sendall(b"PING\r\n")
+            return "SERVING" if conn.recv(16).startswith(b"+PONG") else "NOT_SERVING"
+    except OSError as exc:
+        return f"DOWN ({exc.__class__.__name__})"
+
+
+def _process_health(service: str, port: int) -> str:
+    if service in _SERVICE:
+        return _health(port, _SERVICE[service])
+    return _http_health(port) if service == "gateway" else _redis_health(port)
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(headers)]  # fmt: skip
@@ -45,8 +71,7 @@ def render_status(controller: str, state: dict[str, Any] | None) -> str:
     if state:
         rows = []
         for p in state["processes"]:
-            service = _SERVICE.get(p["service"])
-            health = _health(p["port"], service) if service else "-"
+            health = _process_health(p["service"], p["port"])
             rows.append([p["name"], str(p["pid"]), str(p["port"]), health])
         out += ["Processes", _table(["name", "pid", "port", "health"], rows), ""]
     try:
