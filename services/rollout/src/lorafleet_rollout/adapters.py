@@ -52,21 +52,32 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_files(folder: Path, expected: dict[str, str]) -> None:
-    """Every file named in `expected` is present with that SHA-256, and nothing else is."""
+def folder_digests(folder: Path) -> dict[str, str]:
+    """relative path -> SHA-256 of every file under `folder` (for folders not staged by upload)."""
+    return {
+        p.relative_to(folder).as_posix(): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def verify_digests(expected: dict[str, str], measured: dict[str, str]) -> None:
+    """The staged files (`measured`, path -> SHA-256) are exactly those `expected` announces.
+
+    `measured` comes from the one hashing pass made while the bytes were staged, so an upload
+    is never read back from disk just to be hashed a second time.
+    """
     if not expected:
         raise InvalidArgument("no file digests were sent", field="header.file_sha256")
-    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    extra = present - expected.keys()
+    extra = measured.keys() - expected.keys()
     if extra:
         raise InvalidArgument(f"files without a digest: {sorted(extra)}", field="chunk.path")
     for name, want in sorted(expected.items()):
-        path = folder / name
-        if name not in present:
+        got = measured.get(name)
+        if got is None:
             raise InvalidArgument(
                 f"{name} was announced but never sent", field="header.file_sha256"
             )
-        got = sha256_file(path)
         if got != want.lower():
             raise InvalidArgument(
                 f"{name}: SHA-256 {got} does not match the announced {want}",

@@ -24,7 +24,8 @@ from lorafleet_rollout.adapters import (
     Resident,
     adapter_id,
     check_ref,
-    verify_files,
+    folder_digests,
+    verify_digests,
 )
 from lorafleet_rollout.engine import RolloutEngine
 from lorafleet_rollout.peft_io import CONFIG_FILE
@@ -120,10 +121,12 @@ class RolloutCore:
         lora: LoraSpec,
         staged: Path,
         digests: dict[str, str],
+        measured: dict[str, str] | None = None,
     ) -> tuple[str, bool]:
         """Verify a staged PEFT folder and make it serve; returns (adapter_id, already_loaded).
 
-        Consumes `staged` (moved into place or deleted).
+        `digests` are the announced SHA-256s; `measured` those the upload computed while
+        staging (None: hash the folder's files here). Consumes `staged` (moved or deleted).
         """
         try:
             check_ref(registration_id, version, "header.adapter")
@@ -134,7 +137,9 @@ class RolloutCore:
                     f"rank {lora.rank} is outside [1, {info.max_lora_rank}]",
                     field="header.lora_config.rank",
                 )
-            await asyncio.to_thread(verify_files, staged, digests)
+            if measured is None:
+                measured = await asyncio.to_thread(folder_digests, staged)
+            verify_digests(digests, measured)
             async with self._publish:
                 plan = self.registry.plan_load(registration_id, version, digests)
                 engine_id = adapter_id(registration_id, version)

@@ -74,6 +74,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 lora,
                 upload.folder,
                 dict(header.file_sha256),
+                upload.digests(),
             )
         finally:
             upload.discard()

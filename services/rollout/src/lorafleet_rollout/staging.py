@@ -1,7 +1,9 @@
 """Receiving an adapter's files as a stream of chunks into a private staging folder.
 
 Chunks must arrive in order per file (offset == bytes received so far) under plain relative
-paths; a per-file SHA-256 on the last chunk is checked when present. The folder is renamed
+paths; each file is hashed once, as its bytes arrive: a per-file SHA-256 on the last chunk is
+checked when present, and `digests()` hands the same hashes to the whole-adapter check, so the
+upload is never read back just to be hashed again. The folder is renamed
 into place only after the whole adapter verifies (see `core.py`), so a broken upload never
 leaves a half-written adapter behind.
 """
@@ -49,6 +51,10 @@ class AdapterUpload:
                 f"{path}: SHA-256 {digest.hexdigest()} does not match the chunk's {sha256}",
                 field="chunk.sha256",
             )
+
+    def digests(self) -> dict[str, str]:
+        """relative path -> SHA-256 of every file staged so far."""
+        return {path: digest.hexdigest() for path, digest in self._hashes.items()}
 
     def discard(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

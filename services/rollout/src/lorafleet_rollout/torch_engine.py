@@ -21,9 +21,11 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +134,10 @@ class TorchEngine:
         self._seqs: list[_Seq] = []
         self._batch: KVBatch | None = None
         self._route: Route | None = None  # of the running batch; None = rebuild before a step
+        # Reading, checking and pairing a pushed adapter runs here, one at a time and niced,
+        # so a publish takes CPU the running batch leaves over; the scheduler thread only
+        # copies the prepared tensors into its preallocated stacks.
+        self._prep = ThreadPoolExecutor(1, "adapter-prep", initializer=_lower_priority)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -168,6 +174,7 @@ class TorchEngine:
             self._cv.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self._prep.shutdown(wait=False, cancel_futures=True)
 
     def info(self) -> EngineInfo:
         if self._info is None:
@@ -178,7 +185,8 @@ class TorchEngine:
     async def load_adapter(self, adapter_id: str, source: AdapterSource, lora: LoraSpec) -> None:
         if adapter_id in self._names:
             return
-        weights = await asyncio.to_thread(self._prepare, source, lora)
+        loop = asyncio.get_running_loop()
+        weights = await loop.run_in_executor(self._prep, self._prepare, source, lora)
         name = f"a{next(self._counter)}"
         await self._submit(lambda: self._bank_or_fail().install(name, weights))
         self._names[adapter_id] = name
@@ -443,6 +451,12 @@ class TorchEngine:
 
     def _decode_tokens(self, tokens: list[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux schedules threads individually); best effort."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
