@@ -10,11 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet.errors import FailedPrecondition, InvalidArgument
 from lorafleet.rpc.errors import from_rpc_error
-from lorafleet.testing import child_env, free_port, stop_process, wait_for_port
+from lorafleet.testing import child_env, free_port, service_process, stop_process, wait_serving
 from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from lorafleet_trainer import convert
 
@@ -31,16 +30,8 @@ def service(model_dir: Path, tmp_path: Path):
         LORAFLEET_TRAINER_TORCH_THREADS="1",
         LORAFLEET_TRAINER_GRACE_SECONDS="2",
     )
-    log = (tmp_path / "trainer.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lorafleet_trainer"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        wait_for_port(port, timeout=60, proc=proc)
+    with service_process("lorafleet_trainer", port, env, tmp_path / "trainer.log") as proc:
         yield port, proc
-    finally:
-        stop_process(proc)
-        log.close()
 
 
 def _datum(tokens: list[int], targets: list[int]) -> common_pb2.Datum:
@@ -53,27 +44,10 @@ def _datum(tokens: list[int], targets: list[int]) -> common_pb2.Datum:
     )
 
 
-async def _wait_serving(channel: grpc.aio.Channel) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    for _ in range(600):
-        try:
-            resp = await stub.Check(
-                health_pb2.HealthCheckRequest(service="lorafleet.v1.TrainerService"), timeout=2
-            )
-            if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        import asyncio
-
-        await asyncio.sleep(0.1)
-    raise TimeoutError("trainer never became SERVING")
-
-
 async def test_service_end_to_end(service, tmp_path: Path) -> None:
     port, proc = service
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        await _wait_serving(channel)
+        await wait_serving(channel, "lorafleet.v1.TrainerService")
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         info = await stub.GetTrainerInfo(trainer_pb2.GetTrainerInfoRequest(), timeout=5)
         assert info.num_slots == 2 and "ppo" in info.loss_fns and info.vocab_size == 256
