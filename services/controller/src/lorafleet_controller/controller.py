@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -324,7 +325,20 @@ class Controller:
         await self.publisher.forget(rid, rec.base_model)
 
     # --- ledger ---------------------------------------------------------------------------
-    async def submit_operation(self, req: controller_pb2.SubmitOperationRequest) -> Admission:
+    async def submit_operation(
+        self,
+        req: controller_pb2.SubmitOperationRequest,
+        rejected: errors.LorafleetError | None = None,
+    ) -> Admission:
+        """Admit an operation. `rejected`: the gateway refused its payload at the edge; the
+        seq_id is spent as a FAILED(user) record with that error and nothing runs."""
+        if rejected is not None:
+            info = req.rejection.SerializeToString(deterministic=True)
+            digest = "rejected:" + hashlib.sha256(info).hexdigest()
+            unspecified = controller_pb2.OPERATION_KIND_UNSPECIFIED
+            return await self.ledger.submit(
+                req.tenant, req.registration_id, req.seq_id, unspecified, b"", digest, rejected
+            )
         payload = req.payload
         body = payload.SerializeToString(deterministic=True)
         kind = V.payload_kind(payload)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lorafleet import errors
+from lorafleet.rpc.errors import exception_from_info
 from lorafleet.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from lorafleet_controller import convert
 from lorafleet_controller.controller import Controller
@@ -90,7 +91,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     # --- ledger ---------------------------------------------------------------------------
     async def SubmitOperation(self, request: Any, context: Any) -> K.SubmitOperationResponse:
-        adm = await self.c.submit_operation(request)
+        rejected = None
+        if request.HasField("rejection"):
+            rejected = exception_from_info(request.rejection, errors.InvalidArgument)
+        adm = await self.c.submit_operation(request, rejected)
         return K.SubmitOperationResponse(
             operation_id=adm.operation_id,
             state=adm.state,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -262,6 +262,15 @@ def fb_input_from_json(
 
 def fb_request_from_proto(raw: bytes) -> tuple[str, int, pb.ForwardBackwardInput]:
     """A tinker_public.ForwardBackwardRequest body → (model_id, seq_id, input)."""
+    model_id, seq_id, convert_input = fb_request_parts_from_proto(raw)
+    return model_id, seq_id, convert_input()
+
+
+def fb_request_parts_from_proto(
+    raw: bytes,
+) -> tuple[str, int, Callable[[], pb.ForwardBackwardInput]]:
+    """Parse the envelope (model_id, seq_id) now; convert the payload when called, so a
+    refused payload can still spend its seq_id."""
     request = tpb.ForwardBackwardRequest()
     try:
         request.ParseFromString(raw)
@@ -273,6 +282,10 @@ def fb_request_from_proto(raw: bytes) -> tuple[str, int, pb.ForwardBackwardInput
         raise InvalidArgument("missing", field="model_id")
     if request.seq_id < 0:
         raise InvalidArgument("must be >= 0", field="seq_id")
+    return request.model_id, request.seq_id, lambda: _fb_input_from_proto(request)
+
+
+def _fb_input_from_proto(request: tpb.ForwardBackwardRequest) -> pb.ForwardBackwardInput:
     check_loss_fn(request.loss_fn, "loss_fn")
     if not request.data:
         raise InvalidArgument("needs at least one datum", field="data")
@@ -300,7 +313,7 @@ def fb_request_from_proto(raw: bytes) -> tuple[str, int, pb.ForwardBackwardInput
     fb = pb.ForwardBackwardInput(
         data=data, loss_fn=request.loss_fn, loss_fn_config=config, forward_only=request.forward_only
     )
-    return request.model_id, request.seq_id, fb
+    return fb
 
 
 def adam_from_json(params: protocol.AdamParams, field: str = "adam_params") -> pb.AdamParams:

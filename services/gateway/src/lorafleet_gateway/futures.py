@@ -13,12 +13,14 @@ Two futures need no ledger record, because their work is done synchronously by t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from fastapi import Response
 from fastapi.responses import JSONResponse
 
 from lorafleet import errors
+from lorafleet.rpc.errors import error_info
 from lorafleet.v1 import common_pb2
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway import convert
@@ -117,3 +119,21 @@ async def submit(
         tenant=tenant, registration_id=model_id, seq_id=seq_id, payload=payload
     )
     return await ctl.call("SubmitOperation", request)
+
+
+async def spend_rejected(
+    ctl: Any, tenant: str, model_id: str, seq_id: int, exc: errors.LorafleetError
+) -> None:
+    """The gateway refused this request's payload: still spend its seq_id in the ledger.
+
+    The SDK has already used that seq_id and sends its next request with the next one; an
+    unspent seq_id would hold the run's queue until the gap timeout seals it. Best effort:
+    if the ledger refuses too (unknown run, another tenant), the client's 4xx stands alone.
+    """
+    if seq_id <= 0 or not model_id:
+        return
+    request = cpb.SubmitOperationRequest(
+        tenant=tenant, registration_id=model_id, seq_id=seq_id, rejection=error_info(exc)
+    )
+    with contextlib.suppress(errors.LorafleetError):
+        await ctl.call("SubmitOperation", request)

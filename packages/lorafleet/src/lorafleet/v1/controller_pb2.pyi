@@ -512,16 +512,18 @@ class Operation(_message.Message):
     def __init__(self, operation_id: _Optional[str] = ..., registration_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[_Union[OperationKind, str]] = ..., state: _Optional[_Union[OperationState, str]] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ..., submitted_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., waiting_reason: _Optional[str] = ...) -> None: ...
 
 class SubmitOperationRequest(_message.Message):
-    __slots__ = ("tenant", "registration_id", "seq_id", "payload")
+    __slots__ = ("tenant", "registration_id", "seq_id", "payload", "rejection")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REJECTION_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     registration_id: str
     seq_id: int
     payload: OperationPayload
-    def __init__(self, tenant: _Optional[str] = ..., registration_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., payload: _Optional[_Union[OperationPayload, _Mapping]] = ...) -> None: ...
+    rejection: _common_pb2.ErrorInfo
+    def __init__(self, tenant: _Optional[str] = ..., registration_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., payload: _Optional[_Union[OperationPayload, _Mapping]] = ..., rejection: _Optional[_Union[_common_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
 
 class SubmitOperationResponse(_message.Message):
     __slots__ = ("operation_id", "state", "duplicate", "sequence_ids")

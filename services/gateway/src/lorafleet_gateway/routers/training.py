@@ -99,6 +99,18 @@ def _parse_json(model: type[pydantic.BaseModel], raw: bytes) -> Any:
         raise errors.InvalidArgument(first["msg"], field=dotted(first["loc"]) or "body") from None
 
 
+async def _rejections_spend_seq(
+    tenant: str, ctl: Any, model_id: str, seq_id: int, convert_payload: Any
+) -> tuple[str, int, Any]:
+    """Run the payload's conversion; when it refuses the payload, spend the seq_id in the
+    ledger before answering 4xx, so the run's next operation does not wait for it."""
+    try:
+        return model_id, seq_id, convert_payload()
+    except errors.InvalidArgument as exc:
+        await futures.spend_rejected(ctl, tenant, model_id, seq_id, exc)
+        raise
+
+
 async def _submit_fb(tenant: str, ctl: Any, model_id: str, seq_id: int, fb: Any, kind: str) -> dict:
     views.session_of(model_id)
     payload = cpb.OperationPayload(**{kind: fb})
@@ -112,30 +124,40 @@ async def forward_backward(request: Request, tenant: Tenant, ctl: Ctl, settings:
     if "zstd" in request.headers.get("content-encoding", ""):
         raw = _decompress(raw, settings.max_body_bytes)
     if request.headers.get("content-type", "").startswith(futures.PROTO):
-        model_id, seq_id, fb = convert.fb_request_from_proto(raw)
+        model_id, seq_id, fb = await _rejections_spend_seq(
+            tenant, ctl, *convert.fb_request_parts_from_proto(raw)
+        )
     else:
         body = _parse_json(ForwardBackwardRequest, raw)
-        fb = convert.fb_input_from_json(
-            body.forward_backward_input, "forward_backward_input", False
-        )
-        model_id, seq_id = body.model_id, body.seq_id
+        model_id, seq_id, fb = await _rejections_spend_seq(
+            tenant, ctl, body.model_id, body.seq_id,
+            lambda: convert.fb_input_from_json(
+                body.forward_backward_input, "forward_backward_input", False
+            ),
+        )  # fmt: skip
     kind = "forward" if fb.forward_only else "forward_backward"
     return await _submit_fb(tenant, ctl, model_id, seq_id, fb, kind)
 
 
 @router.post("/forward")
 async def forward(body: ForwardRequest, tenant: Tenant, ctl: Ctl) -> dict:
-    fb = convert.fb_input_from_json(body.forward_input, "forward_input", True)
+    _, _, fb = await _rejections_spend_seq(
+        tenant, ctl, body.model_id, body.seq_id,
+        lambda: convert.fb_input_from_json(body.forward_input, "forward_input", True),
+    )  # fmt: skip
     return await _submit_fb(tenant, ctl, body.model_id, body.seq_id, fb, "forward")
 
 
 @router.post("/optim_step")
 async def optim_step(body: OptimStepRequest, tenant: Tenant, ctl: Ctl) -> dict:
-    if body.optimizer_params is not None and body.adam_params is None:
-        raise errors.InvalidArgument(
-            "only adam_params (AdamW) is supported", field="optimizer_params"
-        )
-    params = convert.adam_from_json(body.adam_params or AdamParams())
+    def adam() -> cpb.AdamParams:
+        if body.optimizer_params is not None and body.adam_params is None:
+            raise errors.InvalidArgument(
+                "only adam_params (AdamW) is supported", field="optimizer_params"
+            )
+        return convert.adam_from_json(body.adam_params or AdamParams())
+
+    _, _, params = await _rejections_spend_seq(tenant, ctl, body.model_id, body.seq_id, adam)
     views.session_of(body.model_id)
     payload = cpb.OperationPayload(optim_step=params)
     reply = await futures.submit(ctl, tenant, body.model_id, body.seq_id, payload)
