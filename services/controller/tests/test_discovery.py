@@ -358,8 +358,12 @@ async def test_two_electors_never_both_lead(apiserver):
         # The old leader's last accepted write was at most one retry period before the cut.
         assert start - cut >= FAST["lease_duration"] - 2 * FAST["retry_period"]
         assert stop < start and stop - cut <= FAST["renew_deadline"] + 0.3
-        apiserver.blocked.clear()  # the old leader comes back and stays a follower
-        assert await watch_leaders([a, b], 1.0) == {other.identity}
+        # The old leader comes back. Safety must still hold (watch_leaders fails on any
+        # instant with two leaders, no_overlap below on any overlapping terms); who leads
+        # next depends on renewals that a starved CI machine may miss, so only liveness —
+        # somebody leads — is asserted here.
+        apiserver.blocked.clear()
+        assert await watch_leaders([a, b], 1.0)
     finally:
         apiserver.blocked.clear()
         for t in tasks:
