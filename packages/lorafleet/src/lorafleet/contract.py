@@ -1,0 +1,358 @@
+"""The rules every service shares: losses, optimizer ranges, LoRA options, ids.
+
+One owner per rule. The gateway validates requests with these, the controller validates
+submissions with these, and the trainer computes with these; nothing restates them, so a
+loss the trainer implements is a loss the gateway accepts (a test asserts it). Torch-free
+and grpc-free on purpose: the gateway and controller import it without pulling torch.
+Tensor dtype tables live next door in `lorafleet.tensors`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from lorafleet.errors import InvalidArgument
+
+# --- losses ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A built-in loss: the `loss_fn_inputs` it needs, those it may take, and its config keys
+    with their defaults (tinker-api.md §7.3)."""
+
+    name: str
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    config: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+
+DEFAULT_CLIP_LOW = 0.8
+DEFAULT_CLIP_HIGH = 1.2
+DEFAULT_DRO_BETA = 0.05
+_CLIP = {"clip_low_threshold": DEFAULT_CLIP_LOW, "clip_high_threshold": DEFAULT_CLIP_HIGH}
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+LOSSES: Mapping[str, LossSpec] = {
+    spec.name: spec
+    for spec in (
+        # Omitted weights are ones of the target's shape, as the hosted service fills them.
+        LossSpec("cross_entropy", ("target_tokens",), ("weights",)),
+        LossSpec("importance_sampling", _RL_INPUTS),
+        LossSpec("ppo", _RL_INPUTS, config=_CLIP),
+        LossSpec("cispo", _RL_INPUTS, config=_CLIP),
+        LossSpec("dro", _RL_INPUTS, config={"beta": DEFAULT_DRO_BETA}),
+        LossSpec("gspo", _RL_INPUTS, ("sequence_ratio_mask",), config=_CLIP),
+    )
+}
+LOSS_NAMES: tuple[str, ...] = tuple(LOSSES)
+# Integer-valued loss inputs (token ids); every other input is float32.
+INT_INPUTS = frozenset({"target_tokens"})
+# Names Tinker defines that this server refuses on purpose, with the reason users see.
+REFUSED_LOSSES: Mapping[str, str] = {
+    "dimuon": "dimuon is not supported by lorafleet (no reference implementation to match)",
+}
+# Per-token outputs every built-in loss returns, per datum, with the target's leading shape.
+LOSS_OUTPUTS = ("logprobs", "elementwise_loss")
+
+
+def loss_spec(name: str, field: str = "loss_fn") -> LossSpec:
+    """The spec of a built-in loss, or InvalidArgument listing the supported ones."""
+    spec = LOSSES.get(name)
+    if spec is not None:
+        return spec
+    if name in REFUSED_LOSSES:
+        raise InvalidArgument(REFUSED_LOSSES[name], field=field)
+    raise InvalidArgument(
+        f"unknown or unsupported loss {name!r} (supported: {', '.join(LOSS_NAMES)})", field=field
+    )
+
+
+def loss_config(name: str, config: Mapping[str, float], field: str = "loss_fn_config") -> dict:
+    """The loss's config with defaults filled in; unknown keys and non-finite values refused."""
+    spec = loss_spec(name)
+    out = dict(spec.config)
+    for key, value in config.items():
+        if key not in spec.config:
+            known = ", ".join(spec.config) or "none"
+            raise InvalidArgument(
+                f"unknown key for {name} (known: {known})", field=f"{field}.{key}"
+            )
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            raise InvalidArgument(f"must be a finite number, got {value!r}", field=f"{field}.{key}")
+        out[key] = float(value)
+    lo, hi = out.get("clip_low_threshold"), out.get("clip_high_threshold")
+    if lo is not None and lo < 0:
+        raise InvalidArgument("must be >= 0", field=f"{field}.clip_low_threshold")
+    if lo is not None and hi is not None and hi < lo:
+        raise InvalidArgument("must be >= clip_low_threshold", field=f"{field}.clip_high_threshold")
+    if out.get("beta", 0.0) < 0:
+        raise InvalidArgument("must be >= 0", field=f"{field}.beta")
+    return out
+
+
+# --- optimizer ------------------------------------------------------------------------------
+
+# AdamParams field → (predicate, rule text). All values must also be finite.
+ADAM_RULES: Mapping[str, tuple[object, str]] = {
+    "learning_rate": (lambda v: v >= 0, ">= 0"),
+    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "eps": (lambda v: v > 0, "> 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "grad_clip_norm": (lambda v: v >= 0, ">= 0 (0 = no clipping)"),
+}
+# Tinker's AdamParams defaults (the SDK always sends every field; these fill a bare request).
+ADAM_DEFAULTS: Mapping[str, float] = {
+    "learning_rate": 1e-4,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-12,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+}
+OPTIMIZERS = ("adamw",)
+
+
+def check_adam(values: Mapping[str, float], field: str = "adam_params") -> None:
+    """Every AdamParams value finite and in range, checked before anything moves."""
+    for name, (ok, rule) in ADAM_RULES.items():
+        value = float(values[name])
+        if not math.isfinite(value) or not ok(value):  # type: ignore[operator]  # predicate
+            raise InvalidArgument(
+                f"must be finite and {rule}, got {value!r}", field=f"{field}.{name}"
+            )
+
+
+# --- LoRA options ---------------------------------------------------------------------------
+
+DEFAULT_RANK = 32
+MAX_RANK = 1024
+DEFAULT_ALPHA = 32.0  # scale = alpha / rank; a LoraConfig alpha of 0 means this
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """The LoRA options a registration may set beyond Tinker's rank/seed/train_* flags.
+
+    Users reach them through `user_metadata` keys `lorafleet.<name>` (a Tinker SDK call has no
+    other field for them); server-wide defaults come from settings.
+    """
+
+    alpha: float = DEFAULT_ALPHA
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ()
+    exclude_modules: tuple[str, ...] = ()
+    lora_plus_ratio: float = 1.0
+    a_only_decay: bool = False
+    max_grad_norm_default: float = 0.0
+
+
+METADATA_PREFIX = "lorafleet."
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+
+def _number(key: str, raw: str, ok: object, rule: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgument(f"not a number: {raw!r}", field=f"user_metadata.{key}") from None
+    if not math.isfinite(value) or not ok(value):  # type: ignore[operator]  # predicate
+        raise InvalidArgument(f"must be {rule}, got {raw!r}", field=f"user_metadata.{key}")
+    return value
+
+
+def _modules(key: str, raw: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    bad = [n for n in names if not _MODULE_RE.match(n)]
+    if not names or bad:
+        raise InvalidArgument(
+            f"expected a comma-separated list of module names, got {raw!r}",
+            field=f"user_metadata.{key}",
+        )
+    return names
+
+
+def _flag(key: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low not in ("true", "false", "1", "0"):
+        raise InvalidArgument(f"must be true or false, got {raw!r}", field=f"user_metadata.{key}")
+    return low in ("true", "1")
+
+
+_OPTION_PARSERS = {
+    "alpha": lambda k, v: _number(k, v, lambda x: x > 0, "> 0"),
+    "dropout": lambda k, v: _number(k, v, lambda x: 0 <= x < 1, "in [0, 1)"),
+    "target_modules": _modules,
+    "exclude_modules": _modules,
+    "lora_plus_ratio": lambda k, v: _number(k, v, lambda x: x > 0, "> 0"),
+    "a_only_decay": _flag,
+    "max_grad_norm_default": lambda k, v: _number(k, v, lambda x: x >= 0, ">= 0"),
+}
+LORA_OPTION_KEYS = tuple(METADATA_PREFIX + name for name in _OPTION_PARSERS)
+
+
+def split_lora_options(
+    metadata: Mapping[str, str], defaults: LoraOptions = LoraOptions()
+) -> tuple[LoraOptions, dict[str, str]]:
+    """`user_metadata` → (LoRA options, the user's own metadata).
+
+    `lorafleet.*` keys are options, validated with an error naming the key; an unknown
+    `lorafleet.*` key is refused (a typo must not silently train with defaults). Other keys
+    are the user's and are stored as given.
+    """
+    values: dict[str, object] = {}
+    user: dict[str, str] = {}
+    for key, raw in metadata.items():
+        if not key.startswith(METADATA_PREFIX):
+            user[key] = raw
+            continue
+        name = key[len(METADATA_PREFIX) :]
+        parse = _OPTION_PARSERS.get(name)
+        if parse is None:
+            raise InvalidArgument(
+                f"unknown lorafleet option (known: {', '.join(LORA_OPTION_KEYS)})",
+                field=f"user_metadata.{key}",
+            )
+        values[name] = parse(key, str(raw))
+    options = LoraOptions(**{**defaults.__dict__, **values})
+    overlap = set(options.target_modules) & set(options.exclude_modules)
+    if overlap:
+        raise InvalidArgument(
+            f"modules both targeted and excluded: {sorted(overlap)}",
+            field="user_metadata.lorafleet.exclude_modules",
+        )
+    return options, user
+
+
+def check_rank(rank: int, max_rank: int = MAX_RANK, field: str = "lora_config.rank") -> None:
+    if not 1 <= rank <= max_rank:
+        raise InvalidArgument(f"must be in [1, {max_rank}], got {rank}", field=field)
+
+
+# --- ids ------------------------------------------------------------------------------------
+
+TINKER_SCHEME = "tinker://"
+
+
+class CheckpointKind(StrEnum):
+    """The middle part of a tinker path."""
+
+    WEIGHTS = "weights"
+    SAMPLER_WEIGHTS = "sampler_weights"
+    EXTERNAL_WEIGHTS = "external_weights"
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def check_name(name: str, field: str = "name") -> str:
+    """A checkpoint name: 1-128 of letters, digits, '_', '.', '-' (it becomes a path part)."""
+    if not _NAME_RE.match(name):
+        raise InvalidArgument(
+            f"{name!r} is not a valid name (1-128 of letters, digits, '_', '.', '-')", field=field
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    """`tinker://<run>/<kind>/<name>`, exactly three parts, as the SDK parses it."""
+
+    run_id: str
+    kind: CheckpointKind
+    name: str
+
+    def __str__(self) -> str:
+        return f"{TINKER_SCHEME}{self.run_id}/{self.kind.value}/{self.name}"
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.kind.value}/{self.name}"
+
+    @classmethod
+    def parse(cls, path: str, field: str = "path") -> TinkerPath:
+        parts = (
+            path.removeprefix(TINKER_SCHEME).split("/") if path.startswith(TINKER_SCHEME) else []
+        )
+        kinds = [k.value for k in CheckpointKind]
+        if len(parts) != 3 or not all(parts) or parts[1] not in kinds:
+            raise InvalidArgument(
+                f"{path!r} is not a tinker://<run>/<{'|'.join(kinds)}>/<name> path", field=field
+            )
+        return cls(parts[0], CheckpointKind(parts[1]), parts[2])
+
+
+@dataclass(frozen=True)
+class AdapterId:
+    """A registration-scoped, version-pinned adapter id, `<registration>@<version>`: a new
+    registration never reuses an old one's id (anti-ABA), and a sampler pins one version."""
+
+    registration_id: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"{self.registration_id}@{self.version}"
+
+    @classmethod
+    def parse(cls, text: str, field: str = "adapter_id") -> AdapterId:
+        rid, sep, version = text.rpartition("@")
+        if not sep or not rid or "/" in rid or not version.isdigit():
+            raise InvalidArgument(f"{text!r} is not '<registration>@<version>'", field=field)
+        return cls(rid, int(version))
+
+
+class FutureKind(StrEnum):
+    """What a Tinker future id stands for. Most are ledger operations; creating and unloading
+    a model are answered from the registry, and a weights export names its checkpoint."""
+
+    OPERATION = "op"
+    CREATE = "create"
+    UNLOAD = "unload"
+    EXTERNAL = "external"
+
+
+@dataclass(frozen=True)
+class FutureId:
+    """A Tinker `request_id` as a typed value; `str()` is its wire form `<kind>:<ref>[:<name>]`.
+
+    `ref` is an operation id (OPERATION, EXTERNAL) or a model id (CREATE, UNLOAD); `name` is
+    the external checkpoint's name. Model ids contain ':' so the name goes last and the ref
+    is whatever lies between.
+    """
+
+    kind: FutureKind
+    ref: str
+    name: str = ""
+
+    def __str__(self) -> str:
+        if self.kind is FutureKind.EXTERNAL:
+            return f"{self.kind.value}:{self.name}:{self.ref}"
+        return f"{self.kind.value}:{self.ref}"
+
+    @classmethod
+    def parse(cls, text: str, field: str = "request_id") -> FutureId:
+        kind_text, sep, rest = text.partition(":")
+        try:
+            kind = FutureKind(kind_text)
+        except ValueError:
+            kind = None
+        if not sep or kind is None or not rest:
+            raise InvalidArgument(f"{text!r} is not a request id this server issued", field=field)
+        if kind is FutureKind.EXTERNAL:
+            name, sep, ref = rest.partition(":")
+            if not sep or not name or not ref:
+                raise InvalidArgument(
+                    f"{text!r} is not a request id this server issued", field=field
+                )
+            return cls(kind, ref, name)
+        return cls(kind, rest)
