@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 from pathlib import Path
 
 import pytest
-from rollout_helpers import file_digests, make_adapter, reference_greedy, reference_model
+import torch
+from rollout_helpers import (
+    file_digests,
+    make_adapter,
+    reference_greedy,
+    reference_logprobs,
+    reference_model,
+)
 
 from lorafleet.errors import (
     Conflict,
@@ -166,3 +174,23 @@ async def test_bad_requests_name_the_field_and_the_engine_keeps_serving(
     with pytest.raises(NotFound):
         await core.sample("reg-unknown", 1, greedy(2))
     assert len((await core.sample("", 0, greedy(3))).sequences[0].tokens) == 3
+
+
+@pytest.mark.parametrize(("num_samples", "temperature"), [(1, 0.0), (3, 1.0)])
+async def test_topk_prompt_logprobs_imply_the_flat_ones(
+    core: RolloutCore, model_dir: Path, num_samples: int, temperature: float
+) -> None:
+    spec = SamplingSpec(3, temperature=temperature, seed=7, disable_eos_stop=True)
+    asked = await core.sample(
+        "", 0, SampleRequest(None, PROMPT, spec, num_samples, topk_prompt_logprobs=4)
+    )
+    assert len(asked.sequences) == num_samples
+    assert len(asked.prompt_logprobs) == len(asked.topk_prompt_logprobs) == len(PROMPT)
+    assert math.isnan(asked.prompt_logprobs[0]) and asked.topk_prompt_logprobs[0] == ()
+    expected = reference_logprobs(reference_model(model_dir, None), list(PROMPT))
+    assert (torch.tensor(asked.prompt_logprobs[1:]) - expected).abs().max() <= 1e-4
+    for t, row in enumerate(asked.topk_prompt_logprobs[1:], start=1):
+        assert len(row) == 4 and row[0][1] >= asked.prompt_logprobs[t] - 1e-6
+
+    plain = await core.sample("", 0, SampleRequest(None, PROMPT, spec, num_samples))
+    assert plain.prompt_logprobs == () and plain.topk_prompt_logprobs == ()

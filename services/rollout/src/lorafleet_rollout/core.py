@@ -89,12 +89,14 @@ class RolloutCore:
         metrics.QUEUE_DEPTH.set(self._in_flight)
         outcome = "error"
         try:
+            # Tinker's rule: asking for the top-k prompt distribution returns the flat
+            # per-token prompt logprobs beside it (both come off the same prompt pass).
             pinned = SampleRequest(
                 engine_id,
                 request.prompt_tokens,
                 request.params,
                 request.num_samples,
-                request.prompt_logprobs,
+                request.prompt_logprobs or request.topk_prompt_logprobs > 0,
                 request.topk_prompt_logprobs,
             )
             result = await self.engine.sample(pinned)
