@@ -29,16 +29,20 @@ redis:  ## install redis-server from Debian when it is missing (tests and `loraf
 	@command -v redis-server >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
+# Typed stubs come from mypy-protobuf (`_pb2.pyi` and `_pb2_grpc.pyi`), so mypy checks every
+# message field and every stub/servicer signature.
+PROTOC := $(PY) -m grpc_tools.protoc --plugin=protoc-gen-mypy=.venv/bin/protoc-gen-mypy \
+          --plugin=protoc-gen-mypy_grpc=.venv/bin/protoc-gen-mypy_grpc
+
 proto: .venv/.installed  ## regenerate the checked-in gRPC code from proto/
-	$(PY) -m grpc_tools.protoc -I proto --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
-	  --pyi_out=$(PROTO_OUT) $(PROTOS)
-	$(PY) -m grpc_tools.protoc -I proto/tinker_public --python_out=$(TINKER_OUT) \
-	  --pyi_out=$(TINKER_OUT) $(TINKER_PROTO)
+	$(PROTOC) -I proto --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+	  --mypy_out=$(PROTO_OUT) --mypy_grpc_out=$(PROTO_OUT) $(PROTOS)
+	$(PROTOC) -I proto/tinker_public --python_out=$(TINKER_OUT) --mypy_out=$(TINKER_OUT) $(TINKER_PROTO)
 
 proto-check: .venv/.installed  ## fail if the checked-in generated code drifts from proto/
 	@tmp=$$(mktemp -d); mkdir -p $$tmp/tinker; \
-	$(PY) -m grpc_tools.protoc -I proto --python_out=$$tmp --grpc_python_out=$$tmp --pyi_out=$$tmp $(PROTOS) && \
-	$(PY) -m grpc_tools.protoc -I proto/tinker_public --python_out=$$tmp/tinker --pyi_out=$$tmp/tinker $(TINKER_PROTO) && \
+	$(PROTOC) -I proto --python_out=$$tmp --grpc_python_out=$$tmp --mypy_out=$$tmp --mypy_grpc_out=$$tmp $(PROTOS) && \
+	$(PROTOC) -I proto/tinker_public --python_out=$$tmp/tinker --mypy_out=$$tmp/tinker $(TINKER_PROTO) && \
 	if diff -r -x __init__.py -x __pycache__ $$tmp/lorafleet/v1 $(PROTO_OUT)/lorafleet/v1 && \
 	   diff -r -x __init__.py -x __pycache__ $$tmp/tinker $(TINKER_OUT); then \
 	  echo "proto-check: generated code is up to date"; rm -rf $$tmp; \
