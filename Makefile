@@ -12,7 +12,7 @@ PKGS := -e packages/lorafleet -e packages/lorafleet-models -e packages/lorafleet
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help venv redis tiers proto proto-check lint fmt test test-fast demo images ci clean
+.PHONY: help venv redis tiers proto proto-check lint typecheck fmt test test-fast demo images ci clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -51,6 +51,9 @@ proto-check: .venv/.installed  ## fail if the checked-in generated code drifts f
 lint: .venv/.installed  ## ruff check + format check
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+
+typecheck: .venv/.installed  ## mypy over every package's src (config in pyproject.toml)
+	.venv/bin/mypy
 
 fmt: .venv/.installed  ## ruff format + autofix
 	.venv/bin/ruff format .
