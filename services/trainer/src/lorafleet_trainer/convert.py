@@ -7,16 +7,12 @@ import math
 import torch
 
 from lorafleet.errors import InvalidArgument
+from lorafleet.tensors import WIRE_DTYPES
 from lorafleet.v1 import common_pb2, trainer_pb2
 from lorafleet_trainer import domain
 
-_TO_TORCH = {
-    common_pb2.DTYPE_FLOAT32: torch.float32,
-    common_pb2.DTYPE_INT64: torch.int64,
-    common_pb2.DTYPE_INT32: torch.int32,
-    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
-    common_pb2.DTYPE_FLOAT64: torch.float64,
-}
+# The wire dtype table is lorafleet.tensors'; torch shares its dtype names.
+_TO_TORCH = {code: getattr(torch, d.name) for code, d in WIRE_DTYPES.items()}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 
 

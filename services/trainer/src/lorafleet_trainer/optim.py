@@ -13,11 +13,12 @@ exactly the A-only decay rule; LoRA+ is a larger learning rate on the B group.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from lorafleet.errors import InvalidArgument
+from lorafleet.contract import check_adam
 from lorafleet_trainer.domain import AdamParams, LoraSpec, OptimStepResult
 
 NO_GRADIENT_NOTE = "no accumulated gradient: nothing to apply"
@@ -25,20 +26,8 @@ VETO_NOTE = "non-finite gradient: step vetoed, gradients cleared, weights and mo
 
 
 def validate_adam(p: AdamParams) -> None:
-    """Finite and in range, checked before anything moves."""
-    checks = (
-        ("learning_rate", p.learning_rate, p.learning_rate >= 0, ">= 0"),
-        ("beta1", p.beta1, 0 <= p.beta1 < 1, "in [0, 1)"),
-        ("beta2", p.beta2, 0 <= p.beta2 < 1, "in [0, 1)"),
-        ("eps", p.eps, p.eps > 0, "> 0"),
-        ("weight_decay", p.weight_decay, p.weight_decay >= 0, ">= 0"),
-        ("grad_clip_norm", p.grad_clip_norm, p.grad_clip_norm >= 0, ">= 0"),
-    )
-    for name, value, ok, rule in checks:
-        if not math.isfinite(value) or not ok:
-            raise InvalidArgument(
-                f"must be finite and {rule}, got {value!r}", field=f"adam_params.{name}"
-            )
+    """Finite and in range (the contract's rule), checked before anything moves."""
+    check_adam(dataclasses.asdict(p))
 
 
 class SlotOptimizer:
