@@ -40,6 +40,7 @@ def main() -> None:
     from lorafleet_trainer.engine import TrainerEngine
     from lorafleet_trainer.registration import Registrar
     from lorafleet_trainer.servicer import TrainerServicer
+    from lorafleet_trainer.snapshots import Snapshotter
 
     setup_logging("trainer", server.log_level)
     if settings.torch_threads:
@@ -59,7 +60,8 @@ def main() -> None:
         )
     except Exception as exc:  # any load failure is an operator error: one line, exit 2
         _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: cannot load the model: {exc}")
-    servicer = TrainerServicer(engine, settings.replica_id)
+    snapshots = Snapshotter(engine, settings.snapshot_every_steps, settings.snapshot_every_seconds)
+    servicer = TrainerServicer(engine, settings.replica_id, snapshots)
     registrar = None
     if settings.controller_address:
         info = engine.info()
@@ -88,6 +90,7 @@ def main() -> None:
         if registrar is not None:
             await registrar.stop()
         servicer.executor.shutdown(wait=True)
+        snapshots.close()
 
     serve(
         "trainer",

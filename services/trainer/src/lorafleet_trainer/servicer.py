@@ -24,6 +24,7 @@ from lorafleet_trainer import convert
 from lorafleet_trainer.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lorafleet_trainer.domain import ForwardBackwardItem
 from lorafleet_trainer.engine import TrainerEngine
+from lorafleet_trainer.snapshots import Snapshotter
 
 T = TypeVar("T")
 CHUNK_BYTES = 1 << 20
@@ -31,9 +32,12 @@ ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, engine: TrainerEngine, replica_id: str) -> None:
+    def __init__(
+        self, engine: TrainerEngine, replica_id: str, snapshots: Snapshotter | None = None
+    ) -> None:
         self.engine = engine
         self.replica_id = replica_id
+        self.snapshots = snapshots
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -92,14 +96,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return response
 
     async def OptimStep(self, request, context):
-        result = await self._run(
-            self.engine.optim_step,
+        result, snapshot = await self._run(
+            self._optim_step,
             request.operation_id,
             request.slot,
             request.registration_id,
             convert.adam_from_proto(request.adam_params),
         )
-        return trainer_pb2.OptimStepResponse(output=convert.optim_to_proto(result))
+        response = trainer_pb2.OptimStepResponse(output=convert.optim_to_proto(result))
+        if snapshot is not None:
+            response.snapshot.operation_id = snapshot[0]
+            response.snapshot.manifest.CopyFrom(convert.ref_to_proto(snapshot[1]))
+        return response
+
+    def _optim_step(self, operation_id: str, slot: int, registration_id: str, hp: Any) -> Any:
+        """optim_step, then (same torch-thread turn) an automatic snapshot when one is due,
+        and the slot's newest complete snapshot for the answer."""
+        if self.snapshots is None:
+            return self.engine.optim_step(operation_id, slot, registration_id, hp), None
+        binding = self.engine.slots.leased(slot, registration_id)
+        fresh = operation_id not in binding.ops  # a repeated id only gets its first result
+        result = self.engine.optim_step(operation_id, slot, registration_id, hp)
+        if fresh and result.applied:
+            self.snapshots.after_step(slot, binding, operation_id)
+        return result, self.snapshots.latest(slot, registration_id)
 
     async def SaveState(self, request, context):
         ref = await self._run(

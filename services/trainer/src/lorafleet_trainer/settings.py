@@ -50,6 +50,20 @@ class TrainerSettings:
     max_applied_ops: int = setting(
         1024, doc="Applied operation ids (and results) remembered per slot.", min=16, max=1_000_000
     )
+    snapshot_every_steps: int = setting(
+        10,
+        doc="Snapshot a slot automatically every this many optimizer steps (the restore point "
+        "of replay after a trainer loss; written off the critical path). 0 = by time only.",
+        min=0,
+        max=1_000_000,
+    )
+    snapshot_every_seconds: float = setting(
+        300.0,
+        doc="Also snapshot a slot at its first optimizer step this long after its last "
+        "snapshot. 0 = by steps only; both 0 = no snapshots (replay from initial weights).",
+        min=0.0,
+        max=30 * 86400.0,
+    )
     torch_threads: int = setting(
         0, doc="torch intra-op threads; 0 = torch's default.", min=0, max=1024
     )

@@ -372,20 +372,56 @@ class OptimStepResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OUTPUT_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def output(self) -> _common_pb2.OptimStepOutput: ...
+    @_builtins.property
+    def snapshot(self) -> Global___SlotSnapshot:
+        """The slot's newest automatic snapshot whose files are complete (unset when none yet):
+        the controller keeps only the operations after it for replay after a trainer loss.
+        """
+
     def __init__(
         self,
         *,
         output: _common_pb2.OptimStepOutput | None = ...,
+        snapshot: Global___SlotSnapshot | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["output", b"output", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["output", b"output", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OptimStepResponse: _TypeAlias = OptimStepResponse  # noqa: Y015
+
+@_typing.final
+class SlotSnapshot(_message.Message):
+    """An automatic snapshot of a bound slot (adapter + optimizer, a saved state): it holds the
+    effect of every operation of the registration up to and including `operation_id` (an
+    optim_step) and of none after it. Written off the critical path; reported once complete.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPERATION_ID_FIELD_NUMBER: _builtins.int
+    MANIFEST_FIELD_NUMBER: _builtins.int
+    operation_id: _builtins.str
+    @_builtins.property
+    def manifest(self) -> _common_pb2.BlobRef: ...
+    def __init__(
+        self,
+        *,
+        operation_id: _builtins.str = ...,
+        manifest: _common_pb2.BlobRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest", "operation_id", b"operation_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlotSnapshot: _TypeAlias = SlotSnapshot  # noqa: Y015
 
 @_typing.final
 class SaveStateRequest(_message.Message):
