@@ -1,9 +1,11 @@
-"""Build the Grafana dashboards of the Helm chart from plain Python.
+"""Build the Grafana dashboards of the Helm chart with grafana-foundation-sdk.
 
 The JSON under deploy/helm/lorafleet/dashboards/ is generated, never edited by hand, so a
 review reads the panels and their PromQL here. Run `python deploy/dashboards/build.py` after
 a change; `--check` fails when the checked-in JSON differs (tests/deploy runs it).
 
+Dashboards, panels, queries and the datasource variable are built with Grafana's own
+dashboards-as-code library (its builders know the schema; this file only says what to show).
 Every query goes through one Prometheus datasource variable, and `$__rate_interval` is the
 only Grafana macro used, so the queries can be run verbatim against a real Prometheus once it
 is substituted (tests/deploy/test_prometheus.py does that).
@@ -14,12 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from grafana_foundation_sdk.builders import dashboard as gdash
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import dashboard as gmodel
+
 OUT_DIR = Path(__file__).resolve().parents[1] / "helm" / "lorafleet" / "dashboards"
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+DATASOURCE = gmodel.DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "[$__rate_interval]"
+HEIGHT = 8
 
 
 @dataclass
@@ -32,7 +40,6 @@ class Panel:
     kind: str = "timeseries"
     description: str = ""
     width: int = 12
-    extra: dict = field(default_factory=dict)
 
 
 def rate(metric: str, by: str = "", selector: str = "") -> str:
@@ -45,62 +52,51 @@ def quantile(q: float, bucket: str, by: str = "", selector: str = "") -> str:
     return f"histogram_quantile({q}, sum by ({labels}) (rate({bucket}{selector}{RATE})))"
 
 
-def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict:
-    targets = [
-        {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend}
-        for i, (expr, legend) in enumerate(panel.queries)
-    ]
-    body: dict = {
-        "id": panel_id,
-        "type": panel.kind,
-        "title": panel.title,
-        "description": panel.description,
-        "datasource": DATASOURCE,
-        "gridPos": {"h": 8, "w": panel.width, "x": x, "y": y},
-        "targets": targets,
-        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
-    }
-    if panel.kind == "timeseries":
-        body["options"] = {"legend": {"displayMode": "list", "placement": "bottom"}}
-    body.update(panel.extra)
-    return body
+def _panel(panel: Panel, panel_id: int, x: int, y: int) -> timeseries.Panel | stat.Panel:
+    builder = stat.Panel() if panel.kind == "stat" else timeseries.Panel()
+    builder = (
+        builder.id(panel_id)
+        .title(panel.title)
+        .description(panel.description)
+        .datasource(DATASOURCE)
+        .unit(panel.unit)
+        .grid_pos(gmodel.GridPos(h=HEIGHT, w=panel.width, x=x, y=y))
+    )
+    for i, (expr, legend) in enumerate(panel.queries):
+        builder = builder.with_target(
+            prometheus.Dataquery()
+            .ref_id(chr(ord("A") + i))
+            .datasource(DATASOURCE)
+            .expr(expr)
+            .legend_format(legend)
+        )
+    return builder
 
 
 def dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> dict:
     """A dashboard with a Prometheus datasource variable and panels laid out two per row."""
-    laid_out, x, y = [], 0, 0
+    board = (
+        gdash.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["lorafleet"])
+        .editable()
+        .version(1)
+        .refresh("30s")
+        .time("now-1h", "now")
+        .timezone("browser")
+        .with_variable(
+            gdash.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
+        )
+    )
+    x, y = 0, 0
     for i, panel in enumerate(panels, start=1):
         if x + panel.width > 24:
-            x, y = 0, y + 8
-        laid_out.append(_panel_json(panel, i, x, y))
+            x, y = 0, y + HEIGHT
+        board = board.with_panel(_panel(panel, i, x, y))
         x += panel.width
-    return {
-        "uid": uid,
-        "title": title,
-        "description": description,
-        "tags": ["lorafleet"],
-        "editable": True,
-        "schemaVersion": 39,
-        "version": 1,
-        "refresh": "30s",
-        "time": {"from": "now-1h", "to": "now"},
-        "timezone": "browser",
-        "templating": {
-            "list": [
-                {
-                    "name": "datasource",
-                    "label": "Prometheus",
-                    "type": "datasource",
-                    "query": "prometheus",
-                    "current": {},
-                    "hide": 0,
-                    "refresh": 1,
-                }
-            ]
-        },
-        "annotations": {"list": []},
-        "panels": laid_out,
-    }
+    # Round-trip through the library's encoder: the file holds exactly what it serialises.
+    return json.loads(json.dumps(board.build(), cls=JSONEncoder))
 
 
 _HANDLED = rate("grpc_server_handled_total", "grpc_service")
