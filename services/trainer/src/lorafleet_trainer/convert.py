@@ -109,7 +109,10 @@ def fb_input_from_proto(inp: common_pb2.ForwardBackwardInput) -> domain.ForwardB
 def fb_output_to_proto(out: domain.ForwardBackwardOutput) -> common_pb2.ForwardBackwardOutput:
     return common_pb2.ForwardBackwardOutput(
         outputs=[
-            common_pb2.DatumOutput(outputs={"logprobs": tensor_to_proto(t)}) for t in out.logprobs
+            common_pb2.DatumOutput(
+                outputs={"logprobs": tensor_to_proto(lp), "elementwise_loss": tensor_to_proto(el)}
+            )
+            for lp, el in zip(out.logprobs, out.elementwise_loss, strict=True)
         ],
         metrics=out.metrics,
     )

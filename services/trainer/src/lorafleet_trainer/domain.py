@@ -44,10 +44,16 @@ class LoraSpec:
 
 @dataclass
 class Datum:
-    """One Tinker datum: input tokens and per-position loss inputs."""
+    """One Tinker datum: input tokens and per-position loss inputs.
+
+    `context` (trainer-only, no SDK field) makes the datum a truncated-BPTT window: the
+    tokens of its document's earlier windows, attended to through keys/values computed
+    without gradient (see `lorafleet_trainer.bptt`); it has no targets of its own.
+    """
 
     tokens: list[int]
     loss_fn_inputs: dict[str, torch.Tensor]
+    context: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -56,6 +62,11 @@ class ForwardBackwardInput:
     loss_fn: str
     loss_fn_config: dict[str, float] = field(default_factory=dict)
     forward_only: bool = False
+    # Token-mean normalisation over an accumulation group (trainer-only, no SDK field): the
+    # total prediction tokens of every chunk of the group. When > 0 the gradient this call
+    # accumulates is that of loss / group_tokens, so once the group's chunks are in, the slot
+    # holds sum(grad loss) / group_tokens, which optim_step then clips. 0 = Tinker's sum.
+    group_tokens: int = 0
 
 
 @dataclass
@@ -72,6 +83,8 @@ class ForwardBackwardItem:
 class ForwardBackwardOutput:
     logprobs: list[torch.Tensor]  # per datum, shaped like its target_tokens
     metrics: dict[str, float]
+    # Per datum, like logprobs: each target token's term of the (unscaled) summed loss.
+    elementwise_loss: list[torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lorafleet.contract import LOSS_NAMES
 from lorafleet.errors import FailedPrecondition, Internal, InvalidArgument, LorafleetError
-from lorafleet_trainer import checkpoint, metrics
+from lorafleet_trainer import bptt, checkpoint, metrics
 from lorafleet_trainer.domain import (
     DEFAULT_ALPHA,
     AdamParams,
@@ -34,10 +35,10 @@ from lorafleet_trainer.domain import (
 from lorafleet_trainer.dropout import row_key
 from lorafleet_trainer.lora import LoraWeights, Router, RowGroup, init_weights, wrap_linears
 from lorafleet_trainer.losses import (
-    SUPPORTED_LOSSES,
     LossConfig,
     PreparedDatum,
-    datum_loss,
+    elementwise_output,
+    per_token_loss,
     prepare_input,
 )
 from lorafleet_trainer.optim import SlotOptimizer, validate_adam
@@ -118,7 +119,7 @@ class TrainerEngine:
             "base_model": self.base_model,
             "num_slots": len(self.slots),
             "max_rank": self.max_rank,
-            "loss_fns": list(SUPPORTED_LOSSES),
+            "loss_fns": list(LOSS_NAMES),
             "optimizers": list(OPTIMIZERS),
             "vocab_size": self.vocab_size,
             "max_context_length": self.max_length,
@@ -278,6 +279,7 @@ class TrainerEngine:
 
     def _run(self, plans: list[_Plan]) -> list[ForwardBackwardOutput]:
         rows: list[tuple[_Plan, PreparedDatum]] = []
+        windows: list[tuple[_Plan, PreparedDatum, RowGroup]] = []  # truncated-BPTT rows
         group_rows: dict[tuple[int, bool], list[int]] = {}
         group_keys: dict[tuple[int, bool], list[int]] = {}
         ordinals: dict[int, int] = {}
@@ -286,13 +288,19 @@ class TrainerEngine:
             dropout = plan.backward and spec.dropout > 0
             for d in plan.data:
                 key = (plan.slot, dropout)
-                group_rows.setdefault(key, []).append(len(rows))
+                keys = None
                 if dropout:
                     ordinal = ordinals.get(plan.slot, plan.binding.pending_datums)
                     ordinals[plan.slot] = ordinal + 1
-                    group_keys.setdefault(key, []).append(
-                        row_key(spec.seed, plan.binding.optimizer.steps, ordinal)
-                    )
+                    keys = [row_key(spec.seed, plan.binding.optimizer.steps, ordinal)]
+                if d.context:  # runs alone after its detached context (bptt.py)
+                    rate = spec.dropout if dropout else 0.0
+                    group = RowGroup(plan.slot, 1, spec.rank, spec.scale, rate, keys)
+                    windows.append((plan, d, group))
+                    continue
+                group_rows.setdefault(key, []).append(len(rows))
+                if keys:
+                    group_keys.setdefault(key, []).extend(keys)
                 rows.append((plan, d))
         dev = self.device
         # Sort rows by group, and groups by rank (largest first, stable), so every group is a
@@ -311,36 +319,53 @@ class TrainerEngine:
             )
             for (slot, dropout), members in group_rows.items()
         ]
-        width = max(len(d.tokens) for _, d in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        for r, (_, d) in enumerate(rows):
-            ids[r, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.int64)
+        # id(datum) -> (its summed loss, target logprobs, elementwise_loss)
+        scored: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+        def score(plan: _Plan, d: PreparedDatum, logp: torch.Tensor) -> None:
+            n = len(d.tokens)
+            targets = d.target_tokens.to(dev)
+            lp_t = logp.gather(-1, targets.view(n, -1)).view(targets.shape)
+            terms = per_token_loss(plan.cfg, lp_t, _to_device(d, dev))
+            scored[id(d)] = (terms.sum(), lp_t.detach(), elementwise_output(terms))
+
         need_grad = any(p.backward for p in plans)
         with torch.set_grad_enabled(need_grad):
-            # Right padding needs no attention mask: causal attention never looks ahead.
-            with self.router.route(groups, dev):
-                logits = self.model(input_ids=ids.to(dev), use_cache=False).logits
-            logp_all = torch.log_softmax(logits.float(), dim=-1)
-            losses: dict[int, list[torch.Tensor]] = {}
-            logprobs: dict[int, list[torch.Tensor]] = {}
-            for r, (plan, d) in enumerate(rows):
-                n = len(d.tokens)
-                lp = logp_all[r, :n]
-                targets = d.target_tokens.to(dev)
-                lp_t = lp.gather(-1, targets.view(n, -1)).view(targets.shape)
-                d_dev = _to_device(d, dev)
-                losses.setdefault(plan.index, []).append(datum_loss(plan.cfg, lp_t, d_dev))
-                logprobs.setdefault(plan.index, []).append(lp_t.detach())
-            backward_terms = [torch.stack(losses[p.index]).sum() for p in plans if p.backward]
+            if rows:
+                width = max(len(d.tokens) for _, d in rows)
+                ids = torch.zeros(len(rows), width, dtype=torch.int64)
+                for r, (_, d) in enumerate(rows):
+                    ids[r, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.int64)
+                # Right padding needs no attention mask: causal attention never looks ahead.
+                with self.router.route(groups, dev):
+                    logits = self.model(input_ids=ids.to(dev), use_cache=False).logits
+                logp_all = torch.log_softmax(logits.float(), dim=-1)
+                for r, (plan, d) in enumerate(rows):
+                    score(plan, d, logp_all[r, : len(d.tokens)])
+            for plan, d, group in windows:
+                logits = bptt.window_logits(
+                    self.model, self.router, group, d.context, d.tokens, dev
+                )
+                score(plan, d, torch.log_softmax(logits.float(), dim=-1))
+            # grad_scale is exactly 1 unless the call asked for token-mean normalisation.
+            backward_terms = [
+                torch.stack([scored[id(d)][0] for d in p.data]).sum() * p.cfg.grad_scale
+                for p in plans
+                if p.backward
+            ]
             if backward_terms:
                 torch.stack(backward_terms).sum().backward()
-        return [
-            ForwardBackwardOutput(
-                logprobs=[t.float().cpu() for t in logprobs[p.index]],
-                metrics={"loss:sum": float(torch.stack(losses[p.index]).sum().detach())},
+        outputs = []
+        for p in plans:
+            loss, logprobs, elementwise = zip(*(scored[id(d)] for d in p.data), strict=True)
+            outputs.append(
+                ForwardBackwardOutput(
+                    logprobs=[t.float().cpu() for t in logprobs],
+                    metrics={"loss:sum": float(torch.stack(loss).sum().detach())},
+                    elementwise_loss=[t.float().cpu() for t in elementwise],
+                )
             )
-            for p in plans
-        ]
+        return outputs
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(

@@ -1,39 +1,55 @@
-"""Tinker's loss functions: validation of their inputs and their per-datum sums.
+"""Tinker's loss functions: validation of their inputs, and their per-token terms.
 
-All losses are token-level sums, never means (tinker-api.md §7.3, §9.3): K chunked calls
-must accumulate exactly the gradient of one large call. With r = exp(logp - sampling_logp)
-and A the advantages:
+Every loss is computed as one term per target token; a datum's loss is the plain sum of its
+terms, and the terms themselves are returned as the datum's `elementwise_loss` output (next
+to `logprobs`), so the outputs sum to the loss by construction. All losses are token-level
+sums, never means (tinker-api.md §7.3, §9.3): K chunked calls must accumulate exactly the
+gradient of one large call. With r = exp(logp - sampling_logp) and A the advantages, the
+term of target token t is:
 
-- cross_entropy:        -(logp * weights).sum(); targets (N,) or top-K (N, K).
-- importance_sampling:  -(r * A).sum()
-- ppo:                  -min(r * A, clip(r, lo, hi) * A).sum()
-- cispo:                -(sg(clip(r, lo, hi)) * logp * A).sum()
-- dro:                  -(logp * A).sum() + beta / 2 * ((logp - sampling_logp) ** 2).sum()
-                        (the DRO objective as in the Tinker docs; beta from loss_fn_config,
-                        default 0.05)
-- gspo:                 s = exp(mean over m of (logp - sampling_logp)) per datum, where m is
-                        `sequence_ratio_mask` (default: every position);
-                        -(m * min(s * A, clip(s, lo, hi) * A)).sum()
+- cross_entropy:        -logp_t * w_t; targets (N,) or top-K (N, K), one term per target;
+                        omitted weights are ones of the target's shape (the hosted service's
+                        default), negative weights allowed.
+- importance_sampling:  -r_t * A_t
+- ppo:                  -min(r_t * A_t, clip(r_t, lo, hi) * A_t)
+- cispo:                -sg(clip(r_t, lo, hi)) * logp_t * A_t
+- dro:                  -logp_t * A_t + beta / 2 * (logp_t - sampling_logp_t) ** 2
+                        (the DRO objective as in the Tinker docs; beta from loss_fn_config)
+- gspo:                 s = exp(sum_t m_t (logp_t - sampling_logp_t) / max(1, sum_t m_t)) is
+                        one sequence-level ratio per datum, m the `sequence_ratio_mask`
+                        (default: every position); token t's share is
+                        -m_t * min(s * A_t, clip(s, lo, hi) * A_t). Masked tokens (m_t = 0)
+                        have a zero share, and every token's share depends on the whole
+                        sequence through s, so its gradient is not "this token's" alone.
 
-lo/hi come from loss_fn_config clip_low_threshold / clip_high_threshold (default 0.8/1.2).
+lo/hi come from loss_fn_config clip_low_threshold / clip_high_threshold; names, inputs and
+defaults are `lorafleet.contract`'s, the one owner of the loss rules.
+
+Two trainer-only options ride with a call (the managed-jobs feature sets them; the SDK has
+no field for them): `ForwardBackwardInput.group_tokens` (token-mean normalisation over an
+accumulation group) and `Datum.context` (a truncated-BPTT window's earlier context, see
+`lorafleet_trainer.bptt`).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from lorafleet.contract import (
+    DEFAULT_CLIP_HIGH,
+    DEFAULT_CLIP_LOW,
+    DEFAULT_DRO_BETA,
+    INT_INPUTS,
+    loss_config,
+    loss_spec,
+)
 from lorafleet.errors import InvalidArgument
 from lorafleet_trainer.domain import ForwardBackwardInput
 
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
-RL_LOSSES = SUPPORTED_LOSSES[1:]
-CLIPPED = ("ppo", "cispo", "gspo")
-DEFAULT_CLIP_LOW = 0.8
-DEFAULT_CLIP_HIGH = 1.2
-DEFAULT_DRO_BETA = 0.05
+# Losses whose targets may be top-K (N, K); every other input is one value per position.
+TOPK_LOSSES = ("cross_entropy",)
 
 
 @dataclass
@@ -46,6 +62,7 @@ class PreparedDatum:
     sampling_logprobs: torch.Tensor | None = None  # float32 (N,) (RL losses)
     advantages: torch.Tensor | None = None  # float32 (N,)
     ratio_mask: torch.Tensor | None = None  # float32 (N,) (gspo)
+    context: list[int] = field(default_factory=list)  # earlier BPTT context, no targets
 
 
 @dataclass(frozen=True)
@@ -54,48 +71,37 @@ class LossConfig:
     clip_low: float = DEFAULT_CLIP_LOW
     clip_high: float = DEFAULT_CLIP_HIGH
     beta: float = DEFAULT_DRO_BETA
+    # Factor on the gradient this call accumulates (never on its reported loss or outputs):
+    # 1 / group_tokens under token-mean normalisation, else exactly 1.
+    grad_scale: float = 1.0
 
 
-def _finite_number(cfg: dict[str, float], key: str, default: float) -> float:
-    value = cfg.get(key, default)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
+def parse_loss_config(inp: ForwardBackwardInput) -> LossConfig:
+    """The call's loss and its config, defaults filled in from the contract."""
+    cfg = loss_config(inp.loss_fn, inp.loss_fn_config)
+    if isinstance(inp.group_tokens, bool) or not isinstance(inp.group_tokens, int):
+        raise InvalidArgument(f"must be an integer, got {inp.group_tokens!r}", field="group_tokens")
+    if inp.group_tokens < 0:
         raise InvalidArgument(
-            f"must be a finite number, got {value!r}", field=f"loss_fn_config.{key}"
+            f"must be >= 0 (0 = plain sum), got {inp.group_tokens}", field="group_tokens"
         )
-    return float(value)
-
-
-def parse_loss_config(loss_fn: str, cfg: dict[str, float]) -> LossConfig:
-    if loss_fn not in SUPPORTED_LOSSES:
-        raise InvalidArgument(
-            f"unsupported loss {loss_fn!r}; supported: {', '.join(SUPPORTED_LOSSES)}",
-            field="loss_fn",
-        )
-    lo = _finite_number(cfg, "clip_low_threshold", DEFAULT_CLIP_LOW)
-    hi = _finite_number(cfg, "clip_high_threshold", DEFAULT_CLIP_HIGH)
-    beta = _finite_number(cfg, "beta", DEFAULT_DRO_BETA)
-    if lo < 0:
-        raise InvalidArgument("must be >= 0", field="loss_fn_config.clip_low_threshold")
-    if hi < lo:
-        raise InvalidArgument(
-            "must be >= clip_low_threshold", field="loss_fn_config.clip_high_threshold"
-        )
-    if beta < 0:
-        raise InvalidArgument("must be >= 0", field="loss_fn_config.beta")
-    return LossConfig(loss_fn, lo, hi, beta)
+    return LossConfig(
+        inp.loss_fn,
+        clip_low=cfg.get("clip_low_threshold", DEFAULT_CLIP_LOW),
+        clip_high=cfg.get("clip_high_threshold", DEFAULT_CLIP_HIGH),
+        beta=cfg.get("beta", DEFAULT_DRO_BETA),
+        grad_scale=1.0 / inp.group_tokens if inp.group_tokens else 1.0,
+    )
 
 
 def _tensor(
-    inputs: dict[str, torch.Tensor],
+    t: torch.Tensor,
     key: str,
     field: str,
     *,
-    integer: bool,
     shape: tuple[int, ...] | None,
 ) -> torch.Tensor:
-    t = inputs.get(key)
-    if t is None:
-        raise InvalidArgument("required for this loss", field=f"{field}.{key}")
+    integer = key in INT_INPUTS
     if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
         raise InvalidArgument(f"must be an integer tensor, got {t.dtype}", field=f"{field}.{key}")
     if shape is not None and tuple(t.shape) != shape:
@@ -111,11 +117,20 @@ def _tensor(
     return t
 
 
+def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"token id {bad} is outside the vocabulary [0, {vocab_size})", field=field
+        )
+
+
 def prepare_input(
     inp: ForwardBackwardInput, vocab_size: int, max_length: int
 ) -> tuple[LossConfig, list[PreparedDatum]]:
     """Validate one forward_backward input completely; raises InvalidArgument, mutates nothing."""
-    cfg = parse_loss_config(inp.loss_fn, inp.loss_fn_config)
+    cfg = parse_loss_config(inp)
+    spec = loss_spec(inp.loss_fn)
     if not inp.data:
         raise InvalidArgument("at least one datum is required", field="data")
     prepared = []
@@ -124,21 +139,27 @@ def prepare_input(
         n = len(datum.tokens)
         if n == 0:
             raise InvalidArgument("must not be empty", field=f"{field}.tokens")
-        if n > max_length:
+        if n + len(datum.context) > max_length:
             raise InvalidArgument(
-                f"{n} tokens exceed the context length {max_length}", field=f"{field}.tokens"
-            )
-        bad = next((t for t in datum.tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(
-                f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                f"{n} tokens after {len(datum.context)} of context exceed the context length"
+                f" {max_length}",
                 field=f"{field}.tokens",
             )
+        _check_ids(datum.tokens, vocab_size, f"{field}.tokens")
+        _check_ids(datum.context, vocab_size, f"{field}.context")
         fin = f"{field}.loss_fn_inputs"
-        targets = _tensor(datum.loss_fn_inputs, "target_tokens", fin, integer=True, shape=None)
-        allowed_rank = (1, 2) if cfg.loss_fn == "cross_entropy" else (1,)
-        if targets.dim() not in allowed_rank or targets.shape[0] != n or targets.numel() == 0:
-            want = "(N,) or (N, K)" if cfg.loss_fn == "cross_entropy" else "(N,)"
+        given = datum.loss_fn_inputs
+        missing = next((k for k in spec.required if k not in given), None)
+        if missing is not None:
+            raise InvalidArgument("required for this loss", field=f"{fin}.{missing}")
+        targets = _tensor(given["target_tokens"], "target_tokens", fin, shape=None)
+        topk = inp.loss_fn in TOPK_LOSSES
+        if (
+            targets.dim() not in ((1, 2) if topk else (1,))
+            or targets.shape[0] != n
+            or targets.numel() == 0
+        ):
+            want = "(N,) or (N, K)" if topk else "(N,)"
             raise InvalidArgument(
                 f"shape {list(targets.shape)} must be {want} with N = {n} input tokens",
                 field=f"{fin}.target_tokens",
@@ -148,42 +169,46 @@ def prepare_input(
                 f"a target id is outside the vocabulary [0, {vocab_size})",
                 field=f"{fin}.target_tokens",
             )
-        d = PreparedDatum(tokens=list(datum.tokens), target_tokens=targets)
-        if cfg.loss_fn == "cross_entropy":
-            d.weights = _tensor(
-                datum.loss_fn_inputs, "weights", fin, integer=False, shape=tuple(targets.shape)
-            )
+        d = PreparedDatum(list(datum.tokens), targets, context=list(datum.context))
+        per_target = tuple(targets.shape)
+        values = {
+            key: _tensor(given[key], key, fin, shape=per_target if key == "weights" else (n,))
+            for key in spec.inputs
+            if key != "target_tokens" and key in given
+        }
+        if inp.loss_fn == "cross_entropy":
+            d.weights = values.get("weights", torch.ones(per_target, dtype=torch.float32))
         else:
-            d.sampling_logprobs = _tensor(
-                datum.loss_fn_inputs, "logprobs", fin, integer=False, shape=(n,)
-            )
-            d.advantages = _tensor(
-                datum.loss_fn_inputs, "advantages", fin, integer=False, shape=(n,)
-            )
-            if cfg.loss_fn == "gspo" and "sequence_ratio_mask" in datum.loss_fn_inputs:
-                d.ratio_mask = _tensor(
-                    datum.loss_fn_inputs, "sequence_ratio_mask", fin, integer=False, shape=(n,)
-                )
+            d.sampling_logprobs = values["logprobs"]
+            d.advantages = values["advantages"]
+            d.ratio_mask = values.get("sequence_ratio_mask")
         prepared.append(d)
     return cfg, prepared
 
 
-def datum_loss(cfg: LossConfig, logp: torch.Tensor, d: PreparedDatum) -> torch.Tensor:
-    """The summed loss of one datum given its target logprobs (shaped like target_tokens)."""
+def per_token_loss(cfg: LossConfig, logp: torch.Tensor, d: PreparedDatum) -> torch.Tensor:
+    """Each target token's term of the datum's loss (shaped like `logp`, i.e. like
+    target_tokens), differentiable; the datum's loss is exactly `.sum()` of it."""
     if cfg.loss_fn == "cross_entropy":
-        return -(logp * d.weights).sum()
+        return -(logp * d.weights)
     old, adv = d.sampling_logprobs, d.advantages
     if cfg.loss_fn == "dro":
-        return -(logp * adv).sum() + cfg.beta / 2 * ((logp - old) ** 2).sum()
+        return -(logp * adv) + cfg.beta / 2 * (logp - old) ** 2
     if cfg.loss_fn == "gspo":
         mask = d.ratio_mask if d.ratio_mask is not None else torch.ones_like(logp)
         mean = ((logp - old) * mask).sum() / mask.sum().clamp_min(1.0)
         s = torch.exp(mean)
-        return -(mask * torch.minimum(s * adv, s.clamp(cfg.clip_low, cfg.clip_high) * adv)).sum()
+        return -(mask * torch.minimum(s * adv, s.clamp(cfg.clip_low, cfg.clip_high) * adv))
     ratio = torch.exp(logp - old)
     if cfg.loss_fn == "importance_sampling":
-        return -(ratio * adv).sum()
+        return -(ratio * adv)
     clipped = ratio.clamp(cfg.clip_low, cfg.clip_high)
     if cfg.loss_fn == "ppo":
-        return -torch.minimum(ratio * adv, clipped * adv).sum()
-    return -(clipped.detach() * logp * adv).sum()  # cispo
+        return -torch.minimum(ratio * adv, clipped * adv)
+    return -(clipped.detach() * logp * adv)  # cispo
+
+
+def elementwise_output(terms: torch.Tensor) -> torch.Tensor:
+    """The `elementwise_loss` output: the detached terms, with -0.0 (from -(logp * 0)) turned
+    into 0.0 by adding +0.0, so a zero-weight token reads exactly 0.0, sign bit included."""
+    return terms.detach() + 0.0
