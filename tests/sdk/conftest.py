@@ -97,6 +97,7 @@ def json_target(fleet: object, target: Target, tmp_path_factory: pytest.TempPath
         LORAFLEET_GATEWAY_PORT=str(port),
         LORAFLEET_GATEWAY_CONTROLLER_ADDRESS=fleet.controller_address,  # type: ignore[attr-defined]
         LORAFLEET_GATEWAY_PROTO_FLAGS="false",
+        **fleet.client_env("gateway"),  # type: ignore[attr-defined]
     )
     with open(log, "wb") as out:
         proc = subprocess.Popen(

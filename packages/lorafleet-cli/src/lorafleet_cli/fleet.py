@@ -4,6 +4,16 @@ Used by `lorafleet up` and by every end-to-end test, so the tests exercise exact
 user runs. Order: Redis (private, unless a URL is given) → controller → trainers →
 rollouts → gateway; each must report healthy before the next starts. Every process is
 recorded by PID in `<run_dir>/fleet.json` and stopped by that PID, never by name.
+
+Internal gRPC is mutual TLS: the fleet makes a private CA for the run (`ca.py`), gives each
+service kind its certificate through LORAFLEET_TLS_*, and keeps an admin certificate for
+itself and the CLI (minting keys, fleet status).
+
+Supervision: a thread restarts any process that exits (the private Redis included) with
+the same settings and ports, after an exponential backoff, at most `restart_budget` times
+per process within `restart_window` seconds; past that the fleet is marked failed
+(`failure`) and `lorafleet up` stops it. Each restart is logged and rewrites fleet.json
+with the new PID and the restart count, so `status` shows it and `down` stops it.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,10 +34,15 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lorafleet.rpc.channel import make_blocking_channel
+from lorafleet.settings import TlsSettings
 from lorafleet.testing import child_env, free_port, start_redis, stop_process
+from lorafleet.tls import TlsIdentity, identity_from_settings
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
+from lorafleet_cli.ca import ADMIN_NAME, CertFiles, make_run_ca, write_private
 
 STATE_FILE = "fleet.json"
+SERVICES = ("controller", "trainer", "rollout", "gateway")
 
 
 class FleetError(RuntimeError):
@@ -47,6 +63,16 @@ class FleetConfig:
     # Extra environment per service ("controller", "trainer", "rollout", "gateway").
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     start_timeout: float = 180.0
+    # Supervision: restart a process that exits, waiting backoff_initial, doubling up to
+    # backoff_max; a process that ran backoff_reset seconds starts again from the initial
+    # wait. More than restart_budget restarts of one process within restart_window fails
+    # the fleet instead.
+    supervise: bool = True
+    restart_budget: int = 5
+    restart_window: float = 600.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    backoff_reset: float = 60.0
 
 
 @dataclass
@@ -57,6 +83,12 @@ class Member:
     port: int
     metrics_port: int
     log: Path
+    env: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    recent_restarts: list[float] = field(default_factory=list)
+    restart_at: float | None = None  # a restart is scheduled for this monotonic time
+    backoff: float = 0.0
 
 
 class Fleet:
@@ -68,6 +100,13 @@ class Fleet:
         self.api_key = ""
         self.base_url = ""
         self.controller_address = ""
+        self.certs: dict[str, CertFiles] = {}
+        self.admin: TlsIdentity | None = None
+        self.failure = ""  # why supervision gave up, once it has
+        self.redis_member: Member | None = None  # the private Redis, when we started it
+        self._stopping = threading.Event()
+        self._lock = threading.RLock()
+        self._supervisor: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> Fleet:
@@ -85,11 +124,19 @@ class Fleet:
     def start(self) -> None:
         cfg = self.config
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.run_dir.chmod(0o700)  # keys, certificates and tenants' checkpoints live here
         (cfg.run_dir / "logs").mkdir(exist_ok=True)
         try:
+            self.certs = make_run_ca(cfg.run_dir / "tls", list(SERVICES))
+            admin = self.certs[ADMIN_NAME]
+            self.admin = identity_from_settings(
+                TlsSettings(admin.ca_file, admin.cert_file, admin.key_file)
+            )
             if not self.redis_url:
                 self.redis = start_redis(cfg.run_dir / "redis", appendonly=True)
                 self.redis_url = self.redis.url
+                self.redis_member = Member("redis", "redis", self.redis.proc, self.redis.port,
+                                           0, self.redis.data_dir / "redis.log")  # fmt: skip
             storage = cfg.run_dir / "storage"
             controller = self._spawn("controller", "controller", {
                 "REDIS_URL": self.redis_url,
@@ -125,15 +172,108 @@ class Fleet:
         except BaseException:
             self.stop()
             raise
+        if cfg.supervise:
+            self._supervisor = threading.Thread(
+                target=self._supervise, name="fleet-supervisor", daemon=True
+            )
+            self._supervisor.start()
 
     def stop(self) -> None:
-        for member in reversed(self.members):
-            stop_process(member.proc, grace=15)
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
+            self._supervisor = None
+        with self._lock:
+            for member in reversed(self.members):
+                stop_process(member.proc, grace=15)
+            if self.redis is not None:
+                self.redis.stop()
+                self.redis = None
         with contextlib.suppress(FileNotFoundError):
             (self.config.run_dir / STATE_FILE).unlink()
+
+    def client_env(self, service: str) -> dict[str, str]:
+        """LORAFLEET_TLS_* for one more `service` process joining this fleet (a test's
+        second gateway, say)."""
+        return self.certs[service].env()
+
+    # -- supervision -----------------------------------------------------------------------
+    def _note(self, message: str) -> None:
+        """One line on stderr (the `lorafleet up` log) and in logs/supervisor.log."""
+        line = f"lorafleet: {message}"
+        print(line, file=sys.stderr, flush=True)
+        with open(self.config.run_dir / "logs" / "supervisor.log", "a") as out:
+            out.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                for member in self.supervised:
+                    if member.proc.poll() is not None:
+                        self._schedule_or_restart(member)
+
+    @property
+    def supervised(self) -> list[Member]:
+        return [*([self.redis_member] if self.redis_member else []), *self.members]
+
+    def _schedule_or_restart(self, member: Member) -> None:
+        now = time.monotonic()
+        code = member.proc.returncode
+        if member.restart_at is None:
+            member.recent_restarts = [
+                t for t in member.recent_restarts if now - t < self.config.restart_window
+            ]
+            if len(member.recent_restarts) >= self.config.restart_budget:
+                if not self.failure:
+                    self.failure = (
+                        f"{member.name} exited with {code} after {len(member.recent_restarts)} "
+                        f"restarts in {self.config.restart_window:.0f}s; giving up"
+                    )
+                    self._note(self.failure)
+                return
+            ran = now - member.started_at
+            if ran >= self.config.backoff_reset or member.backoff == 0:
+                member.backoff = self.config.backoff_initial
+            else:
+                member.backoff = min(member.backoff * 2, self.config.backoff_max)
+            member.restart_at = now + member.backoff
+            self._note(f"{member.name} exited with {code} after {ran:.1f}s; restarting in "
+                       f"{member.backoff:.1f}s (restart {len(member.recent_restarts) + 1} "
+                       f"of {self.config.restart_budget} within "
+                       f"{self.config.restart_window:.0f}s)")  # fmt: skip
+        elif now >= member.restart_at:
+            member.restart_at = None
+            member.recent_restarts.append(now)
+            member.restarts += 1
+            member.started_at = now
+            try:
+                if member.service == "redis":
+                    self._restart_redis(member)
+                else:
+                    self._respawn(member)
+            except Exception as exc:  # a failed start counts as one more crash
+                self._note(f"{member.name} did not start again: {exc}")
+            self._write_state()
+
+    def _respawn(self, member: Member) -> None:
+        with open(member.log, "ab") as out:
+            member.proc = subprocess.Popen(
+                [sys.executable, "-m", f"lorafleet_{member.service}"],
+                env=member.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._note(f"{member.name} restarted as PID {member.proc.pid}")
+
+    def _restart_redis(self, member: Member) -> None:
+        """Same port and folder: the append-only file brings every acknowledged write back."""
+        assert self.redis is not None
+        self.redis = start_redis(self.redis.data_dir, port=self.redis.port, appendonly=True)
+        member.proc = self.redis.proc
+        self._note(f"redis restarted as PID {member.proc.pid}")
 
     # -- helpers ---------------------------------------------------------------------------
     @property
@@ -148,10 +288,15 @@ class Fleet:
         return pids
 
     def member(self, name: str) -> Member:
-        return next(m for m in self.members if m.name == name)
+        return next(m for m in self.supervised if m.name == name)
+
+    def admin_channel(self, address: str = "") -> grpc.Channel:
+        """A channel that presents the run's admin certificate (to the controller unless
+        `address` names another member)."""
+        return make_blocking_channel(address or self.controller_address, tls=self.admin)
 
     def create_api_key(self, tenant: str, label: str) -> str:
-        with grpc.insecure_channel(self.controller_address) as ch:
+        with self.admin_channel() as ch:
             stub = controller_pb2_grpc.ControllerServiceStub(ch)
             resp = stub.CreateApiKey(
                 controller_pb2.CreateApiKeyRequest(tenant=tenant, label=label), timeout=10
@@ -164,6 +309,7 @@ class Fleet:
         prefix = f"LORAFLEET_{service.upper()}_"
         port = port or free_port()
         env = {f"{prefix}{k}": v for k, v in settings.items()}
+        env.update(self.client_env(service))
         env[f"{prefix}PORT"] = str(port)
         if service == "gateway":
             metrics_port = port  # the gateway serves /metrics on its HTTP port
@@ -172,15 +318,16 @@ class Fleet:
             env[f"{prefix}METRICS_PORT"] = str(metrics_port)
         env.update(self.config.extra_env.get(service, {}))
         log = self.config.run_dir / "logs" / f"{name}.log"
+        env = child_env(**env)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", f"lorafleet_{service}"],
-                env=child_env(**env),
+                env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in the terminal goes to `lorafleet up` only
             )
-        member = Member(service, name, proc, port, metrics_port, log)
+        member = Member(service, name, proc, port, metrics_port, log, env)
         self.members.append(member)
         return member
 
@@ -197,7 +344,7 @@ class Fleet:
 
     def _wait_grpc(self, member: Member, service: str) -> None:
         deadline = self._deadline()
-        with grpc.insecure_channel(f"127.0.0.1:{member.port}") as ch:
+        with self.admin_channel(f"127.0.0.1:{member.port}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while time.monotonic() < deadline:
                 if member.proc.poll() is not None:
@@ -214,7 +361,7 @@ class Fleet:
         """The controller must know every trainer and rollout before the gateway opens."""
         want = self.config.trainers + self.config.rollouts
         deadline = self._deadline()
-        with grpc.insecure_channel(self.controller_address) as ch:
+        with self.admin_channel() as ch:
             stub = controller_pb2_grpc.ControllerServiceStub(ch)
             while time.monotonic() < deadline:
                 with contextlib.suppress(grpc.RpcError):
@@ -243,22 +390,22 @@ class Fleet:
         raise FleetError(f"gateway not healthy after {self.config.start_timeout:.0f}s")
 
     def _write_state(self) -> None:
+        admin = self.certs.get(ADMIN_NAME)
         state = {
             "base_url": self.base_url,
             "api_key": self.api_key,
             "controller_address": self.controller_address,
             "redis_url": self.redis_url,
             "launcher_pid": os.getpid(),
+            "admin_tls": {k: str(v) for k, v in admin.env().items()} if admin else {},
+            "failure": self.failure,
             "processes": [
                 {"name": m.name, "service": m.service, "pid": m.proc.pid, "port": m.port,
-                 "metrics_port": m.metrics_port, "log": str(m.log)}
-                for m in self.members
-            ]
-            + ([{"name": "redis", "service": "redis", "pid": self.redis.proc.pid,
-                 "port": self.redis.port, "metrics_port": 0, "log": ""}]
-               if self.redis is not None else []),
+                 "metrics_port": m.metrics_port, "log": str(m.log), "restarts": m.restarts}
+                for m in [*self.members, *([self.redis_member] if self.redis_member else [])]
+            ],
         }  # fmt: skip
         path = self.config.run_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
+        write_private(tmp, json.dumps(state, indent=2).encode())
         tmp.replace(path)

@@ -1,4 +1,8 @@
-"""`lorafleet keys create|list|revoke`: API keys live (hashed) in the controller's Redis."""
+"""`lorafleet keys create|list|revoke`: API keys live (hashed) in the controller's Redis.
+
+These are admin RPCs: the calls present the run's admin certificate (or the one in
+LORAFLEET_TLS_* with --controller).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,21 @@ import time
 
 import grpc
 
+from lorafleet.rpc.channel import make_blocking_channel
 from lorafleet.rpc.errors import from_rpc_error
+from lorafleet.tls import TlsIdentity
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 
 
-def run(args: argparse.Namespace, controller: str) -> int:
-    with grpc.insecure_channel(controller) as ch:
+def run(args: argparse.Namespace, controller: str, tls: TlsIdentity | None) -> int:
+    if args.action == "list" and not args.target:
+        print("lorafleet: keys list needs a tenant: `lorafleet keys list TENANT`",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if args.action == "revoke" and not args.target:
+        print("lorafleet: keys revoke needs a key id", file=sys.stderr)
+        return 1
+    with make_blocking_channel(controller, tls=tls) as ch:
         stub = controller_pb2_grpc.ControllerServiceStub(ch)
         try:
             if args.action == "create":
@@ -34,9 +47,6 @@ def run(args: argparse.Namespace, controller: str) -> int:
                     state = "revoked" if k.revoked else "active"
                     print(f"{k.key_id}  {k.tenant:<16} {state:<8} {when}  {k.label}")
             else:
-                if not args.target:
-                    print("lorafleet: keys revoke needs a key id", file=sys.stderr)
-                    return 1
                 stub.RevokeApiKey(
                     controller_pb2.RevokeApiKeyRequest(key_id=args.target), timeout=10
                 )

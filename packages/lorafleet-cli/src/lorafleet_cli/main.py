@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from lorafleet.tls import TlsIdentity
 from lorafleet_cli import runs
 from lorafleet_cli.fleet import Fleet, FleetConfig, FleetError
 
@@ -110,16 +111,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     print("lorafleet: fleet is up; Ctrl-C (or `lorafleet down`) stops it", file=sys.stderr)
     try:
         while not stop["now"]:
-            for m in fleet.members:
-                if m.proc.poll() is not None:
-                    _err(f"{m.name} exited with {m.proc.returncode}; stopping (log: {m.log})")
-                    stop["now"] = True
+            if fleet.failure:  # supervision gave up on a process: say so, stop the rest
+                _err(f"{fleet.failure}; stopping the fleet")
+                break
             time.sleep(0.5)
     finally:
         fleet.stop()
         runs.clear_current(run_dir)
         print("lorafleet: fleet stopped", file=sys.stderr)
-    return 0
+    return 1 if fleet.failure else 0
 
 
 def _up_detached(args: argparse.Namespace) -> int:
@@ -134,7 +134,9 @@ def _up_detached(args: argparse.Namespace) -> int:
         argv += ["--redis-url", args.redis_url]
     run_dir.mkdir(parents=True, exist_ok=True)
     out_path, log_path = run_dir / "up.out", run_dir / "up.log"
-    with open(out_path, "wb") as out, open(log_path, "ab") as log:
+    # up.out holds the API key: owner-only from the first byte.
+    out_fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(out_fd, "wb") as out, open(log_path, "ab") as log:
         proc = subprocess.Popen(
             argv, stdout=out, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
         )
@@ -189,23 +191,31 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _controller(args: argparse.Namespace) -> str:
+def _controller(args: argparse.Namespace) -> tuple[str, TlsIdentity | None]:
+    """The controller to ask, and the admin identity to ask with: --controller and
+    LORAFLEET_TLS_*, or the current run's address and admin certificate."""
     if getattr(args, "controller", None):
-        return str(args.controller)
+        return str(args.controller), None
     run_dir = runs.current()
     state = runs.read_state(run_dir) if run_dir else None
     if state is None:
         raise FleetError("no running fleet (start one with `lorafleet up`, or pass --controller)")
-    return str(state["controller_address"])
+    return str(state["controller_address"]), runs.admin_identity(state)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from lorafleet_cli.status import render_status
 
+    state = None if args.controller else runs.read_state(runs.current())
     try:
-        print(render_status(_controller(args), runs.read_state(runs.current())))
+        address, tls = _controller(args)
     except FleetError as exc:
         _err(str(exc))
+        return 1
+    text, problem = render_status(address, tls, state)
+    print(text)
+    if problem:
+        _err(problem)
         return 1
     return 0
 
@@ -214,7 +224,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from lorafleet_cli import keys
 
     try:
-        return keys.run(args, _controller(args))
+        return keys.run(args, *_controller(args))
     except FleetError as exc:
         _err(str(exc))
         return 1
@@ -257,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="API keys: create | list | revoke")
     keys.add_argument("action", choices=("create", "list", "revoke"))
-    keys.add_argument("target", nargs="?", default="", help="tenant (create) or key id (revoke)")
+    keys.add_argument("target", nargs="?", default="",
+                      help="tenant (create, list) or key id (revoke)")  # fmt: skip
     keys.add_argument("--label", default="")
     keys.add_argument("--controller", default="")
     keys.set_defaults(fn=cmd_keys)

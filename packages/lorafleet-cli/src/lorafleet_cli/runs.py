@@ -8,6 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lorafleet.settings import TLS_PREFIX, SettingsError, TlsSettings, load_settings
+from lorafleet.tls import TlsIdentity, identity_from_settings
+from lorafleet_cli.fleet import FleetError
+
 
 def home() -> Path:
     """LORAFLEET_HOME (default ~/.lorafleet): run folders and the pointer to the current one."""
@@ -61,3 +65,14 @@ def is_ours(pid: int) -> bool:
     except OSError:
         return False
     return b"lorafleet" in cmdline or b"redis-server" in cmdline
+
+
+def admin_identity(state: dict[str, Any]) -> TlsIdentity | None:
+    """The run's admin certificate (fleet.json names its files), for the CLI's calls."""
+    files = state.get("admin_tls") or {}
+    if not files:
+        return None
+    try:
+        return identity_from_settings(load_settings(TlsSettings, TLS_PREFIX, env=files))
+    except SettingsError as exc:
+        raise FleetError(f"the run's admin certificate is unusable: {exc}") from None

@@ -1,4 +1,8 @@
-"""`lorafleet status`: the fleet as a readable table (health, slots, queues, adapters)."""
+"""`lorafleet status`: the fleet as a readable table (processes, slots, queues, adapters).
+
+The process table comes from fleet.json and each process's own health check, so it is
+printed even when Redis or the controller is down: that is when an operator needs it.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lorafleet.rpc.channel import make_blocking_channel
+from lorafleet.tls import TlsIdentity
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
-from lorafleet_cli.fleet import FleetError
 
 _SERVICE = {
     "controller": "lorafleet.v1.ControllerService",
@@ -21,9 +26,9 @@ _SERVICE = {
 }
 
 
-def _health(port: int, service: str) -> str:
+def _health(port: int, service: str, tls: TlsIdentity | None) -> str:
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        with make_blocking_channel(f"127.0.0.1:{port}", tls=tls) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=2
             )
@@ -49,9 +54,9 @@ def _redis_health(port: int) -> str:
         return f"DOWN ({exc.__class__.__name__})"
 
 
-def _process_health(service: str, port: int) -> str:
+def _process_health(service: str, port: int, tls: TlsIdentity | None) -> str:
     if service in _SERVICE:
-        return _health(port, _SERVICE[service])
+        return _health(port, _SERVICE[service], tls)
     return _http_health(port) if service == "gateway" else _redis_health(port)
 
 
@@ -66,23 +71,28 @@ def _ago(ts: float) -> str:
     return f"{time.time() - ts:.0f}s ago" if ts else "-"
 
 
-def render_status(controller: str, state: dict[str, Any] | None) -> str:
+def render_status(
+    controller: str, tls: TlsIdentity | None, state: dict[str, Any] | None
+) -> tuple[str, str]:
+    """The report, and what is wrong when the controller does not answer ("" if nothing)."""
     out = []
     if state:
         rows = []
         for p in state["processes"]:
-            health = _process_health(p["service"], p["port"])
-            rows.append([p["name"], str(p["pid"]), str(p["port"]), health])
-        out += ["Processes", _table(["name", "pid", "port", "health"], rows), ""]
+            health = _process_health(p["service"], p["port"], tls)
+            rows.append([p["name"], str(p["pid"]), str(p["port"]), str(p.get("restarts", 0)),
+                         health])  # fmt: skip
+        out += ["Processes", _table(["name", "pid", "port", "restarts", "health"], rows), ""]
+        if state.get("failure"):
+            out += [f"Supervision gave up: {state['failure']}", ""]
     try:
-        with grpc.insecure_channel(controller) as ch:
+        with make_blocking_channel(controller, tls=tls) as ch:
             status = controller_pb2_grpc.ControllerServiceStub(ch).GetFleetStatus(
                 controller_pb2.GetFleetStatusRequest(), timeout=10
             )
     except grpc.RpcError as exc:
-        raise FleetError(
-            f"controller at {controller} does not answer ({exc.code().name})"
-        ) from None
+        problem = f"controller at {controller} does not answer ({exc.code().name}: {exc.details()})"
+        return "\n".join(out).rstrip(), problem
 
     slot_rows, adapter_rows = [], []
     for r in status.replicas:
@@ -110,4 +120,4 @@ def render_status(controller: str, state: dict[str, Any] | None) -> str:
     queued = ", ".join(f"{q.registration_id} (#{q.queue_position})"
                        for q in status.queued_registrations) or "none"  # fmt: skip
     out += [f"Ledger: {depth}", f"Waiting for a slot: {queued}"]
-    return "\n".join(out)
+    return "\n".join(out), ""

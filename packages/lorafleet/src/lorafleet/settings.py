@@ -144,3 +144,35 @@ class ServerSettings:
     log_level: str = setting(
         "INFO", doc="Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")
     )
+
+
+TLS_PREFIX = "LORAFLEET_TLS_"
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsSettings:
+    """Mutual TLS between services, shared by every process of a fleet (LORAFLEET_TLS_*).
+
+    With the three files set, every gRPC server requires a client certificate signed by the
+    CA and every channel presents this process's certificate, so a caller without one is
+    refused during the handshake. Unset, internal gRPC is plaintext and unauthenticated
+    (development only: the services log a warning). `lorafleet up` makes a private CA per run;
+    on Kubernetes cert-manager or a Secret provides the files.
+    """
+
+    ca_file: Path | None = setting(
+        None, doc="PEM CA bundle that signs every fleet certificate (peers are checked with it)."
+    )
+    cert_file: Path | None = setting(
+        None, doc="PEM certificate this process presents, as a server and as a client."
+    )
+    key_file: Path | None = setting(None, doc="PEM private key of cert_file (mode 0600).")
+    server_name: str = setting(
+        "",
+        doc="Name every server certificate carries, checked instead of the dialed host (for "
+        "peers reached by pod IP); empty checks the dialed host.",
+    )
+    admin_names: tuple[str, ...] = setting(
+        ("lorafleet-admin",),
+        doc="Certificate common names allowed to call admin RPCs (API keys, fleet status).",
+    )

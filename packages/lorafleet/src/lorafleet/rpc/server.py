@@ -5,6 +5,10 @@ Lifecycle, in order: health NOT_SERVING (so readiness fails while a model loads)
 NOT_SERVING, traffic drains) → `server.stop(grace)` lets in-flight RPCs finish →
 `shutdown()` → exit 0. Health tells the truth: it is SERVING only between a completed
 startup and the first stop signal.
+
+Transport: mutual TLS when the process has a TLS identity (LORAFLEET_TLS_*, or `tls=` for
+in-process servers), with admin RPCs limited to admin certificates (`lorafleet.rpc.auth`);
+plaintext otherwise, with a warning, for development only.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from lorafleet.logging import setup_logging
-from lorafleet.rpc.channel import message_options
+from lorafleet.rpc.auth import AdminInterceptor, identity_or_exit, server_credentials
+from lorafleet.rpc.channel import server_options
 from lorafleet.rpc.interceptors import ErrorsAndMetricsInterceptor
 from lorafleet.settings import ServerSettings
+from lorafleet.tls import TlsIdentity
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +64,20 @@ async def start_server(
     startup: Hook | None = None,
     *,
     standby: Sequence[str] = (),
+    tls: TlsIdentity | None = None,
 ) -> RunningServer:
     """Bind, run `startup`, then report SERVING. The caller owns stopping it.
 
     Services named in `standby` stay NOT_SERVING after startup (a controller replica that
-    does not hold the leader lease): the caller flips them when it may serve.
+    does not hold the leader lease): the caller flips them when it may serve. `tls`
+    defaults to the identity in LORAFLEET_TLS_*.
     """
+    tls = tls or identity_or_exit()
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorsAndMetricsInterceptor()]
+    if tls is not None:
+        interceptors.append(AdminInterceptor(tls.admin_names))
     server = grpc.aio.server(
-        interceptors=[ErrorsAndMetricsInterceptor()],
-        options=message_options(settings.max_message_bytes),
+        interceptors=interceptors, options=server_options(settings.max_message_bytes)
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -80,7 +91,16 @@ async def start_server(
          reflection.SERVICE_NAME),
         server,
     )  # fmt: skip
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if tls is None:
+        log.warning(
+            "internal gRPC on %s is plaintext and unauthenticated: set "
+            "LORAFLEET_TLS_CA_FILE/CERT_FILE/KEY_FILE outside development",
+            address,
+        )
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, server_credentials(tls))
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.port}")
     await server.start()
