@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from lorafleet.replica import ReplicaSettings
 from lorafleet.settings import ServerSettings, load_or_exit
 from lorafleet_rollout.settings import PREFIX, RolloutSettings
 
@@ -11,6 +12,7 @@ from lorafleet_rollout.settings import PREFIX, RolloutSettings
 def main() -> None:
     settings = load_or_exit(RolloutSettings, PREFIX)
     server = load_or_exit(ServerSettings, PREFIX)
+    replica = load_or_exit(ReplicaSettings, PREFIX)
     if settings.engine != "torch" and not settings.engine_url:
         _exit(f"{PREFIX}ENGINE_URL is required when {PREFIX}ENGINE={settings.engine}")
     if settings.engine == "torch" and not (settings.model_path / "config.json").is_file():
@@ -18,7 +20,7 @@ def main() -> None:
 
     from lorafleet_rollout.app import run  # imports torch
 
-    run(settings, server)
+    run(settings, server, replica)
 
 
 def _exit(message: str) -> None:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 
 import torch
 
+from lorafleet.replica import Registrar, ReplicaSettings
 from lorafleet.rpc.server import ServiceSpec, serve
 from lorafleet.settings import ServerSettings
 from lorafleet.v1 import controller_pb2, rollout_pb2_grpc
 from lorafleet_rollout.core import Limits, RolloutCore
 from lorafleet_rollout.engine import RolloutEngine
-from lorafleet_rollout.heartbeat import register_forever
 from lorafleet_rollout.servicer import RolloutServicer
 from lorafleet_rollout.settings import RolloutSettings
 
@@ -60,18 +58,17 @@ def make_core(settings: RolloutSettings) -> RolloutCore:
     return RolloutCore(make_engine(settings), limits, settings.adapter_dir / settings.replica_id)
 
 
-def run(settings: RolloutSettings, server: ServerSettings) -> None:
+def run(settings: RolloutSettings, server: ServerSettings, replica: ReplicaSettings) -> None:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     core = make_core(settings)
-    heartbeat: list[asyncio.Task[None]] = []
 
     def registration() -> controller_pb2.RegisterReplicaRequest:
         info = core.info()
         return controller_pb2.RegisterReplicaRequest(
             kind=controller_pb2.REPLICA_KIND_ROLLOUT,
             replica_id=settings.replica_id,
-            address=settings.advertise_address or f"127.0.0.1:{server.port}",
+            address=replica.address(server.port),
             base_model=settings.served_base_model,
             num_slots=settings.max_loaded_adapters,
             incarnation=core.incarnation,
@@ -81,24 +78,14 @@ def run(settings: RolloutSettings, server: ServerSettings) -> None:
             arch=info.engine,
         )
 
+    registrar = Registrar(replica, registration)
+
     async def startup() -> None:
         await core.start()
-        if settings.controller_address:
-            heartbeat.append(
-                asyncio.create_task(
-                    register_forever(
-                        settings.controller_address,
-                        registration,
-                        settings.register_interval_seconds,
-                    )
-                )
-            )
+        registrar.start()
 
     async def shutdown() -> None:
-        for task in heartbeat:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await registrar.stop()
         await core.close()
 
     servicer = RolloutServicer(core, settings.replica_id, settings.served_base_model)

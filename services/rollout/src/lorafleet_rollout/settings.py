@@ -59,15 +59,6 @@ class RolloutSettings:
         doc="Where pushed adapters are kept while resident; SGLang/vLLM must read this path.",
     )
     replica_id: str = setting("rollout-0", doc="Name this replica reports to the controller.")
-    controller_address: str = setting(
-        "", doc="host:port of the controller to register with; empty = do not register."
-    )
-    advertise_address: str = setting(
-        "", doc="host:port the controller should dial; empty = 127.0.0.1:<port>."
-    )
-    register_interval_seconds: float = setting(
-        5.0, doc="How often to (re-)register with the controller.", min=0.5, max=3600.0
-    )
     torch_threads: int = setting(
         0, doc="torch intra-op threads; 0 = torch's default.", min=0, max=1024
     )

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+from lorafleet.replica import ReplicaSettings
 from lorafleet.settings import ServerSettings, SettingsError, describe, load_settings
 from lorafleet_trainer.settings import PREFIX, TrainerSettings
 
@@ -23,10 +24,12 @@ def main() -> None:
         print("Settings (environment variables):")
         print(describe(ServerSettings, PREFIX))
         print(describe(TrainerSettings, PREFIX))
+        print(describe(ReplicaSettings, PREFIX))
         return
     try:
         server = load_settings(ServerSettings, PREFIX)
         settings = load_settings(TrainerSettings, PREFIX)
+        replica = load_settings(ReplicaSettings, PREFIX)
     except SettingsError as exc:
         _fail(str(exc))
     if not (settings.model_path / "config.json").is_file():
@@ -35,10 +38,10 @@ def main() -> None:
     import torch
 
     from lorafleet.logging import setup_logging
+    from lorafleet.replica import Registrar
     from lorafleet.rpc.server import ServiceSpec, serve
     from lorafleet.v1 import controller_pb2, trainer_pb2_grpc
     from lorafleet_trainer.engine import TrainerEngine
-    from lorafleet_trainer.registration import Registrar
     from lorafleet_trainer.servicer import TrainerServicer
     from lorafleet_trainer.snapshots import Snapshotter
 
@@ -62,33 +65,28 @@ def main() -> None:
         _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: cannot load the model: {exc}")
     snapshots = Snapshotter(engine, settings.snapshot_every_steps, settings.snapshot_every_seconds)
     servicer = TrainerServicer(engine, settings.replica_id, snapshots)
-    registrar = None
-    if settings.controller_address:
-        info = engine.info()
-        registrar = Registrar(
-            settings.controller_address,
-            controller_pb2.RegisterReplicaRequest(
-                kind=controller_pb2.REPLICA_KIND_TRAINER,
-                replica_id=settings.replica_id,
-                address=settings.advertise_address or f"127.0.0.1:{server.port}",
-                base_model=info["base_model"],
-                num_slots=info["num_slots"],
-                incarnation=info["incarnation"],
-                tokenizer_id=str(settings.model_path),
-                max_rank=info["max_rank"],
-                max_context_length=info["max_context_length"],
-                arch=info["arch"],
-            ),
-            settings.register_interval_seconds,
-        )
+    info = engine.info()
+    registrar = Registrar(
+        replica,
+        lambda: controller_pb2.RegisterReplicaRequest(
+            kind=controller_pb2.REPLICA_KIND_TRAINER,
+            replica_id=settings.replica_id,
+            address=replica.address(server.port),
+            base_model=info["base_model"],
+            num_slots=info["num_slots"],
+            incarnation=info["incarnation"],
+            tokenizer_id=str(settings.model_path),
+            max_rank=info["max_rank"],
+            max_context_length=info["max_context_length"],
+            arch=info["arch"],
+        ),
+    )
 
     async def startup() -> None:
-        if registrar is not None:
-            registrar.start()
+        registrar.start()
 
     async def shutdown() -> None:
-        if registrar is not None:
-            await registrar.stop()
+        await registrar.stop()
         servicer.executor.shutdown(wait=True)
         snapshots.close()
 

@@ -38,15 +38,6 @@ class TrainerSettings:
         choices=("auto", "float32", "bfloat16"),
     )
     replica_id: str = setting("trainer-0", doc="Name this replica reports to the controller.")
-    controller_address: str = setting(
-        "", doc="host:port of the controller to register with; empty = do not register."
-    )
-    advertise_address: str = setting(
-        "", doc="host:port the controller should dial; empty = 127.0.0.1:<port>."
-    )
-    register_interval_seconds: float = setting(
-        5.0, doc="How often to (re-)register with the controller.", min=0.5, max=3600.0
-    )
     max_applied_ops: int = setting(
         1024, doc="Applied operation ids (and results) remembered per slot.", min=16, max=1_000_000
     )
