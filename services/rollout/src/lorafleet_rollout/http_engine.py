@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_fixed,
+)
 from transformers import AutoConfig
 
 from lorafleet.errors import Unavailable
 from lorafleet_rollout.types import EngineInfo
+
+
+class _NotHealthy(Exception):
+    """The health route did not answer 200 yet (retried until the deadline)."""
 
 
 async def wait_healthy(
@@ -29,18 +39,27 @@ async def wait_healthy(
 ) -> None:
     """Poll `route` once a second until it answers 200; fail early if `proc` (a server this
     engine launched) exits, and with Unavailable after `ready_timeout` seconds."""
-    deadline = time.monotonic() + ready_timeout
-    while True:
+
+    async def probe() -> None:
+        if proc is not None and proc.poll() is not None:
+            raise Unavailable(f"the {name} server exited with {proc.returncode}")
         try:
             if (await client.get(route, timeout=5.0)).status_code == 200:
                 return
-        except httpx.TransportError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise Unavailable(f"the {name} server exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise Unavailable(f"{name} at {url} is not healthy")
-        await asyncio.sleep(1.0)
+        except httpx.TransportError as exc:
+            raise _NotHealthy(str(exc)) from exc
+        raise _NotHealthy(route)
+
+    try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(_NotHealthy),
+            wait=wait_fixed(1.0),
+            stop=stop_after_delay(ready_timeout),
+        ):
+            with attempt:
+                await probe()
+    except RetryError:
+        raise Unavailable(f"{name} at {url} is not healthy") from None
 
 
 async def engine_info(engine: str, model_path: Path | str, max_lora_rank: int) -> EngineInfo:
