@@ -1,0 +1,166 @@
+"""`lorafleet up` supervises what it started: a killed process comes back (same ports, new
+PID, logged, counted in `status`), Redis included; a crash loop past the restart budget
+fails the fleet; `down` stops every process, restarted ones too."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lorafleet.v1 import controller_pb2, controller_pb2_grpc
+
+LORAFLEET = [sys.executable, "-m", "lorafleet_cli.main"]
+SERVICE = {
+    "controller": "lorafleet.v1.ControllerService",
+    "trainer-0": "lorafleet.v1.TrainerService",
+}
+
+
+def wait_until(condition: Callable[[], object], what: str, within: float = 180.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not within {within:.0f}s: {what}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _serving(fleet: object, name: str) -> bool:
+    port = fleet.member(name).port  # type: ignore[attr-defined]
+    try:
+        with fleet.admin_channel(f"127.0.0.1:{port}") as ch:  # type: ignore[attr-defined]
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE[name]), timeout=2
+            )
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _trainer_registered(fleet: object) -> bool:
+    try:
+        with fleet.admin_channel() as ch:  # type: ignore[attr-defined]
+            status = controller_pb2_grpc.ControllerServiceStub(ch).GetFleetStatus(
+                controller_pb2.GetFleetStatusRequest(), timeout=5
+            )
+    except grpc.RpcError:
+        return False
+    return any(r.replica_id == "trainer-0" and r.healthy for r in status.replicas)
+
+
+def _gateway_answers(fleet: object) -> bool:
+    try:
+        reply = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",  # type: ignore[attr-defined]
+                          headers={"X-API-Key": fleet.api_key}, timeout=10)  # type: ignore[attr-defined]  # fmt: skip
+    except httpx.HTTPError:
+        return False
+    return reply.status_code == 200
+
+
+def _kill(fleet: object, name: str) -> int:
+    member = fleet.member(name)  # type: ignore[attr-defined]
+    pid = member.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: member.proc.pid != pid, f"{name} restarted")
+    return pid
+
+
+def test_killed_processes_come_back_and_a_crash_loop_fails_the_fleet(make_fleet) -> None:
+    with make_fleet(slots=2, backoff_initial=0.2) as fleet:
+        old = [_kill(fleet, "trainer-0")]
+        wait_until(lambda: _serving(fleet, "trainer-0"), "trainer-0 SERVING again")
+        wait_until(lambda: _trainer_registered(fleet), "trainer-0 registered again")
+
+        old.append(_kill(fleet, "controller"))
+        wait_until(lambda: _serving(fleet, "controller"), "controller SERVING again")
+        wait_until(lambda: _gateway_answers(fleet), "the gateway answers through it")
+
+        old.append(_kill(fleet, "redis"))
+        wait_until(lambda: _gateway_answers(fleet), "the key still works after Redis restarts")
+
+        state = json.loads((fleet.config.run_dir / "fleet.json").read_text())
+        restarts = {p["name"]: p["restarts"] for p in state["processes"]}
+        assert restarts == {"controller": 1, "trainer-0": 1, "rollout-0": 0, "gateway": 0,
+                            "redis": 1}  # fmt: skip
+        assert {p["pid"] for p in state["processes"]} == set(fleet.pids)
+        log = (fleet.config.run_dir / "logs" / "supervisor.log").read_text()
+        for name in ("trainer-0", "controller", "redis"):
+            assert f"{name} exited with -9" in log and f"{name} restarted as PID" in log
+
+        fleet.config.restart_budget = 1  # rollout-0 may come back once more, not twice
+        _kill(fleet, "rollout-0")
+        rollout = fleet.member("rollout-0")
+        wait_until(lambda: rollout.proc.poll() is None, "rollout-0 restarted")
+        os.kill(rollout.proc.pid, signal.SIGKILL)
+        wait_until(lambda: fleet.failure, "the fleet gives up on rollout-0")
+        assert fleet.failure.startswith("rollout-0 exited with -9 after 1 restarts in 600s")
+        current = fleet.pids
+    assert [p for p in [*old, *current] if _alive(p)] == []
+
+
+def _run(args: list[str], home: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, LORAFLEET_HOME=str(home), HF_HUB_OFFLINE="1")
+    return subprocess.run(
+        [*LORAFLEET, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _processes(run_dir: Path) -> dict[str, dict]:
+    state = json.loads((run_dir / "fleet.json").read_text())
+    return {p["name"]: p for p in state["processes"]}
+
+
+def test_up_restarts_status_counts_and_down_stops_the_restarted(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    up = _run(["up", "--detach", "--model", str(tiny_model_dir), "--slots", "2",
+               "--run-dir", str(run_dir)], tmp_path)  # fmt: skip
+    assert up.returncode == 0, up.stderr
+    launcher = json.loads((run_dir / "fleet.json").read_text())["launcher_pid"]
+    first = _processes(run_dir)
+    pids = {p["pid"] for p in first.values()} | {launcher}
+    try:
+        os.kill(first["trainer-0"]["pid"], signal.SIGKILL)
+        wait_until(lambda: _processes(run_dir)["trainer-0"]["restarts"] == 1, "a restart")
+        pids.add(_processes(run_dir)["trainer-0"]["pid"])
+
+        def trainer_row() -> list[str]:
+            status = _run(["status"], tmp_path, timeout=120)
+            rows = [line.split() for line in status.stdout.splitlines()]
+            return next(row for row in rows if row and row[0] == "trainer-0")
+
+        wait_until(lambda: trainer_row()[3:] == ["1", "SERVING"], "status: 1 restart, SERVING")
+
+        redis_pid = first["redis"]["pid"]
+        os.kill(redis_pid, signal.SIGSTOP)  # Redis hangs: the process table still prints
+        try:
+            status = _run(["status"], tmp_path, timeout=120)
+        finally:
+            os.kill(redis_pid, signal.SIGCONT)
+        rows = {line.split()[0]: line.split() for line in status.stdout.splitlines() if line}
+        assert rows["redis"][3:] == ["0", "DOWN", "(TimeoutError)"], status.stdout
+        assert rows["gateway"][4] == "SERVING", status.stdout
+        assert up.stdout.split("TINKER_API_KEY=")[1].strip() not in status.stdout
+    finally:
+        pids |= {p["pid"] for p in _processes(run_dir).values()}
+        down = _run(["down"], tmp_path, timeout=120)
+    assert down.returncode == 0, down.stderr
+    wait_until(lambda: not any(_alive(p) for p in pids), "every process stopped", within=30)
