@@ -39,13 +39,13 @@ def window_logits(
     detached. `group` routes the single row through its slot (with the row's dropout)."""
     quiet = dataclasses.replace(group, size=1, dropout=0.0, dropout_keys=None)
     with torch.no_grad(), router.route([quiet], device):
-        past = model(
+        cache = model(
             input_ids=torch.tensor([context], dtype=torch.int64, device=device), use_cache=True
-        ).past_key_values
+        ).cache
     with router.route([dataclasses.replace(group, size=1)], device):
         out = model(
             input_ids=torch.tensor([tokens], dtype=torch.int64, device=device),
-            past_key_values=past,
+            cache=cache,
             use_cache=True,
         )
     return out.logits[0]

@@ -1,0 +1,116 @@
+"""Truncated-BPTT windows (issue 13, juno's document training) against a PEFT reference.
+
+A window is a datum whose `context` is its document's earlier windows. The reference is
+written differently from the engine: PEFT runs the whole prefix (context + window) in one
+pass, with forward hooks that detach every k_proj/v_proj output at the context positions.
+Attention is the only way positions mix, so that is exactly "the window attends to the
+context's keys/values, and no gradient flows into them".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lorafleet.errors import InvalidArgument
+from lorafleet_trainer.domain import Datum, ForwardBackwardInput, ForwardBackwardItem, LoraSpec
+
+TOL = 1e-5
+VOCAB = 256
+WINDOW = 8
+SPECS = [
+    LoraSpec(rank=4, alpha=8, seed=51, train_attn=True, train_mlp=True),
+    LoraSpec(rank=2, seed=52, target_modules=("k_proj", "v_proj", "up_proj")),
+]
+
+
+def windows(doc: list[int], gen: torch.Generator) -> list[Datum]:
+    """One datum per window: next-token targets, random (also negative) weights."""
+    out = []
+    for start in range(0, len(doc) - 1, WINDOW):
+        tokens = doc[start : start + WINDOW]
+        targets = torch.tensor(doc[start + 1 : start + 1 + len(tokens)], dtype=torch.int64)
+        tokens = tokens[: len(targets)]
+        inputs = {"target_tokens": targets, "weights": torch.randn(len(tokens), generator=gen)}
+        out.append(Datum(tokens, inputs, context=doc[:start]))
+    return out
+
+
+def reference(h, engine, slot: int, data: list[Datum], detach: bool = True):
+    """Per-window logprobs and the summed gradient, computed over the whole prefix."""
+    pm = h.peft_model(engine, slot)
+    cut = {"at": 0}
+
+    def detach_context(_module, _inputs, out):
+        c = cut["at"]
+        return torch.cat([out[:, :c].detach(), out[:, c:]], dim=1) if detach and c else out
+
+    hooks = [
+        m.register_forward_hook(detach_context)
+        for name, m in pm.named_modules()
+        if name.endswith(("k_proj", "v_proj"))
+    ]
+    logprobs = []
+    try:
+        for d in data:
+            c, n = len(d.context), len(d.tokens)
+            cut["at"] = c
+            logits = pm(input_ids=torch.tensor([d.context + d.tokens])).logits[0, c:].float()
+            t = d.loss_fn_inputs["target_tokens"]
+            lp = torch.log_softmax(logits, -1).gather(-1, t.view(n, 1))[:, 0]
+            (-(lp * d.loss_fn_inputs["weights"])).sum().backward()
+            logprobs.append(lp.detach())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logprobs, h.peft_grads(pm)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_windows_with_detached_context_match_peft(make_engine, h) -> None:
+    """Windows of two documents, mixed with plain datums and another slot's batch."""
+    engine = make_engine()
+    for slot, spec in enumerate(SPECS):
+        engine.bind(slot, f"r{slot}", spec)
+        h.perturb(engine, slot, seed=500 + slot)
+    gen = torch.Generator().manual_seed(3)
+    doc_a = torch.randint(0, VOCAB, (27,), generator=gen).tolist()
+    doc_b = torch.randint(0, VOCAB, (19,), generator=gen).tolist()
+    wa, wb = windows(doc_a, gen), windows(doc_b, gen)
+    assert [len(d.context) for d in wa] == [0, 8, 16, 24] and len(wb) == 3
+    # Plain datums (no context) between windows: outputs must keep the datums' order.
+    data = {0: [wa[2], wb[0], wa[0], wa[3], wb[2], wa[1], wb[1]], 1: [wb[2], wa[1], wb[0]]}
+    items = [
+        ForwardBackwardItem(f"op{s}", s, f"r{s}", ForwardBackwardInput(data[s], "cross_entropy"))
+        for s in (1, 0)
+    ]
+    results = engine.forward_backward(items)
+    for item, out in zip(items, results, strict=True):
+        s = item.slot
+        ref_lp, ref_grads = reference(h, engine, s, data[s])
+        for got, want in zip(out.logprobs, ref_lp, strict=True):
+            assert got.shape == want.shape and (got - want).abs().max().item() <= TOL
+        grads = h.slot_grads(engine, s)
+        assert max_diff(grads, ref_grads) <= TOL
+        # The reference discriminates: letting gradients into the context changes them.
+        _, full = reference(h, engine, s, data[s], detach=False)
+        assert max_diff(full, ref_grads) > 1e-3
+
+
+def test_window_context_bad_input_changes_nothing(make_engine, h) -> None:
+    engine = make_engine()
+    engine.bind(0, "r0", SPECS[0])
+    h.perturb(engine, 0, seed=1)
+    before = h.snapshot(engine)
+    t = {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)}
+    for datum, field in (
+        (Datum([1, 2], t, context=[3, VOCAB]), "data[0].context"),
+        (Datum([1, 2], t, context=[3] * 255), "data[0].tokens"),  # 257 > 256 positions
+    ):
+        inp = ForwardBackwardInput([datum], "cross_entropy")
+        (res,) = engine.forward_backward([ForwardBackwardItem("fb", 0, "r0", inp)])
+        assert isinstance(res, InvalidArgument) and res.field == field, res
+    h.assert_same(before, h.snapshot(engine))
