@@ -101,3 +101,23 @@ def test_loads_offline_in_a_fresh_process(tiny_model_dir: Path) -> None:
     # The pre-trained model knows the chat format: it greets back and ends its turn.
     assert result["answer"].startswith("Hello")
     assert result["answer"].endswith("<|im_end|>")
+
+
+@pytest.mark.parametrize(
+    ("preset", "architecture"),
+    [("tiny-moe", "Qwen3MoeForCausalLM"), ("tiny-phi3", "Phi3ForCausalLM")],
+)
+def test_other_architectures_build_and_load(tmp_path: Path, preset, architecture) -> None:
+    """The MoE and fused-projection presets: same pipeline, their own transformers class."""
+    from transformers import AutoModelForCausalLM
+
+    record = build_model(preset, tmp_path / preset, seed=1, steps=3)
+    config = json.loads((tmp_path / preset / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / preset)
+    assert sum(p.numel() for p in model.parameters()) == record.num_parameters
+    if preset == "tiny-moe":
+        assert config["num_local_experts"] == 8 and config["num_experts_per_tok"] == 2
+        assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 192, 128)
+    else:
+        assert model.model.layers[0].self_attn.qkv_proj.out_features == 128 + 2 * 64

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+REPO = Path(__file__).resolve().parents[3]
+
 
 def build_random_llama(
     folder: Path,
@@ -40,6 +42,41 @@ def build_random_llama(
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_random_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir() -> Path:
+    """The pre-trained tiny Qwen3-MoE (`lorafleet models build tiny-moe`), cached per machine."""
+    from lorafleet_models.tiny import ensure_model
+
+    return ensure_model("tiny-moe", REPO / ".cache" / "models")
+
+
+@pytest.fixture(scope="session")
+def phi3_model_dir() -> Path:
+    """A briefly pre-trained tiny Phi-3 (fused qkv_proj and gate_up_proj), cached per machine."""
+    from lorafleet_models.tiny import ensure_model
+
+    return ensure_model("tiny-phi3", REPO / ".cache" / "models", steps=20)
+
+
+def load_engine(folder: Path, storage: Path, num_slots: int = 4, max_rank: int = 16):
+    from lorafleet_trainer.engine import TrainerEngine
+
+    return TrainerEngine.from_pretrained(
+        folder,
+        device="cpu",
+        dtype="float32",
+        num_slots=num_slots,
+        max_rank=max_rank,
+        storage_root=storage,
+    )
+
+
+@pytest.fixture
+def engine_for(tmp_path: Path):
+    """engine_for(model folder, num_slots=4, max_rank=16) with states under tmp_path."""
+    return lambda folder, **kw: load_engine(folder, tmp_path / "states", **kw)
 
 
 @pytest.fixture
@@ -169,3 +206,9 @@ def _bit_equal(x, y) -> bool:
 @pytest.fixture
 def h(model_dir: Path) -> Helpers:
     return Helpers(model_dir)
+
+
+@pytest.fixture
+def helpers_for():
+    """helpers_for(model folder): the reference helpers on another base model."""
+    return Helpers

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen3MoeConfig,
+)
 
 from lorafleet.errors import InvalidArgument
 from lorafleet_models.corpus import CORPUS_PATH, corpus_sha256, read_corpus
@@ -71,7 +78,7 @@ def build_model(
     if len(tokenizer) > spec.vocab_size:
         raise AssertionError(f"tokenizer has {len(tokenizer)} tokens > vocab {spec.vocab_size}")
     im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
-    config = _llama_config(spec, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config = model_config(spec, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
     with torch.random.fork_rng(devices=[]), single_thread():
         torch.manual_seed(seed)
@@ -109,17 +116,32 @@ def build_model(
     return record
 
 
-def _llama_config(spec: Preset, eos_id: int, pad_id: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-    )
+def model_config(spec: Preset, eos_id: int, pad_id: int) -> PretrainedConfig:
+    """The transformers config of a preset (its `arch`), with tied embeddings."""
+    common = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": True,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=spec.hidden_size // spec.num_heads,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    if spec.arch == "phi3":
+        return Phi3Config(**common, original_max_position_embeddings=spec.max_position_embeddings)
+    return LlamaConfig(**common)

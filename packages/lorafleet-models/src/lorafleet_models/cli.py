@@ -1,6 +1,7 @@
 """`lorafleet models ...`: build, import and list local model folders.
 
-    python -m lorafleet_models.cli models build {tiny|bench} DIR [--seed N] [--steps N]
+    python -m lorafleet_models.cli models build PRESET DIR [--seed N] [--steps N]
+      (PRESET: tiny, tiny-moe, tiny-phi3, bench)
     python -m lorafleet_models.cli models import smollm2 DIR
     python -m lorafleet_models.cli models list [CACHE]
 

@@ -28,6 +28,8 @@ class LoraSpec:
     train_unembed: bool = False
     lora_plus_ratio: float = 0.0  # 0 or 1 = off
     a_only_weight_decay: bool = False
+    # MoE expert banks: one adapter shared by every expert instead of one per expert.
+    share_experts: bool = False
 
     @property
     def effective_alpha(self) -> float:

@@ -33,7 +33,7 @@ from lorafleet_trainer.domain import (
     StateRef,
 )
 from lorafleet_trainer.dropout import row_key
-from lorafleet_trainer.lora import LoraWeights, Router, RowGroup, init_weights, wrap_linears
+from lorafleet_trainer.lora import LoraWeights, Router, RowGroup
 from lorafleet_trainer.losses import (
     LossConfig,
     PreparedDatum,
@@ -42,8 +42,9 @@ from lorafleet_trainer.losses import (
     prepare_input,
 )
 from lorafleet_trainer.optim import SlotOptimizer, validate_adam
+from lorafleet_trainer.sites import wrap_model
 from lorafleet_trainer.slots import RESULT_UNKNOWN, Binding, OpLog, SlotTable
-from lorafleet_trainer.targets import peft_target_modules, resolve_targets
+from lorafleet_trainer.targets import peft_prefixes, peft_targets, resolve_targets
 
 OPTIMIZERS = ("adamw",)
 
@@ -79,8 +80,7 @@ class TrainerEngine:
         self.storage_root = Path(storage_root)
         self.max_applied_ops = max_applied_ops
         self.router = Router()
-        self.wrappers = wrap_linears(model, self.router)
-        self.linear_names = list(self.wrappers)
+        self.wrappers, self.sites = wrap_model(model, self.router)
         self.slots = SlotTable(num_slots)
         config = model.config
         self.vocab_size = int(config.vocab_size)
@@ -146,7 +146,7 @@ class TrainerEngine:
                 )
         if not 0 <= spec.seed < 2**64:
             raise InvalidArgument("must be in [0, 2**64)", field="lora_config.seed")
-        return resolve_targets(spec, self.linear_names)
+        return resolve_targets(spec, self.sites)
 
     def bind(self, slot: int, registration_id: str, spec: LoraSpec) -> SlotInfo:
         """Fresh seeded weights, no optimizer state. Binding the same again is a no-op."""
@@ -173,9 +173,7 @@ class TrainerEngine:
         b: dict[str, nn.Parameter] = {}
         for name in targets:
             w = self.wrappers[name]
-            a0, b0 = init_weights(
-                spec.seed, name, spec.rank, w.in_features, w.out_features, self.device
-            )
+            a0, b0 = w.init_weights(spec.seed, name, spec.rank, spec.share_experts, self.device)
             a[name], b[name] = nn.Parameter(a0), nn.Parameter(b0)
         for name in targets:
             self.wrappers[name].adapters[slot] = LoraWeights(a[name], b[name])
@@ -400,11 +398,13 @@ class TrainerEngine:
         from peft import LoraConfig
 
         spec = binding.spec
+        modules, parameters = peft_targets(binding.targets, self.sites)
         cfg = LoraConfig(
             r=spec.rank,
             lora_alpha=spec.effective_alpha,
             lora_dropout=spec.dropout,
-            target_modules=peft_target_modules(binding.targets, self.linear_names),
+            target_modules=modules,
+            target_parameters=parameters or None,
             bias="none",
             task_type="CAUSAL_LM",
             base_model_name_or_path=self.base_model,
@@ -412,16 +412,20 @@ class TrainerEngine:
         return cfg.to_dict()
 
     def _adapter_tensors(self, binding: Binding) -> dict[str, torch.Tensor]:
+        """The slot's weights under PEFT's key names and layout (expert banks: see experts.py)."""
         out = {}
+        prefixes = peft_prefixes(binding.targets, self.sites)
         for name in binding.targets:
-            out[checkpoint.peft_key(name, "A")] = binding.a[name].detach()
-            out[checkpoint.peft_key(name, "B")] = binding.b[name].detach()
+            a, b = self.wrappers[name].to_peft(binding.a[name].detach(), binding.b[name].detach())
+            out[f"{prefixes[name]}.lora_A.weight"] = a
+            out[f"{prefixes[name]}.lora_B.weight"] = b
         return out
 
     def _param_keys(self, binding: Binding) -> list[str]:
         """PEFT key of each optimizer parameter, in SlotOptimizer.params order."""
-        return [checkpoint.peft_key(n, "A") for n in binding.targets] + [
-            checkpoint.peft_key(n, "B") for n in binding.targets
+        prefixes = peft_prefixes(binding.targets, self.sites)
+        return [f"{prefixes[n]}.lora_A.weight" for n in binding.targets] + [
+            f"{prefixes[n]}.lora_B.weight" for n in binding.targets
         ]
 
     def save_state(
@@ -489,10 +493,19 @@ class TrainerEngine:
                 )
 
     def _assign(self, binding: Binding, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy PEFT-layout tensors into the slot; converts all before copying any."""
+        prefixes = peft_prefixes(binding.targets, self.sites)
+        shared = binding.spec.share_experts
+        pairs = {}
+        for name in binding.targets:
+            key = prefixes[name]
+            pairs[name] = self.wrappers[name].from_peft(
+                tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"], shared, key
+            )
         with torch.no_grad():
-            for name in binding.targets:
-                binding.a[name].copy_(tensors[checkpoint.peft_key(name, "A")])
-                binding.b[name].copy_(tensors[checkpoint.peft_key(name, "B")])
+            for name, (a, b) in pairs.items():
+                binding.a[name].copy_(a)
+                binding.b[name].copy_(b)
 
     def load_state(
         self,

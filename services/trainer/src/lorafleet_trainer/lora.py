@@ -142,6 +142,23 @@ class MultiLoraLinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
+    def init_weights(
+        self, seed: int, name: str, rank: int, shared: bool, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Seeded A, B = 0 (`shared` is for expert banks: a Linear is one "expert")."""
+        return init_weights(seed, name, rank, self.in_features, self.out_features, device)
+
+    @staticmethod
+    def to_peft(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """PEFT's lora_A/lora_B are the slot's A/B as they are."""
+        return a, b
+
+    @staticmethod
+    def from_peft(
+        a: torch.Tensor, b: torch.Tensor, shared: bool, key: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return a, b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         routing = self.router.routing
@@ -185,19 +202,6 @@ class MultiLoraLinear(nn.Module):
         else:
             y = torch.baddbmm(base, torch.bmm(x, a.transpose(1, 2)) * c.scales, b.transpose(1, 2))
         return y.view(out.shape).to(out.dtype)
-
-
-def wrap_linears(model: nn.Module, router: Router) -> dict[str, MultiLoraLinear]:
-    """Replace every nn.Linear of `model` by a wrapper; returns them by original name."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    wrappers: dict[str, MultiLoraLinear] = {}
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        wrapper = MultiLoraLinear(getattr(parent, attr), name, router)
-        setattr(parent, attr, wrapper)
-        wrappers[name] = wrapper
-    return wrappers
 
 
 def init_weights(

@@ -1,9 +1,12 @@
-"""Which base Linear modules a registration's LoRA adapts.
+"""Which sites (weight matrices, see `sites.py`) a registration's LoRA adapts.
 
 Tinker names targets by flags (train_attn / train_mlp / train_unembed); PEFT users name
-them by module ("q_proj", "all-linear", or a full dotted name). Both resolve here to an
-ordered tuple of full module names, checked against the model, so a typo is an
-InvalidArgument at bind time instead of a silently untrained adapter.
+them by module ("q_proj", "all-linear", "experts", or a full dotted name). Both resolve here
+to an ordered tuple of site names, checked against the model's inventory. Nothing is ever
+silently dropped: a flag that matches no matrix of the model, a name that matches nothing,
+and a request that includes matrices we cannot adapt (GPT-2's Conv1D, an unknown expert
+layout) are each an InvalidArgument naming the field and listing the modules; the caller
+may exclude them with `exclude_modules` and try again.
 """
 
 from __future__ import annotations
@@ -12,72 +15,132 @@ from collections.abc import Sequence
 
 from lorafleet.errors import InvalidArgument
 from lorafleet_trainer.domain import LoraSpec
+from lorafleet_trainer.sites import Site
 
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-UNEMBED = ("lm_head",)
-
-
-def _matches(module: str, pattern: str) -> bool:
-    return module == pattern or module.endswith("." + pattern)
+FLAGS = (("train_attn", "attn"), ("train_mlp", "mlp"), ("train_unembed", "unembed"))
+ALL_LINEAR = ("attn", "mlp")  # PEFT's "all-linear": every projection but the output layer
 
 
-def wanted_patterns(spec: LoraSpec) -> list[str]:
+def _matches(site: Site, pattern: str) -> bool:
+    return any(n == pattern or n.endswith("." + pattern) for n in (site.name, site.module))
+
+
+def _asked(spec: LoraSpec, sites: Sequence[Site]) -> tuple[list[Site], str]:
+    """The sites the spec asks for, before exclusions; the field to blame ("" = the flag)."""
     if spec.target_modules:
-        wanted: list[str] = []
-        for name in spec.target_modules:
-            wanted.extend(ATTN + MLP if name == "all-linear" else (name,))
+        chosen: list[Site] = []
+        for i, pattern in enumerate(spec.target_modules):
+            if pattern == "all-linear":
+                found = [s for s in sites if s.category in ALL_LINEAR]
+            else:
+                found = [s for s in sites if _matches(s, pattern)]
+            if not found:
+                raise InvalidArgument(
+                    f"no module of the base model is named {pattern!r}",
+                    field=f"lora_config.target_modules[{i}]",
+                )
+            chosen.extend(found)
         if spec.train_unembed:
-            wanted.extend(UNEMBED)
-        return wanted
-    wanted = []
-    if spec.train_attn:
-        wanted.extend(ATTN)
-    if spec.train_mlp:
-        wanted.extend(MLP)
-    if spec.train_unembed:
-        wanted.extend(UNEMBED)
-    return wanted
-
-
-def resolve_targets(spec: LoraSpec, linear_modules: Sequence[str]) -> tuple[str, ...]:
-    """Full names of the adapted modules, in model order; raises InvalidArgument."""
-    wanted = wanted_patterns(spec)
-    if not wanted:
+            chosen.extend(s for s in sites if s.category == "unembed")
+        return chosen, "lora_config.target_modules"
+    chosen = []
+    for flag, cat in FLAGS:
+        if not getattr(spec, flag):
+            continue
+        found = [s for s in sites if s.category == cat]
+        if not found:
+            raise InvalidArgument(
+                f"{flag} matches no module of this model", field=f"lora_config.{flag}"
+            )
+        chosen.extend(found)
+    if not chosen:
         raise InvalidArgument(
             "no target modules: set target_modules or one of train_attn/train_mlp/train_unembed",
             field="lora_config.target_modules",
         )
-    for i, name in enumerate(spec.target_modules):
-        if name != "all-linear" and not any(_matches(m, name) for m in linear_modules):
-            raise InvalidArgument(
-                f"no Linear module of the base model is named {name!r}",
-                field=f"lora_config.target_modules[{i}]",
-            )
+    return chosen, ""
+
+
+def resolve_targets(spec: LoraSpec, sites: Sequence[Site]) -> tuple[str, ...]:
+    """Site names to adapt, in model order; raises InvalidArgument (validate only)."""
+    chosen, field = _asked(spec, sites)
     for i, name in enumerate(spec.exclude_modules):
-        if not any(_matches(m, name) for m in linear_modules):
+        if not any(_matches(s, name) for s in sites):
             raise InvalidArgument(
-                f"no Linear module of the base model is named {name!r}",
+                f"no module of the base model is named {name!r}",
                 field=f"lora_config.exclude_modules[{i}]",
             )
-    targets = tuple(
-        m
-        for m in linear_modules
-        if any(_matches(m, w) for w in wanted)
-        and not any(_matches(m, e) for e in spec.exclude_modules)
-    )
-    if not targets:
+    wanted = {s.name for s in chosen if not any(_matches(s, e) for e in spec.exclude_modules)}
+    picked = [s for s in sites if s.name in wanted]
+    refused = [s for s in picked if not s.adaptable]
+    if refused:
+        flag = {cat: flag for flag, cat in FLAGS}.get(refused[0].category, "target_modules")
+        field = field or f"lora_config.{flag}"
+        kinds = sorted({s.why for s in refused})
+        raise InvalidArgument(
+            f"cannot adapt {len(refused)} of the {len(picked)} weight matrices asked for "
+            f"({', '.join(kinds)}): {', '.join(s.name for s in refused)}; "
+            "exclude them with exclude_modules to train the rest",
+            field=field,
+        )
+    if not picked:
         raise InvalidArgument(
             "the target and exclude lists leave no module to adapt",
             field="lora_config.target_modules",
         )
-    return targets
+    banks = [s for s in picked if s.kind == "experts"]
+    if banks and spec.dropout > 0:
+        raise InvalidArgument(
+            f"LoRA on expert banks takes no dropout (PEFT's target_parameters has none); "
+            f"{banks[0].name} is targeted",
+            field="lora_config.dropout",
+        )
+    if spec.share_experts and not banks:
+        raise InvalidArgument(
+            "share_experts is set but no expert bank is targeted",
+            field="lora_config.share_experts",
+        )
+    return tuple(s.name for s in picked)
 
 
-def peft_target_modules(targets: Sequence[str], linear_modules: Sequence[str]) -> list[str]:
-    """The shortest PEFT `target_modules` list that selects exactly `targets`."""
-    shorts = sorted({t.rsplit(".", 1)[-1] for t in targets})
-    selected = [m for m in linear_modules if any(_matches(m, s) for s in shorts)]
-    if list(selected) == list(targets):
-        return shorts
-    return list(targets)
+def _shortest(targets: list[str], candidates: list[str], depth: int) -> list[str]:
+    """The shortest suffix list (of `depth` name parts) that selects exactly `targets`."""
+    shorts = sorted({".".join(t.split(".")[-depth:]) for t in targets})
+    selected = [c for c in candidates if any(c == s or c.endswith("." + s) for s in shorts)]
+    return shorts if selected == targets else list(targets)
+
+
+def peft_targets(targets: Sequence[str], sites: Sequence[Site]) -> tuple[list[str], list[str]]:
+    """PEFT's `target_modules` and `target_parameters` selecting exactly `targets`."""
+    kind = {s.name: s.kind for s in sites}
+    linears = [t for t in targets if kind[t] == "linear"]
+    banks = [t for t in targets if kind[t] == "experts"]
+    all_linears = [s.name for s in sites if s.kind == "linear"]
+    all_banks = [s.name for s in sites if s.kind == "experts"]
+    modules = _shortest(linears, all_linears, 1) if linears else []
+    params = _shortest(banks, all_banks, 2) if banks else []
+    return modules, params
+
+
+def peft_prefixes(targets: Sequence[str], sites: Sequence[Site]) -> dict[str, str]:
+    """Each target's PEFT key prefix (the key without `.lora_A.weight`).
+
+    PEFT wraps every targeted parameter of one module in a nested ParamWrapper, in the
+    module's parameter order, the last one outermost: the i-th of k targeted banks of a
+    module sits under k-1-i `base_layer` hops.
+    """
+    by_name = {s.name: s for s in sites}
+    per_module: dict[str, list[str]] = {}
+    for t in targets:
+        if by_name[t].kind == "experts":
+            per_module.setdefault(by_name[t].module, []).append(t)
+    out = {}
+    for t in targets:
+        site = by_name[t]
+        if site.kind != "experts":
+            out[t] = f"base_model.model.{t}"
+            continue
+        siblings = per_module[site.module]
+        hops = len(siblings) - 1 - siblings.index(t)
+        out[t] = f"base_model.model.{site.module}" + ".base_layer" * hops
+    return out
