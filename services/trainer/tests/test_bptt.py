@@ -114,3 +114,24 @@ def test_window_context_bad_input_changes_nothing(make_engine, h) -> None:
         (res,) = engine.forward_backward([ForwardBackwardItem("fb", 0, "r0", inp)])
         assert isinstance(res, InvalidArgument) and res.field == field, res
     h.assert_same(before, h.snapshot(engine))
+
+
+def test_window_dropout_is_seeded(make_engine, h) -> None:
+    """A dropout slot's window gets its row's hashed mask: same call, same gradient; and
+    the mask is really applied (the gradient differs from the same slot without dropout)."""
+    gen = torch.Generator().manual_seed(8)
+    doc = torch.randint(0, VOCAB, (20,), generator=gen).tolist()
+    window = windows(doc, gen)[1]
+    spec = LoraSpec(rank=4, seed=61, dropout=0.3, train_attn=True, train_mlp=True)
+
+    def grads(spec: LoraSpec) -> dict[str, torch.Tensor]:
+        engine = make_engine()
+        engine.bind(0, "r0", spec)
+        h.perturb(engine, 0, seed=9)
+        inp = ForwardBackwardInput([window], "cross_entropy")
+        engine.forward_backward([ForwardBackwardItem("fb", 0, "r0", inp)])
+        return h.slot_grads(engine, 0)
+
+    first, again = grads(spec), grads(spec)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert max_diff(first, grads(LoraSpec(rank=4, seed=61, train_attn=True, train_mlp=True))) > 1e-4
