@@ -10,11 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet.rpc.channel import make_channel
 from lorafleet.rpc.server import RunningServer, ServiceSpec, start_server
 from lorafleet.settings import ServerSettings, SettingsError, TlsSettings
-from lorafleet.testing import child_env
+from lorafleet.testing import child_env, free_port
 from lorafleet.tls import TlsIdentity, identity_from_settings
 
 ADMIN_METHOD = "/lorafleet.v1.ControllerService/CreateApiKey"
@@ -121,3 +122,21 @@ def test_a_service_with_half_its_tls_settings_exits_with_one_line(port: int) -> 
         "error: LORAFLEET_TLS_CERT_FILE, LORAFLEET_TLS_KEY_FILE must be set too: TLS needs "
         "all of CA, certificate and key"
     ]
+
+
+async def test_health_port_answers_probes_in_plaintext_and_nothing_else(ca: trustme.CA) -> None:
+    spec = ServiceSpec(None, _add, "lorafleet.v1.ControllerService")
+    settings = ServerSettings(port=0, health_port=free_port())
+    running = await start_server(settings, [spec], tls=_identity(ca, "controller"))
+    try:
+        assert running.health_port == settings.health_port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.health_port}") as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="lorafleet.v1.ControllerService"), timeout=5
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _call(ch, ADMIN_METHOD)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await running.stop()

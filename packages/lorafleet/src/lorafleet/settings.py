@@ -132,6 +132,13 @@ class ServerSettings:
     metrics_port: int = setting(
         0, doc="Prometheus /metrics port; 0 disables the endpoint.", min=0, max=65535
     )
+    health_port: int = setting(
+        0,
+        doc="Plaintext port serving only grpc.health.v1.Health, for probes that cannot present "
+        "a client certificate when internal TLS is on; 0 disables it.",
+        min=0,
+        max=65535,
+    )
     grace_seconds: float = setting(
         10.0, doc="How long in-flight RPCs may finish after SIGTERM.", min=0.0, max=600.0
     )

@@ -52,10 +52,28 @@ class RunningServer:
     health: health.aio.HealthServicer
     port: int
     names: tuple[str, ...]
+    health_server: grpc.aio.Server | None = None  # plaintext Health only (probes)
+    health_port: int = 0
 
     async def stop(self, grace: float = 0.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+
+
+async def _start_health_server(
+    settings: ServerSettings, servicer: health.aio.HealthServicer
+) -> tuple[grpc.aio.Server, int]:
+    """Health alone on a plaintext port, for probes that cannot present a client certificate
+    (the kubelet's gRPC probe): it tells whether the process serves and nothing else."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.health_port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.health_port}")
+    await server.start()
+    return server, port
 
 
 async def start_server(
@@ -104,12 +122,17 @@ async def start_server(
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.port}")
     await server.start()
+    running = RunningServer(server, health_servicer, port, names)
+    if settings.health_port:
+        running.health_server, running.health_port = await _start_health_server(
+            settings, health_servicer
+        )
     if startup is not None:
         await startup()
     for name in (*names, health.OVERALL_HEALTH):
         if name not in standby:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, health_servicer, port, names)
+    return running
 
 
 async def serve_async(
