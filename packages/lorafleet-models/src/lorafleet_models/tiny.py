@@ -13,12 +13,16 @@ from pathlib import Path
 import torch
 import transformers
 
+from lorafleet.hub import record_hub_id
 from lorafleet_models.build import BUILD_RECORD, build_code_sha256, build_model
 from lorafleet_models.cache import build_once
 from lorafleet_models.corpus import corpus_sha256
 from lorafleet_models.presets import get_preset
 
 __all__ = ["build_model", "cache_key", "ensure_model"]
+
+# Hub organisation of locally built models' served names (`lorafleet/<folder name>`).
+HUB_ORG = "lorafleet"
 
 
 def cache_key(preset: str, seed: int = 0, steps: int | None = None) -> str:
@@ -43,4 +47,11 @@ def ensure_model(preset: str, cache_root: Path, seed: int = 0, *, steps: int | N
     the cache with cheap builds.
     """
     final = Path(cache_root) / cache_key(preset, seed, steps)
-    return build_once(final, lambda tmp: build_model(preset, tmp, seed, steps=steps), BUILD_RECORD)
+
+    def build(tmp: Path) -> None:
+        # The served name clients load the tokenizer by (lorafleet.hub); written before the
+        # build record, which marks the folder complete.
+        record_hub_id(tmp, f"{HUB_ORG}/{final.name}")
+        build_model(preset, tmp, seed, steps=steps)
+
+    return build_once(final, build, BUILD_RECORD)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from lorafleet import hub
 from lorafleet.replica import ReplicaSettings
 from lorafleet.settings import ServerSettings, load_or_exit
 from lorafleet_rollout.settings import PREFIX, RolloutSettings
@@ -17,6 +18,13 @@ def main() -> None:
         _exit(f"{PREFIX}ENGINE_URL is required when {PREFIX}ENGINE={settings.engine}")
     if settings.engine == "torch" and not (settings.model_path / "config.json").is_file():
         _exit(f"{PREFIX}MODEL_PATH={settings.model_path}: no config.json there")
+    try:
+        served = settings.served_base_model
+    except ValueError as exc:
+        _exit(f"{PREFIX}{exc}")
+    if (settings.model_path / "config.json").is_file():
+        # Clients load the tokenizer by the served name: make it resolve offline here.
+        hub.install(settings.model_path, served)
 
     from lorafleet_rollout.app import run  # imports torch
 

@@ -72,7 +72,7 @@ def run(settings: RolloutSettings, server: ServerSettings, replica: ReplicaSetti
             base_model=settings.served_base_model,
             num_slots=settings.max_loaded_adapters,
             incarnation=core.incarnation,
-            tokenizer_id=str(settings.model_path),
+            tokenizer_id=settings.served_base_model,
             max_rank=info.max_lora_rank,
             max_context_length=info.max_context_length,
             arch=info.engine,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorafleet import hub
 from lorafleet.settings import setting
 
 PREFIX = "LORAFLEET_ROLLOUT_"
@@ -22,8 +23,8 @@ class RolloutSettings:
     )
     base_model_name: str = setting(
         "",
-        doc="Name this replica serves the base model under; must equal the trainers' "
-        "(default: the model folder's name).",
+        doc="Hub id ('org/name') this replica serves the base model under; must equal the "
+        "trainers'. Default: the id the model folder records, else local/<folder name>.",
     )
     engine: str = setting("torch", doc="Inference engine.", choices=("torch", "sglang", "vllm"))
     engine_url: str = setting(
@@ -65,4 +66,5 @@ class RolloutSettings:
 
     @property
     def served_base_model(self) -> str:
-        return self.base_model_name or Path(self.model_path).resolve().name
+        """The hub id clients load the tokenizer by (lorafleet.hub owns the rule)."""
+        return hub.served_name(self.model_path, self.base_model_name)

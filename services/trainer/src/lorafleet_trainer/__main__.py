@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+from lorafleet import hub
 from lorafleet.replica import ReplicaSettings
 from lorafleet.settings import ServerSettings, SettingsError, describe, load_settings
 from lorafleet_trainer.settings import PREFIX, TrainerSettings
@@ -34,6 +35,12 @@ def main() -> None:
         _fail(str(exc))
     if not (settings.model_path / "config.json").is_file():
         _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: not a model folder (no config.json)")
+    try:
+        served = settings.served_base_model
+    except ValueError as exc:
+        _fail(f"{PREFIX}{exc}")
+    # Clients load the tokenizer by the served name: make it resolve offline here.
+    hub.install(settings.model_path, served)
 
     import torch
 
@@ -59,7 +66,7 @@ def main() -> None:
             max_rank=settings.max_rank,
             storage_root=settings.storage_root,
             max_applied_ops=settings.max_applied_ops,
-            base_model=settings.served_base_model,
+            base_model=served,
         )
     except Exception as exc:  # any load failure is an operator error: one line, exit 2
         _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: cannot load the model: {exc}")
@@ -75,7 +82,7 @@ def main() -> None:
             base_model=info["base_model"],
             num_slots=info["num_slots"],
             incarnation=info["incarnation"],
-            tokenizer_id=str(settings.model_path),
+            tokenizer_id=served,
             max_rank=info["max_rank"],
             max_context_length=info["max_context_length"],
             arch=info["arch"],

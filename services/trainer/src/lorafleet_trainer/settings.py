@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorafleet import hub
 from lorafleet.settings import setting
 
 PREFIX = "LORAFLEET_TRAINER_"
@@ -19,8 +20,8 @@ class TrainerSettings:
     model_path: Path = setting(doc="Local folder of the base causal LM (HF format, with config).")
     base_model_name: str = setting(
         "",
-        doc="Name this replica serves the base model under; must equal the rollouts' "
-        "(default: the model folder's name).",
+        doc="Hub id ('org/name') this replica serves the base model under; must equal the "
+        "rollouts'. Default: the id the model folder records, else local/<folder name>.",
     )
     num_slots: int = setting(
         8, doc="Number of fixed LoRA slots held on the base model.", min=1, max=4096
@@ -61,4 +62,5 @@ class TrainerSettings:
 
     @property
     def served_base_model(self) -> str:
-        return self.base_model_name or Path(self.model_path).resolve().name
+        """The hub id clients load the tokenizer by (lorafleet.hub owns the rule)."""
+        return hub.served_name(self.model_path, self.base_model_name)
