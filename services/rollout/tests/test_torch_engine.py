@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from rollout_helpers import (
     make_adapter,
     reference_generate,
@@ -18,7 +19,7 @@ from rollout_helpers import (
 from transformers import AutoTokenizer
 
 from lorafleet_rollout.torch_engine import TorchEngine
-from lorafleet_rollout.types import LoraSpec, SampleRequest, SamplingSpec
+from lorafleet_rollout.types import LoraSpec, SampleRequest, SampleResult, SamplingSpec
 
 PROMPT = (5, 17, 33, 90, 12, 7)
 GREEDY = SamplingSpec(max_tokens=10, temperature=0.0, disable_eos_stop=True)
@@ -146,4 +147,67 @@ async def test_seed_reproducible_and_num_samples(engine: TorchEngine) -> None:
     b = await engine.sample(SampleRequest("r2@1", PROMPT, spec, num_samples=3))
     assert len(a.sequences) == 3
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
-    assert len({s.tokens for s in a.sequences}) > 1
+    assert len({s.tokens for s in a.sequences}) == 3
+
+
+def prompt_tokens(source: str) -> float:
+    value = REGISTRY.get_sample_value("lorafleet_rollout_prompt_tokens_total", {"source": source})
+    return value or 0.0
+
+
+def assert_same(a: SampleResult, b: SampleResult) -> None:
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    for x, y in zip(a.sequences, b.sequences, strict=True):
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) <= 1e-4
+
+
+async def test_shared_prefixes_equal_each_sample_computed_alone(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Prefix reuse, chunked prefill and eviction under a tiny byte bound change no result."""
+    folder = make_adapter(model_dir, tmp_path / "a", seed=3)
+    system = tuple(range(40, 140))  # 100 shared tokens: 6 cache blocks
+    hot = SamplingSpec(8, temperature=1.0, seed=11, disable_eos_stop=True)
+    requests = [
+        SampleRequest(adapter, (*system, *tail), spec, n)
+        for adapter in ("r@1", None)
+        for tail, spec, n in (((7, 8, 9), GREEDY, 1), ((9, 8), hot, 3), ((5,), GREEDY, 2))
+    ]
+    alone = TorchEngine(model_dir, prefix_cache_bytes=0)
+    shared = TorchEngine(model_dir, prefill_chunk=32)  # a prompt takes 4 chunks
+    tiny = TorchEngine(model_dir, prefix_cache_bytes=3 * 16 * 2 * 2 * 128 * 4, prefill_chunk=16)
+    engines = (alone, shared, tiny)
+    for engine in engines:
+        await engine.start()
+        await engine.load_adapter("r@1", folder, LoraSpec(4, 8))
+    try:
+        expected = [await alone.sample(r) for r in requests]
+        for engine in (shared, tiny):
+            computed, cached = prompt_tokens("computed"), prompt_tokens("cached")
+            together = await asyncio.gather(*(engine.sample(r) for r in requests))
+            one_by_one = [await engine.sample(r) for r in requests]
+            for want, got, again in zip(expected, together, one_by_one, strict=True):
+                assert_same(want, got)
+                assert_same(want, again)
+            assert engine.prefix_cache.bytes <= engine.prefix_cache.max_bytes
+            assert prompt_tokens("cached") > cached
+            assert prompt_tokens("computed") - computed < 2 * sum(
+                len(r.prompt_tokens) for r in requests
+            )
+        # Every num_samples > 1 request prefilled its prompt once, the big cache shared the
+        # system prompt: the one-by-one pass computed only the tails (the last block is never
+        # taken from the cache: its logits pick the first token).
+        computed = prompt_tokens("computed")
+        await asyncio.gather(*(shared.sample(r) for r in requests))
+        assert prompt_tokens("computed") - computed <= len(requests) * (16 + 3)
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+async def test_top_k_one_is_greedy_whatever_the_seed(engine: TorchEngine) -> None:
+    (greedy,) = (await engine.sample(SampleRequest("r1@1", PROMPT, GREEDY))).sequences
+    for seed in (1, 2, 3):
+        spec = SamplingSpec(10, temperature=1.0, top_k=1, seed=seed, disable_eos_stop=True)
+        (seq,) = (await engine.sample(SampleRequest("r1@1", PROMPT, spec))).sequences
+        assert seq.tokens == greedy.tokens

@@ -44,6 +44,8 @@ def make_engine(settings: RolloutSettings) -> RolloutEngine:
         settings.model_path,
         max_batch_size=settings.max_batch_size,
         max_lora_rank=settings.max_lora_rank,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
+        prefill_chunk=settings.prefill_chunk_tokens,
     )
 
 

@@ -1,19 +1,22 @@
-"""Grouped multi-adapter LoRA for generation: each row of one forward pass through its own adapter.
+"""Multi-adapter LoRA for generation: each row of one forward pass through its own adapter.
 
 Why not PEFT's `adapter_names=[...]`: in every LoRA layer it loops over the adapters present
 (Python index lists, a sub-batch gather, two Linear calls and an index_put per adapter); with
-16 rows over 8 adapters on the 20 M bench model the whole engine ran ~1.5x slower through it
-than through this (bench/sampling.py, before/after in one session). Here every targeted
-base Linear is wrapped once by `StackedLoraLinear`, holding all resident adapters' weights as
-two stacks, A^T [slots, in, R] and (scale * B)^T [slots, R, out], R the largest resident
-rank (smaller ranks are zero-padded: the padding adds exact zeros). A `Route`, built once
-per batch composition (not per token), cuts the LoRA rows into equal chunks of one adapter
-each; a forward is then one gather of the rows, two `bmm`s over the chunks and one
+16 rows over 8 adapters on the 20 M bench model the engine ran ~1.5x slower through it than
+through grouped matmuls (bench/sampling.py). Here every projection of the decoder
+(`decoder.Projection`, q/k/v and gate/up fused) holds all resident adapters' weights as two
+stacks, A^T [slots, in, n*R] and (scale * B)^T [slots, n*R, out], n the fused sub-projections
+and R the largest resident rank; sub-projection j owns rank columns [j*R, j*R + r) and its own
+output columns, everything else is zero (the padding adds exact zeros). Slot 0 stays zero.
+
+A prefill runs one adapter: two matmuls on its slot's views, no copy. A decode step runs a
+`Route`, built once per batch composition (not per token), that cuts the LoRA rows into equal
+chunks of one adapter each: one gather of the rows, two `bmm`s over the chunks and one
 `index_add_` back, whatever the number of adapters. The chunk-stacked weights are cached per
 route, so steady decode steps gather no weights at all.
 
-The result is PEFT's `base(x) + lora_B(lora_A(x)) * scaling` (same per-module rank, alpha
-and rsLoRA rules, `adapter_weights`), up to float rounding; tests hold it to 1e-4 in logprob.
+The result is PEFT's `base(x) + lora_B(lora_A(x)) * scaling` (same per-module rank, alpha and
+rsLoRA rules, `adapter_weights`), up to float rounding; tests hold it to 1e-4 in logprob.
 """
 
 from __future__ import annotations
@@ -24,11 +27,9 @@ from dataclasses import dataclass
 import torch
 from peft import LoraConfig
 from peft.utils.other import get_pattern_key
-from torch import nn
 
 from lorafleet.errors import InvalidArgument
 from lorafleet_rollout.peft_io import WEIGHTS_FILE
-from lorafleet_rollout.types import BASE_ADAPTER
 
 _PREFIX = "base_model.model."
 
@@ -83,7 +84,7 @@ class Route:
     """Which rows of a batch go through which adapter slot, as equal chunks of `width` rows.
 
     `rows` [chunks * width] indexes the batch; `slots` [chunks] names each chunk's slot; `keep`
-    [chunks * width, 1, 1] zeroes the padding entries of short chunks (None when there are
+    [chunks * width, 1] zeroes the padding entries of short chunks (None when there are
     none). Padding entries repeat a real row, so adding their (zero) output changes nothing.
     """
 
@@ -94,11 +95,11 @@ class Route:
     members: frozenset[int]
 
 
-def make_route(row_slots: list[int | None]) -> Route | None:
-    """A route for a batch whose row i uses slot row_slots[i] (None = base model)."""
+def make_route(row_slots: list[int]) -> Route | None:
+    """A route for a batch whose row i uses slot row_slots[i] (0 = base model)."""
     groups: dict[int, list[int]] = {}
     for row, slot in enumerate(row_slots):
-        if slot is not None:
+        if slot:
             groups.setdefault(slot, []).append(row)
     if not groups:
         return None
@@ -116,130 +117,69 @@ def make_route(row_slots: list[int | None]) -> Route | None:
     return Route(
         torch.tensor(slots),
         torch.tensor(rows),
-        None if all(keep) else torch.tensor(keep)[:, None, None],
+        None if all(keep) else torch.tensor(keep)[:, None],
         width,
         frozenset(groups),
     )
 
 
-class StackedLoraLinear(nn.Module):
-    """A frozen base Linear plus the stacked LoRA weights of every resident adapter."""
+class LoraStacks:
+    """The stacked LoRA weights of one (possibly fused) projection, for every slot."""
 
-    def __init__(self, base: nn.Linear, bank: LoraBank) -> None:
-        super().__init__()
-        self.base = base
-        self.bank = bank
-        self.in_features = base.in_features
-        self.out_features = base.out_features
-        self.a = torch.zeros(bank.capacity, self.in_features, bank.rank)
-        self.b = torch.zeros(bank.capacity, bank.rank, self.out_features)
-        self.used: set[int] = set()  # slots whose adapter targets this module
+    def __init__(self, in_features: int, outs: tuple[int, ...]) -> None:
+        self.in_features = in_features
+        self.outs = outs
+        self.offsets = tuple(sum(outs[:j]) for j in range(len(outs)))
+        self.out_features = sum(outs)
+        self.rank = 0
+        self.a = torch.zeros(1, in_features, 0)
+        self.b = torch.zeros(1, 0, self.out_features)
+        self.used: set[int] = set()  # slots whose adapter targets this projection
         self._cached: tuple[Route, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def resize(self, capacity: int, rank: int) -> None:
-        a = self.a.new_zeros(capacity, self.in_features, rank)
-        b = self.b.new_zeros(capacity, rank, self.out_features)
-        s, r = min(capacity, self.a.shape[0]), min(rank, self.a.shape[2])
-        a[:s, :, :r] = self.a[:s, :, :r]
-        b[:s, :r] = self.b[:s, :r]
-        self.a, self.b, self._cached = a, b, None
+        n = len(self.outs)
+        a = self.a.new_zeros(capacity, self.in_features, n * rank)
+        b = self.b.new_zeros(capacity, n * rank, self.out_features)
+        s, r = min(capacity, self.a.shape[0]), min(rank, self.rank)
+        for j in range(n):
+            a[:s, :, j * rank : j * rank + r] = self.a[:s, :, j * self.rank : j * self.rank + r]
+            b[:s, j * rank : j * rank + r] = self.b[:s, j * self.rank : j * self.rank + r]
+        self.a, self.b, self.rank, self._cached = a, b, rank, None
 
-    def put(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Write (or, with None, zero) one slot's weights."""
+    def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write slot's weights: sub-projection j -> (A^T [in, r], B^T [r, out_j]); {} zeroes."""
         self.a[slot].zero_()
         self.b[slot].zero_()
-        if weights is None:
-            self.used.discard(slot)
-        else:
-            a, b = weights
-            self.a[slot, :, : a.shape[1]] = a
-            self.b[slot, : b.shape[0]] = b
+        for j, (a, b) in parts.items():
+            start, off = j * self.rank, self.offsets[j]
+            self.a[slot, :, start : start + a.shape[1]] = a
+            self.b[slot, start : start + b.shape[0], off : off + self.outs[j]] = b
+        if parts:
             self.used.add(slot)
+        else:
+            self.used.discard(slot)
         if self._cached is not None and slot in self._cached[0].members:
             self._cached = None  # a publish elsewhere leaves the running batch's weights cached
 
-    def _chunk_weights(self, route: Route) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def add_one(self, out: torch.Tensor, x: torch.Tensor, slot: int) -> None:
+        """out [M, out] += LoRA of slot for rows x [M, in] (a prefill: one adapter)."""
+        if slot in self.used:
+            out.addmm_(x @ self.a[slot], self.b[slot])
+
+    def add_routed(self, out: torch.Tensor, x: torch.Tensor, route: Route) -> None:
+        """out [B, out] += each row's LoRA for x [B, in] (a decode step: one token per row)."""
         if self._cached is None or self._cached[0] is not route:
             weights = None
             if not self.used.isdisjoint(route.members):
                 weights = (self.a.index_select(0, route.slots), self.b.index_select(0, route.slots))
             self._cached = (route, weights)
-        return self._cached[1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
-        route = self.bank.active
-        if route is None or not self.used:
-            return out
-        weights = self._chunk_weights(route)
+        weights = self._cached[1]
         if weights is None:
-            return out
+            return
         a, b = weights
-        rows = x.reshape(x.shape[0], -1, self.in_features).index_select(0, route.rows)
-        rows = rows.to(a.dtype)
+        rows = x.index_select(0, route.rows)
         if route.keep is not None:
             rows = rows * route.keep
-        tokens = rows.shape[1]
-        chunks = a.shape[0]
-        h = torch.bmm(rows.view(chunks, route.width * tokens, self.in_features), a)
-        delta = torch.bmm(h, b).view(-1, tokens, self.out_features)
-        flat = out.view(out.shape[0], tokens, self.out_features)
-        flat.index_add_(0, route.rows, delta.to(out.dtype))
-        return out
-
-
-class LoraBank:
-    """Resident adapters of one model, by name, each in one slot of every targeted Linear.
-
-    Only the scheduler thread touches it (installs and removals run between forward passes).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.capacity = 4
-        self.rank = 1
-        self.active: Route | None = None
-        self._modules: dict[str, StackedLoraLinear] = {}
-        self._slots: dict[str, int] = {}
-        self._ranks: dict[str, int] = {}
-        self._touched: dict[str, tuple[str, ...]] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name == BASE_ADAPTER or name in self._slots
-
-    def route(self, names: list[str]) -> Route | None:
-        return make_route([None if n == BASE_ADAPTER else self._slots[n] for n in names])
-
-    def install(self, name: str, adapter: AdapterWeights) -> None:
-        free = sorted(set(range(self.capacity + 1)) - set(self._slots.values()))
-        slot = free[0]
-        capacity = self.capacity if slot < self.capacity else 2 * self.capacity
-        self._reshape(capacity, max(self.rank, adapter.rank))
-        for module, weights in adapter.modules.items():
-            self._wrapped(module).put(slot, weights)
-        self._slots[name] = slot
-        self._ranks[name] = adapter.rank
-        self._touched[name] = tuple(adapter.modules)
-
-    def remove(self, name: str) -> None:
-        slot = self._slots.pop(name)
-        del self._ranks[name]
-        for module in self._touched.pop(name):
-            self._modules[module].put(slot, None)
-        self._reshape(self.capacity, max(self._ranks.values(), default=1))
-
-    def _reshape(self, capacity: int, rank: int) -> None:
-        if (capacity, rank) == (self.capacity, self.rank):
-            return
-        self.capacity, self.rank = capacity, rank
-        for wrapper in self._modules.values():
-            wrapper.resize(capacity, rank)
-
-    def _wrapped(self, path: str) -> StackedLoraLinear:
-        if path not in self._modules:
-            parent_path, _, attr = path.rpartition(".")
-            parent = self.model.get_submodule(parent_path) if parent_path else self.model
-            wrapper = StackedLoraLinear(getattr(parent, attr), self)
-            setattr(parent, attr, wrapper)
-            self._modules[path] = wrapper
-        return self._modules[path]
+        h = torch.bmm(rows.view(a.shape[0], route.width, self.in_features), a)
+        out.index_add_(0, route.rows, torch.bmm(h, b).view(-1, self.out_features))

@@ -21,3 +21,9 @@ REQUESTS = Counter(
     "Sample requests by outcome.",
     ["outcome"],  # ok, invalid, not_found, exhausted, cancelled, error
 )
+PROMPT_TOKENS = Counter(
+    "lorafleet_rollout_prompt_tokens_total",
+    "Prompt tokens of admitted requests by how they were served (torch engine): computed, "
+    "or reused from the prefix cache.",
+    ["source"],  # computed, cached
+)

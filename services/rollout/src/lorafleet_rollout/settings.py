@@ -46,6 +46,18 @@ class RolloutSettings:
     max_batch_size: int = setting(
         32, doc="torch only: sequences decoded together in one step.", min=1, max=4096
     )
+    prefix_cache_bytes: int = setting(
+        256 << 20,
+        doc="torch only: bytes of prompt-prefix keys/values kept for reuse across requests "
+        "(LRU); 0 = no prefix cache.",
+        min=0, max=1 << 40,
+    )  # fmt: skip
+    prefill_chunk_tokens: int = setting(
+        512,
+        doc="torch only: prompt tokens prefilled between two decode steps, so a long prompt "
+        "never stalls the running batch for long.",
+        min=16, max=1 << 20,
+    )  # fmt: skip
     max_num_samples: int = setting(16, doc="Largest num_samples of one request.", min=1, max=1024)
     versions_per_registration: int = setting(
         2, doc="Recent versions of a registration kept serving so in-flight samples finish.",

@@ -1,13 +1,19 @@
 """TorchEngine: the embedded CPU engine, continuous batching with mixed-adapter batches.
 
-One scheduler thread owns the model. Between decode steps it applies adapter installs and
-removals, admits waiting requests (prefilled together, left-padded, then merged into the
-running batch's KV cache, see `kvbatch.py`) and steps every live sequence together, so a
-long generation never blocks a short one and a publish never pauses sampling. Rows of one
-forward pass may use different adapters or the base model: the grouped LoRA of `lora.py`
-routes each row through its own adapter (PEFT's arithmetic, platform.md §3) in a fixed
-number of batched matmuls, however many adapters the batch mixes. Adapters are paired and
-scaled on a worker thread; the scheduler thread only copies them into place.
+One scheduler thread owns the model (`decoder.Decoder`). Each iteration it applies adapter
+installs and removals, admits waiting requests, prefills at most `prefill_chunk` prompt tokens
+(chunked prefill: a long prompt advances a chunk at a time, so it never stalls the running
+batch for long), then steps every decoding sequence together. Rows of one decode step may use
+different adapters or the base model: the grouped LoRA of `lora.py` routes each row through its
+own adapter in a fixed number of batched matmuls, however many adapters the batch mixes.
+Adapters are read, checked and paired on a worker thread; the scheduler thread only copies
+them into place.
+
+A request's prompt is prefilled once, whatever its `num_samples`: its keys/values are copied
+into one decode slot per sample. Prompt prefixes shared across requests are reused from a
+byte-bounded LRU radix cache (`prefix_cache.py`), so only the part a request does not share
+is computed. Prompt logprobs come off that one prompt pass too (such a prompt is computed
+whole, as the cached part has no logits).
 
 Seeds are per sequence (`sampling.py`), so a seeded request draws the same tokens alone or
 in any batch; reported logprobs are the plain log-softmax of the raw logits.
@@ -36,14 +42,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
+from lorafleet_rollout.decoder import Decoder
 from lorafleet_rollout.engine import AdapterSource
-from lorafleet_rollout.kvbatch import KVBatch, new_cache
-from lorafleet_rollout.lora import AdapterWeights, LoraBank, Route, adapter_weights
+from lorafleet_rollout.lora import AdapterWeights, Route, adapter_weights, make_route
 from lorafleet_rollout.peft_io import check_fits, linear_shapes, read_peft_dir
+from lorafleet_rollout.prefix_cache import PrefixCache
 from lorafleet_rollout.sampling import choose_tokens, make_generator
 from lorafleet_rollout.stopping import StopRule
 from lorafleet_rollout.types import (
-    BASE_ADAPTER,
     EngineInfo,
     LoraSpec,
     SampledSequence,
@@ -56,6 +62,8 @@ log = logging.getLogger(__name__)
 
 #: Sample i of a seeded request uses seed ^ (i * this), so samples differ but stay reproducible.
 _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
+#: Decode columns reserved beyond a sequence's current length when the cache (re)grows.
+_SPARE_COLUMNS = 256
 
 
 @dataclass(eq=False)
@@ -63,14 +71,22 @@ class _Job:
     """One SampleRequest travelling through the scheduler."""
 
     request: SampleRequest
-    adapter: str
+    adapter: str | None  # engine-internal adapter name; None = the base model
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[SampleResult]
     enqueued: float = field(default_factory=time.monotonic)
     cancelled: bool = False
-    prompt_logprobs: tuple[float, ...] = ()
-    topk: tuple[tuple[tuple[int, float], ...], ...] = ()
+    # Prefill progress: prompt tokens whose keys/values are in keys/values (per layer).
+    done: int = 0
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    topk: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     seqs: list[_Seq] = field(default_factory=list)
+
+    @property
+    def wants_prompt(self) -> bool:
+        return self.request.prompt_logprobs or self.request.topk_prompt_logprobs > 0
 
     def resolve(self, value: SampleResult | BaseException) -> None:
         def _set() -> None:
@@ -89,6 +105,7 @@ class _Seq:
     job: _Job
     generator: torch.Generator
     rule: StopRule
+    pos: int  # tokens in its cache row; the next token fed goes to this position
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: StopReason | None = None
@@ -113,13 +130,16 @@ class TorchEngine:
         max_batch_size: int = 32,
         max_lora_rank: int = 64,
         dtype: torch.dtype = torch.float32,
+        prefix_cache_bytes: int = 256 << 20,
+        prefill_chunk: int = 512,
     ) -> None:
         self.model_path = model_path
         self.max_batch_size = max_batch_size
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
-        self._base: torch.nn.Module | None = None
-        self._bank: LoraBank | None = None
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._decoder: Decoder | None = None
         self._linears: dict[str, tuple[int, int]] = {}
         self._tokenizer: Any = None
         self._eos: frozenset[int] = frozenset()
@@ -131,9 +151,10 @@ class TorchEngine:
         self._commands: list[_Command] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._seqs: list[_Seq] = []
-        self._batch: KVBatch | None = None
-        self._route: Route | None = None  # of the running batch; None = rebuild before a step
+        self._prefilling: list[_Job] = []
+        self._seqs: list[_Seq] = []  # row i of the decode batch lives in cache slot i
+        self._route: Route | None = None
+        self._route_stale = True
         # Reading, checking and pairing a pushed adapter runs here, one at a time and niced,
         # so a publish takes CPU the running batch leaves over; the scheduler thread only
         # copies the prepared tensors into its preallocated stacks.
@@ -148,8 +169,7 @@ class TorchEngine:
     def _load_model(self) -> None:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.eval()
-        self._base = model
-        self._bank = LoraBank(model)
+        self._decoder = Decoder(model)
         self._linears = linear_shapes(model)
         with contextlib.suppress(Exception):
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -159,12 +179,11 @@ class TorchEngine:
             if ids is not None:
                 eos.update([ids] if isinstance(ids, int) else ids)
         self._eos = frozenset(eos)
-        cfg = model.config
         self._info = EngineInfo(
             engine="torch",
             base_model=str(self.model_path),
-            max_context_length=int(getattr(cfg, "max_position_embeddings", 2048)),
-            vocab_size=int(model.get_input_embeddings().num_embeddings),
+            max_context_length=self._decoder.max_positions,
+            vocab_size=int(self._decoder.embed.shape[0]),
             max_lora_rank=self.max_lora_rank,
         )
 
@@ -188,13 +207,18 @@ class TorchEngine:
         loop = asyncio.get_running_loop()
         weights = await loop.run_in_executor(self._prep, self._prepare, source, lora)
         name = f"a{next(self._counter)}"
-        await self._submit(lambda: self._bank_or_fail().install(name, weights))
+        await self._submit(lambda: self._model().install(name, weights))
         self._names[adapter_id] = name
 
     async def unload_adapter(self, adapter_id: str) -> None:
         name = self._names.pop(adapter_id, None)
         if name is not None:
-            await self._submit(lambda: self._bank_or_fail().remove(name))
+
+            def remove() -> None:
+                self._model().remove(name)
+                self.prefix_cache.drop(name)
+
+            await self._submit(remove)
 
     def _prepare(self, source: AdapterSource, lora: LoraSpec) -> AdapterWeights:
         """Read, check and pair an adapter's tensors, off the scheduler thread."""
@@ -209,12 +233,14 @@ class TorchEngine:
             )
             tensors = source
         check_fits(tensors, config, self._linears, self.max_lora_rank)
-        return adapter_weights(config, tensors)
+        weights = adapter_weights(config, tensors)
+        self._model().check_targets(weights)
+        return weights
 
-    def _bank_or_fail(self) -> LoraBank:
-        if self._bank is None:
+    def _model(self) -> Decoder:
+        if self._decoder is None:
             raise Unavailable("the model is still loading")
-        return self._bank
+        return self._decoder
 
     async def _submit(self, apply: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()
@@ -229,7 +255,7 @@ class TorchEngine:
     # ----------------------------------------------------------------- sampling
     async def sample(self, request: SampleRequest) -> SampleResult:
         if request.adapter_id is None:
-            adapter = BASE_ADAPTER
+            adapter = None
         elif request.adapter_id in self._names:
             adapter = self._names[request.adapter_id]
         else:
@@ -260,41 +286,44 @@ class TorchEngine:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not (self._stopping or self._commands or self._waiting or self._seqs):
+                    while not (
+                        self._stopping
+                        or self._commands
+                        or self._waiting
+                        or self._seqs
+                        or self._prefilling
+                    ):
                         self._cv.wait()
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, []
-                    admitted = self._admit()
+                    self._admit()
                 for cmd in commands:
                     self._apply(cmd)
                 try:
-                    if admitted:
-                        self._prefill(admitted)
-                    elif self._seqs:
+                    if self._prefilling:
+                        self._prefill()
+                    if self._seqs:
                         self._decode()
                 except Exception as exc:  # a bug or OOM: fail the batch, keep serving
                     log.exception("generation step failed")
-                    for job in admitted:  # not yet in the running batch
-                        job.resolve(exc)
                     self._fail_all(exc)
         self._fail_all(Unavailable("the engine stopped"))
 
-    def _admit(self) -> list[_Job]:
-        """Waiting jobs that fit beside the running sequences (at least one when idle)."""
-        admitted: list[_Job] = []
+    def _admit(self) -> None:
+        """Move waiting jobs that fit beside the live sequences (at least one when idle)."""
         room = self.max_batch_size - len(self._seqs)
+        room -= sum(j.request.num_samples for j in self._prefilling)
         while self._waiting:
             job = self._waiting[0]
             if job.cancelled:
                 self._waiting.popleft()
                 continue
-            if job.request.num_samples > room and (admitted or self._seqs):
+            if job.request.num_samples > room and (self._prefilling or self._seqs):
                 break
             self._waiting.popleft()
-            admitted.append(job)
+            self._prefilling.append(job)
             room -= job.request.num_samples
-        return admitted
 
     def _apply(self, cmd: _Command) -> None:
         try:
@@ -305,104 +334,114 @@ class TorchEngine:
         else:
             cmd.loop.call_soon_threadsafe(_settle, cmd.future, None)
 
-    def _forward(self, route: Route | None, **inputs: Any) -> torch.Tensor:
-        bank = self._bank_or_fail()
-        bank.active = route
-        try:
-            return self._base(**inputs, use_cache=True).logits
-        finally:
-            bank.active = None
-
-    def _room(self) -> int:
-        """The most tokens any live sequence may still generate (sizes the KV buffers)."""
-        return max((s.rule.limit - len(s.tokens) for s in self._seqs), default=0)
-
-    def _prefill(self, jobs: list[_Job]) -> None:
-        bank = self._bank_or_fail()
-        for job in [j for j in jobs if j.adapter not in bank]:  # unloaded while it waited
-            job.resolve(
-                NotFound(f"adapter {job.request.adapter_id} is not loaded", field="adapter")
+    def _prefill(self) -> None:
+        """Advance waiting prompts by up to `prefill_chunk` tokens in all, oldest first."""
+        model = self._model()
+        budget = self.prefill_chunk
+        while self._prefilling and budget > 0:
+            job = self._prefilling[0]
+            if job.cancelled or job.adapter not in model:
+                self._prefilling.pop(0)
+                if not job.cancelled:  # unloaded while it waited
+                    job.resolve(
+                        NotFound(f"adapter {job.request.adapter_id} is not loaded", field="adapter")
+                    )
+                continue
+            prompt = job.request.prompt_tokens
+            if not job.keys:
+                self._start_prefill(model, job)
+            end = min(len(prompt), job.done + budget)
+            hidden = model.prefill(
+                torch.tensor(prompt[job.done : end]),
+                job.done,
+                job.keys,
+                job.values,
+                model.slot(job.adapter),
             )
-            jobs.remove(job)
-        if not jobs:
-            return
-        prompts = [job.request.prompt_tokens for job in jobs]
-        width = max(map(len, prompts))
-        ids = torch.zeros((len(jobs), width), dtype=torch.long)
-        mask = torch.zeros((len(jobs), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        want_prompt = any(j.request.prompt_logprobs or j.request.topk_prompt_logprobs for j in jobs)
-        cache = new_cache()
-        logits = self._forward(
-            bank.route([job.adapter for job in jobs]),
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            cache=cache,
-            cache_position=torch.arange(width),
-            logits_to_keep=0 if want_prompt else 1,
-        ).float()
-        for row, job in enumerate(jobs):
-            if job.request.prompt_logprobs or job.request.topk_prompt_logprobs:
-                self._prompt_logprobs(job, logits[row, width - len(prompts[row]) :])
-        batch = KVBatch(cache, mask, torch.tensor([len(p) for p in prompts]))
-        rows: list[int] = []
-        seqs: list[_Seq] = []
-        context = self.info().max_context_length
-        for row, job in enumerate(jobs):
-            params = job.request.params
-            limit = params.max_tokens or context - len(job.request.prompt_tokens)
-            for i in range(job.request.num_samples):
-                seed = None if params.seed is None else params.seed ^ (i * _SAMPLE_SEED_STRIDE)
-                rule = StopRule(params, self._eos, limit, self._decode_tokens)
-                job.seqs.append(_Seq(job, make_generator(seed), rule))
-                rows.append(row)
-            seqs.extend(job.seqs)
-        index = torch.tensor(rows)
-        self._append(seqs, logits[:, -1].index_select(0, index))
-        now = time.monotonic()
-        for job in jobs:
-            metrics.TTFT.observe(now - job.enqueued)
-        self._seqs.extend(seqs)
-        batch.select(index, self._room())
-        if self._batch is None:
-            self._batch = batch
-        else:
-            self._batch.extend(batch, self._room())
-        self._route = None
-        self._retire_finished()
+            budget -= end - job.done
+            metrics.PROMPT_TOKENS.labels("computed").inc(end - job.done)
+            if job.wants_prompt:
+                self._prompt_logprobs(job, model.logits(hidden).float(), end)
+            job.done = end
+            if end == len(prompt):
+                self._prefilling.pop(0)
+                self._join(model, job, model.logits(hidden[-1:]).float())
 
-    def _prompt_logprobs(self, job: _Job, logits: torch.Tensor) -> None:
-        """Logprob of prompt token t under the prediction at t-1; the first has none."""
-        prompt = torch.tensor(job.request.prompt_tokens)
-        logp = torch.log_softmax(logits[:-1], dim=-1)
+    def _start_prefill(self, model: Decoder, job: _Job) -> None:
+        prompt = job.request.prompt_tokens
+        shape = (model.kv_heads, len(prompt), model.head_dim)
+        job.keys = [torch.zeros(shape, dtype=model.dtype) for _ in model.layers]
+        job.values = [torch.zeros(shape, dtype=model.dtype) for _ in model.layers]
+        if job.wants_prompt:  # every prompt position's logits are needed: compute them all
+            job.prompt_logprobs = [math.nan]
+            job.topk = [()]
+            return
+        cached = self.prefix_cache.match(job.adapter, prompt)
+        if cached is not None:
+            job.done = cached.shape[3]
+            metrics.PROMPT_TOKENS.labels("cached").inc(job.done)
+            for i in range(len(model.layers)):
+                job.keys[i][:, : job.done] = cached[i, 0]
+                job.values[i][:, : job.done] = cached[i, 1]
+
+    def _prompt_logprobs(self, job: _Job, logits: torch.Tensor, end: int) -> None:
+        """Logprob of prompt token t under the prediction at t-1, for the chunk ending at end."""
+        prompt = job.request.prompt_tokens
+        targets = torch.tensor(prompt[job.done + 1 : end + 1])
+        logp = torch.log_softmax(logits[: len(targets)], dim=-1)
         if job.request.prompt_logprobs:
-            picked = logp.gather(-1, prompt[1:, None]).flatten().tolist()
-            job.prompt_logprobs = (math.nan, *picked)
+            job.prompt_logprobs += logp.gather(-1, targets[:, None]).flatten().tolist()
         k = job.request.topk_prompt_logprobs
         if k:
             values, indices = logp.topk(k, dim=-1)
-            rows = tuple(
+            job.topk += [
                 tuple(zip(ids, vals, strict=True))
                 for ids, vals in zip(indices.tolist(), values.tolist(), strict=True)
-            )
-            job.topk = ((), *rows)
+            ]
+
+    def _join(self, model: Decoder, job: _Job, logits: torch.Tensor) -> None:
+        """A prompt is prefilled: cache its prefix, start its samples, copy its keys/values
+        into one decode slot per sample."""
+        request = job.request
+        prompt = request.prompt_tokens
+        self.prefix_cache.insert(job.adapter, prompt, job.keys, job.values)
+        params = request.params
+        limit = params.max_tokens or self.info().max_context_length - len(prompt)
+        for i in range(request.num_samples):
+            seed = None if params.seed is None else params.seed ^ (i * _SAMPLE_SEED_STRIDE)
+            rule = StopRule(params, self._eos, limit, self._decode_tokens)
+            job.seqs.append(_Seq(job, make_generator(seed), rule, len(prompt)))
+        metrics.TTFT.observe(time.monotonic() - job.enqueued)
+        self._append(job.seqs, logits.expand(request.num_samples, -1))
+        live = [s for s in job.seqs if s.reason is None]
+        if live:
+            first = len(self._seqs)
+            model.cache.reserve(first + len(live), len(prompt) + min(limit, _SPARE_COLUMNS) + 1)
+            model.cache.fill(slice(first, first + len(live)), job.keys, job.values)
+            self._seqs.extend(live)
+            self._route_stale = True
+        job.keys, job.values = [], []
+        if not live:
+            job.resolve(_result(job))
 
     def _decode(self) -> None:
-        assert self._batch is not None
-        if self._route is None:
-            self._route = self._bank_or_fail().route([s.job.adapter for s in self._seqs])
-        last = torch.tensor([[s.tokens[-1]] for s in self._seqs])
-        logits = self._forward(
+        model = self._model()
+        if self._route_stale:
+            self._route = make_route([model.slot(s.job.adapter) for s in self._seqs])
+            self._route_stale = False
+        longest = max(s.pos for s in self._seqs) + 1
+        if longest > model.cache.capacity:
+            model.cache.reserve(len(self._seqs), longest + _SPARE_COLUMNS)
+        logits = model.decode(
+            torch.tensor([s.tokens[-1] for s in self._seqs]),
+            torch.tensor([s.pos for s in self._seqs]),
+            longest,
             self._route,
-            input_ids=last,
-            cache=self._batch.cache,
-            **self._batch.step_inputs(),
         )
-        self._append(self._seqs, logits[:, -1].float())
-        self._retire_finished()
+        for seq in self._seqs:
+            seq.pos += 1
+        self._append(self._seqs, logits.float())
+        self._retire_finished(longest)
 
     def _append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         params = [s.job.request.params for s in seqs]
@@ -419,26 +458,31 @@ class TorchEngine:
             seq.reason = seq.rule.check(seq.tokens)
         metrics.TOKENS.inc(len(seqs))
 
-    def _retire_finished(self) -> None:
-        """Drop finished or cancelled rows from the batch; answer jobs whose rows all finished."""
-        keep = [i for i, s in enumerate(self._seqs) if s.reason is None and not s.job.cancelled]
-        if len(keep) == len(self._seqs):
+    def _retire_finished(self, length: int) -> None:
+        """Drop finished or cancelled rows; answer jobs whose rows all finished. Rows from the
+        end of the batch move into the freed slots, so only those rows are copied."""
+        gone = [i for i, s in enumerate(self._seqs) if s.reason is not None or s.job.cancelled]
+        if not gone:
             return
-        finished = {s.job for s in self._seqs if s.reason is not None and not s.job.cancelled}
-        for job in finished:
-            if all(s.reason is not None for s in job.seqs):
+        for job in {self._seqs[i].job for i in gone}:
+            if not job.cancelled and all(s.reason is not None for s in job.seqs):
                 job.resolve(_result(job))
-        self._seqs = [self._seqs[i] for i in keep]
-        self._route = None
-        if keep:
-            assert self._batch is not None
-            self._batch.select(torch.tensor(keep), self._room())
-        else:
-            self._batch = None
+        size = len(self._seqs) - len(gone)
+        holes = [i for i in gone if i < size]
+        movers = [i for i in range(size, len(self._seqs)) if i not in set(gone)]
+        if holes:
+            model = self._model()
+            model.cache.move(torch.tensor(holes), torch.tensor(movers), length)
+            for hole, mover in zip(holes, movers, strict=True):
+                self._seqs[hole] = self._seqs[mover]
+        del self._seqs[size:]
+        self._route_stale = True
+        if not self._seqs:
+            self._model().cache.clear()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:
-            jobs = {s.job for s in self._seqs} | set(self._waiting)
+            jobs = {s.job for s in self._seqs} | set(self._waiting) | set(self._prefilling)
             self._waiting.clear()
             commands, self._commands = self._commands, []
         for job in jobs:
@@ -446,8 +490,10 @@ class TorchEngine:
         for cmd in commands:
             cmd.loop.call_soon_threadsafe(_settle, cmd.future, exc)
         self._seqs = []
-        self._batch = None
-        self._route = None
+        self._prefilling = []
+        self._route_stale = True
+        if self._decoder is not None:
+            self._decoder.cache.clear()
 
     def _decode_tokens(self, tokens: list[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=False)
@@ -474,6 +520,6 @@ def _result(job: _Job) -> SampleResult:
             SampledSequence(tuple(s.tokens), tuple(s.logprobs), s.reason or "length")
             for s in job.seqs
         ),
-        prompt_logprobs=job.prompt_logprobs,
-        topk_prompt_logprobs=job.topk,
+        prompt_logprobs=tuple(job.prompt_logprobs) if job.request.prompt_logprobs else (),
+        topk_prompt_logprobs=tuple(job.topk) if job.request.topk_prompt_logprobs else (),
     )

@@ -11,9 +11,6 @@ from typing import Literal
 
 StopReason = Literal["stop", "length"]
 
-#: The adapter name PEFT uses for "no adapter" rows in a mixed batch; also ours for the base.
-BASE_ADAPTER = "__base__"
-
 
 @dataclass(frozen=True)
 class SamplingSpec:

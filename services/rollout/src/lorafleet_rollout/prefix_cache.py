@@ -1,0 +1,117 @@
+"""A byte-bounded LRU radix cache of prompt-prefix keys/values, shared across requests.
+
+Prompts are cut into blocks of `BLOCK` tokens; a tree per adapter maps block after block to
+the keys/values of those positions (every layer, one tensor per block), as SGLang's radix
+cache does at block granularity. A new prompt walks its tree as far as its blocks match, copies
+those keys/values in and prefills only the rest, so 16 requests sharing a 1,000-token system
+prompt compute it once. Keys/values depend on the adapter (LoRA on k/v and every earlier
+layer), so each adapter has its own tree; engine adapter names are never reused, and a
+removed adapter's tree is dropped.
+
+Eviction is least recently used, leaves first: a lookup refreshes the path from the leaf up,
+so a parent is always fresher than its children and the oldest entry is a leaf. Entries are
+copies, never views of a running batch, so evicting one changes no result, only speed.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+
+#: Tokens per cached block.
+BLOCK = 16
+
+
+@dataclass(eq=False)
+class _Node:
+    parent: _Node | None
+    tokens: tuple[int, ...]
+    #: [layers, 2 (keys, values), kv_heads, BLOCK, head_dim]; None for a root.
+    kv: torch.Tensor | None
+    children: dict[tuple[int, ...], _Node] = field(default_factory=dict)
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._roots: dict[str | None, _Node] = {}
+        self._lru: collections.OrderedDict[_Node, None] = collections.OrderedDict()
+
+    def match(self, adapter: str | None, prompt: tuple[int, ...]) -> torch.Tensor | None:
+        """Keys/values [layers, 2, kv_heads, n * BLOCK, dim] of the longest cached block prefix
+        of prompt[:-1] (the last prompt token is always computed: its logits pick the first
+        token), or None."""
+        node = self._roots.get(adapter)
+        path: list[_Node] = []
+        for start in range(0, len(prompt) - BLOCK, BLOCK):
+            if node is None:
+                break
+            node = node.children.get(prompt[start : start + BLOCK])
+            if node is not None:
+                path.append(node)
+        if not path:
+            return None
+        for hit in reversed(path):
+            self._lru.move_to_end(hit)
+        return torch.cat([n.kv for n in path if n.kv is not None], dim=3)
+
+    def insert(
+        self,
+        adapter: str | None,
+        prompt: tuple[int, ...],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> None:
+        """Cache the full blocks of prompt[:-1] from keys/values (per layer [kv_heads, ≥len,
+        dim]) that are not cached yet, then evict down to the byte bound."""
+        if self.max_bytes <= 0:
+            return
+        node = self._roots.setdefault(adapter, _Node(None, (), None))
+        path: list[_Node] = []
+        for start in range(0, len(prompt) - BLOCK, BLOCK):
+            block = prompt[start : start + BLOCK]
+            child = node.children.get(block)
+            if child is None:
+                kv = torch.stack(
+                    [
+                        torch.stack([k[:, start : start + BLOCK], v[:, start : start + BLOCK]])
+                        for k, v in zip(keys, values, strict=True)
+                    ]
+                )
+                child = _Node(node, block, kv)
+                node.children[block] = child
+                self.bytes += kv.numel() * kv.element_size()
+            path.append(child)
+            node = child
+        for entry in reversed(path):
+            self._lru[entry] = None
+            self._lru.move_to_end(entry)
+        self._evict()
+
+    def drop(self, adapter: str | None) -> None:
+        """Forget an adapter's tree (it was unloaded)."""
+        root = self._roots.pop(adapter, None)
+        stack = [] if root is None else list(root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            self._forget(node)
+
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes and self._lru:
+            node = next(iter(self._lru))
+            if node.children:  # cannot happen (parents are fresher), but never orphan a subtree
+                self._lru.move_to_end(node)
+                continue
+            if node.parent is not None:
+                del node.parent.children[node.tokens]
+            self._forget(node)
+
+    def _forget(self, node: _Node) -> None:
+        if node in self._lru:
+            del self._lru[node]
+            assert node.kv is not None
+            self.bytes -= node.kv.numel() * node.kv.element_size()

@@ -1,0 +1,50 @@
+"""PrefixCache: longest block-prefix matches, per-adapter trees, LRU eviction leaves first."""
+
+from __future__ import annotations
+
+import torch
+
+from lorafleet_rollout.prefix_cache import BLOCK, PrefixCache
+
+LAYERS, HEADS, DIM = 2, 3, 4
+BLOCK_BYTES = LAYERS * 2 * HEADS * BLOCK * DIM * 4
+
+
+def kv(prompt: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Keys/values that encode each position's token, so a match can be checked by value."""
+    column = torch.tensor(prompt, dtype=torch.float32)[None, :, None].expand(HEADS, -1, DIM)
+    return [column + layer for layer in range(LAYERS)], [-column - layer for layer in range(LAYERS)]
+
+
+def test_matches_the_longest_cached_block_prefix_per_adapter() -> None:
+    cache = PrefixCache(1 << 20)
+    prompt = tuple(range(3 * BLOCK + 5))
+    cache.insert("a", prompt, *kv(prompt))
+    assert cache.bytes == 3 * BLOCK_BYTES  # full blocks of prompt[:-1] only
+    other = (*prompt[: 2 * BLOCK], 999, *prompt[2 * BLOCK + 1 :])
+    hit = cache.match("a", other)
+    assert hit is not None and hit.shape == (LAYERS, 2, HEADS, 2 * BLOCK, DIM)
+    keys, values = kv(prompt[: 2 * BLOCK])
+    for layer in range(LAYERS):
+        assert torch.equal(hit[layer, 0], keys[layer]) and torch.equal(hit[layer, 1], values[layer])
+    assert cache.match("b", prompt) is None  # keys/values depend on the adapter
+    assert cache.match("a", prompt[: BLOCK + 1]) is not None
+    assert cache.match("a", prompt[:BLOCK]) is None  # the last token is always computed
+    cache.drop("a")
+    assert cache.bytes == 0 and cache.match("a", prompt) is None
+
+
+def test_eviction_keeps_the_bound_and_takes_least_recent_leaves_first() -> None:
+    cache = PrefixCache(4 * BLOCK_BYTES)
+    shared = tuple(range(2 * BLOCK))
+    first = (*shared, *range(100, 100 + BLOCK + 1))
+    second = (*shared, *range(200, 200 + BLOCK + 1))
+    cache.insert(None, first, *kv(first))
+    cache.insert(None, second, *kv(second))
+    assert cache.bytes == 4 * BLOCK_BYTES
+    assert cache.match(None, first) is not None  # first's leaf is now the freshest
+    third = (*range(300, 300 + BLOCK), 1)
+    cache.insert(None, third, *kv(third))
+    assert cache.bytes <= cache.max_bytes
+    assert cache.match(None, first).shape[3] == 3 * BLOCK  # still whole
+    assert cache.match(None, second).shape[3] == 2 * BLOCK  # its leaf went, the shared part not
