@@ -75,8 +75,12 @@ def load_engine(folder: Path, storage: Path, num_slots: int = 4, max_rank: int =
 
 @pytest.fixture
 def engine_for(tmp_path: Path):
-    """engine_for(model folder, num_slots=4, max_rank=16) with states under tmp_path."""
-    return lambda folder, **kw: load_engine(folder, tmp_path / "states", **kw)
+    """engine_for(model folder, num_slots=4, max_rank=16, storage_root=tmp_path/"states")."""
+
+    def make(folder: Path, storage_root: Path | None = None, **kw):
+        return load_engine(folder, storage_root or tmp_path / "states", **kw)
+
+    return make
 
 
 @pytest.fixture

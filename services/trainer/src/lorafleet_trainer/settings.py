@@ -59,6 +59,19 @@ class TrainerSettings:
     torch_threads: int = setting(
         0, doc="torch intra-op threads; 0 = torch's default.", min=0, max=1024
     )
+    group_timeout_seconds: float = setting(
+        120.0,
+        doc="Trainer groups (launched by torchrun): how long a collective may wait for a rank "
+        "before the replica is declared lost and exits.",
+        min=5.0,
+        max=86400.0,
+    )
+    group_keepalive_seconds: float = setting(
+        5.0,
+        doc="Trainer groups: rank 0 pings idle ranks this often (well under the timeout).",
+        min=0.1,
+        max=3600.0,
+    )
 
     @property
     def served_base_model(self) -> str:

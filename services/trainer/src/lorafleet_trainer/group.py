@@ -1,0 +1,275 @@
+"""Trainer groups: one replica = N ranks under torch.distributed, the frozen base sharded.
+
+Launched by `torchrun --nproc-per-node N` (or any launcher that sets RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT); gloo on CPU, NCCL on GPU. Each rank loads the
+model, wraps its LoRA sites exactly as a single process does, then shards the base with
+FSDP2 `fully_shard`, one unit per decoder layer plus the root: at rest a rank holds 1/N of
+every base matrix, and a layer's matrices are all-gathered only while it runs (forward, and
+again in backward). We chose FSDP2 over DTensor tensor parallelism because it is
+model-agnostic: it shards whatever a layer holds (fused projections, 3-D expert banks) with
+no per-architecture plan, leaves every module's math (and so our LoRA wrappers and their
+exactness) untouched, and the base is frozen, so there are no base gradients to
+reduce-scatter. Tensor parallelism would split the compute as well, but needs a sharding
+plan per architecture and changes the reduction order of every projection.
+
+Every rank runs the same engine calls on the same inputs, so LoRA slots, per-slot AdamW,
+the float64 clip and hashed dropout are unchanged and identical on every rank, and a state
+any rank could write is the single-process state (rank 0 writes it). Rank 0 serves the gRPC
+contract through `GroupEngine`: each call that runs the model or changes slot state is first
+broadcast to the other ranks (`worker_loop`) on a gloo control group, then run locally;
+after it every rank meets at a barrier. A rank that died or hangs makes a collective fail
+(peer connection closed, or the group timeout), and the survivor exits the process
+(`on_lost`): the replica goes down as a whole, its heartbeat stops, and the controller's
+replica-loss policy applies. Idle workers are kept from timing out by pings.
+
+The batch is not split across ranks: every rank computes the whole batch on gathered
+layers (memory scales with N, compute does not). Splitting rows across ranks (data
+parallel) with an all-reduce of LoRA gradients is the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lorafleet.errors import LorafleetError
+
+log = logging.getLogger(__name__)
+
+# Engine methods every rank runs, in rank 0's order: they run the model or change slot state.
+BROADCAST = ("bind", "unbind", "forward_backward", "optim_step", "load_state", "import_adapter")
+
+
+@dataclass(frozen=True)
+class GroupEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environ(cls) -> GroupEnv | None:
+        """The launcher's variables; None when not launched as a group (no WORLD_SIZE)."""
+        if "WORLD_SIZE" not in os.environ:
+            return None
+        return cls(
+            int(os.environ.get("RANK", "0")),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", "0")),
+        )
+
+
+class GroupLost(RuntimeError):
+    """A collective failed: another rank died, hung past the timeout, or left."""
+
+
+class Group:
+    """The process group of a replica and its gloo control group."""
+
+    def __init__(self, env: GroupEnv, device: torch.device, timeout: float) -> None:
+        self.env = env
+        self.device = device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout)
+        )
+        self.control = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            if backend != "gloo"
+            else dist.group.WORLD
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    def send(self, message: Any) -> Any:
+        """Broadcast `message` from rank 0 (others pass None and get it); GroupLost on failure."""
+        box = [message]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.control)
+        except Exception as exc:  # gloo raises RuntimeError subclasses for a dead peer
+            raise GroupLost(f"control broadcast failed: {exc}") from exc
+        return box[0]
+
+    def barrier(self) -> None:
+        try:
+            dist.barrier(group=self.control)
+        except Exception as exc:
+            raise GroupLost(f"barrier failed: {exc}") from exc
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (transformers' `_no_split_modules`), in order."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class to shard by")
+    return layers
+
+
+def shard_base(model: nn.Module, group: Group) -> None:
+    """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(group.device.type, (group.env.world_size,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def local_fraction(model: nn.Module) -> float:
+    """Share of the base's parameter elements this rank holds at rest (1.0 unsharded)."""
+    local = total = 0
+    for p in model.parameters():
+        total += p.numel()
+        local += p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+    return local / total
+
+
+class GroupEngine:
+    """Rank 0's engine: broadcasts what every rank must run, then runs it locally.
+
+    Everything else (info, list_slots, export_adapter, attributes) is rank 0's own. A lost
+    group calls `on_lost` (the service exits the process) and raises GroupLost.
+    """
+
+    def __init__(self, engine: Any, group: Group, keepalive: float, on_lost: Any) -> None:
+        self.engine = engine
+        self.group = group
+        self.on_lost = on_lost
+        self._lock = threading.Lock()
+        self._closed = False
+        self._last = time.monotonic()
+        self._keepalive = keepalive
+        self._pinger = threading.Thread(target=self._ping_loop, name="group-ping", daemon=True)
+        self._pinger.start()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in BROADCAST:
+            return lambda *args: self._everywhere(name, args)
+        return getattr(self.engine, name)
+
+    def _lost(self, exc: GroupLost) -> None:
+        self._closed = True
+        log.error("trainer group lost (rank %d): %s", self.group.rank, exc)
+        self.on_lost(exc)
+
+    def _everywhere(self, name: str, args: tuple) -> Any:
+        with self._lock:
+            try:
+                self.group.send((name, args))
+                self._last = time.monotonic()
+                try:
+                    return getattr(self.engine, name)(*args)
+                finally:
+                    self.group.barrier()
+            except GroupLost as exc:
+                self._lost(exc)
+                raise
+
+    def save_state(self, operation_id: str, slot: int, registration_id: str, *rest: Any) -> Any:
+        """Rank 0 writes; the others record the operation id and result, as it did."""
+        with self._lock:
+            ref = self.engine.save_state(operation_id, slot, registration_id, *rest)
+            try:
+                self.group.send(("record", (slot, registration_id, operation_id, ref)))
+                self.group.barrier()
+            except GroupLost as exc:
+                self._lost(exc)
+                raise
+            self._last = time.monotonic()
+            return ref
+
+    def _ping_loop(self) -> None:
+        while not self._closed:
+            time.sleep(self._keepalive / 2)
+            with self._lock:
+                if self._closed or time.monotonic() - self._last < self._keepalive / 2:
+                    continue
+                try:
+                    self.group.send(("ping", ()))
+                    self._last = time.monotonic()
+                except GroupLost as exc:
+                    self._lost(exc)
+                    return
+
+    def close(self) -> None:
+        """Release the workers (they return from worker_loop); safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self.group.send(("stop", ()))
+            except GroupLost as exc:
+                log.warning("trainer group: stop not delivered: %s", exc)
+
+
+def worker_loop(engine: Any, group: Group) -> None:
+    """Ranks > 0: run rank 0's calls until it says stop; GroupLost when the group breaks.
+
+    Domain errors are rank 0's to report: validation is deterministic, so this rank raised
+    the same one and changed nothing.
+    """
+    while True:
+        name, args = group.send(None)
+        if name == "stop":
+            return
+        if name == "ping":
+            continue
+        if name == "record":
+            slot, registration_id, operation_id, ref = args
+            engine.slots.leased(slot, registration_id).ops.record(operation_id, ref)
+        else:
+            with contextlib.suppress(LorafleetError):
+                getattr(engine, name)(*args)
+        group.barrier()
+
+
+def load_group_engine(
+    path: Any,
+    env: GroupEnv,
+    *,
+    device: str,
+    dtype: str,
+    timeout: float,
+    base_model: str,
+    **engine_kwargs: Any,
+) -> tuple[Any, Group]:
+    """Join the group, load the model on the CPU, wrap its sites, then shard the base.
+
+    Every rank reads the whole checkpoint into CPU memory before sharding; a sharded load
+    (meta-device init + per-rank reads) is what models larger than host memory need.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from lorafleet_trainer.engine import TrainerEngine
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    dev = torch.device(f"cuda:{env.local_rank}" if device == "cuda" else "cpu")
+    group = Group(env, dev, timeout)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    engine = TrainerEngine(model, base_model=base_model, **engine_kwargs)
+    shard_base(engine.model, group)
+    engine.device = dev
+    return engine, group

@@ -1,0 +1,136 @@
+"""A fixed training scenario, run by test_group.py in one process and by a group of ranks.
+
+As a script (one process per rank, launcher variables in the environment):
+    python group_scenario.py MODEL_DIR STORAGE_DIR OUT_DIR
+rank 0 drives a GroupEngine through `run` and writes its record to OUT_DIR/record.pt; every
+rank writes the share of the base it holds to OUT_DIR/fraction-<rank>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from lorafleet_trainer.domain import (
+    AdamParams,
+    Datum,
+    ForwardBackwardInput,
+    ForwardBackwardItem,
+    LoraSpec,
+)
+
+SPECS = {
+    0: LoraSpec(rank=4, alpha=8, seed=1),
+    1: LoraSpec(rank=2, seed=2, dropout=0.1, target_modules=("q_proj", "v_proj", "down_proj")),
+}
+HP = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+STEPS = 3
+
+
+def batch(step: int, vocab: int) -> list[ForwardBackwardItem]:
+    gen = torch.Generator().manual_seed(100 + step)
+    items = []
+    for slot in SPECS:
+        data = []
+        for n in (9, 14):
+            tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
+            data.append(
+                Datum(
+                    tokens,
+                    {
+                        "target_tokens": torch.randint(0, vocab, (n,), generator=gen),
+                        "weights": torch.rand(n, generator=gen),
+                    },
+                )
+            )
+        items.append(
+            ForwardBackwardItem(
+                f"fb{step}", slot, f"r{slot}", ForwardBackwardInput(data, "cross_entropy")
+            )
+        )
+    return items
+
+
+def train(engine, first: int, last: int) -> dict:
+    """Steps first..last-1 on bound slots: each step's logprobs and gradients, then state."""
+    record: dict = {"logprobs": [], "grads": []}
+    for step in range(first, last):
+        outs = engine.forward_backward(batch(step, engine.vocab_size))
+        record["logprobs"].append([lp for out in outs for lp in out.logprobs])
+        grads = {}
+        for slot in SPECS:
+            b = engine.slots.bindings[slot]
+            for name in b.targets:
+                grads[f"{slot}.{name}.A"] = b.a[name].grad.clone()
+                grads[f"{slot}.{name}.B"] = b.b[name].grad.clone()
+        record["grads"].append(grads)
+        for slot in SPECS:
+            result = engine.optim_step(f"step{step}", slot, f"r{slot}", HP)
+            assert result.applied
+    record["state"] = state(engine)
+    return record
+
+
+def state(engine) -> dict:
+    out = {}
+    for slot in SPECS:
+        b = engine.slots.bindings[slot]
+        out[slot] = {
+            "weights": [p.detach().clone() for p in b.optimizer.params],
+            "moments": {i: (m.clone(), v.clone()) for i, (m, v) in b.optimizer.moments().items()},
+            "steps": b.optimizer.steps,
+        }
+    return out
+
+
+def run(engine) -> dict:
+    """Bind, train STEPS steps, save each slot as "after"; returns the record and refs."""
+    for slot, spec in SPECS.items():
+        engine.bind(slot, f"r{slot}", spec)
+    record = train(engine, 0, STEPS)
+    record["refs"] = {
+        slot: engine.save_state("save", slot, f"r{slot}", "after", True) for slot in SPECS
+    }
+    return record
+
+
+def main() -> None:
+    from lorafleet_trainer.group import (
+        GroupEngine,
+        GroupEnv,
+        load_group_engine,
+        local_fraction,
+        worker_loop,
+    )
+
+    model_dir, storage, out = (Path(a) for a in sys.argv[1:4])
+    torch.set_num_threads(1)
+    env = GroupEnv.from_environ()
+    engine, group = load_group_engine(
+        model_dir,
+        env,
+        device="cpu",
+        dtype="float32",
+        timeout=60.0,
+        base_model="tiny",
+        num_slots=2,
+        max_rank=8,
+        storage_root=storage,
+    )
+    fraction = {"rank": env.rank, "fraction": local_fraction(engine.model)}
+    (out / f"fraction-{env.rank}.json").write_text(json.dumps(fraction))
+    if env.rank != 0:
+        worker_loop(engine, group)
+    else:
+        driver = GroupEngine(engine, group, keepalive=2.0, on_lost=lambda exc: os._exit(3))
+        torch.save(run(driver), out / "record.pt")
+        driver.close()
+    group.close()
+
+
+if __name__ == "__main__":
+    main()
