@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from lorafleet import contract
 from lorafleet.errors import InvalidArgument
 from lorafleet.v1 import common_pb2 as pb
 from lorafleet_gateway import convert, protocol
@@ -204,7 +205,11 @@ def test_proto_request_prefers_loss_fn_config_v2() -> None:
     req.loss_fn_config_v2["clip_low_threshold"].number = 0.8
     model_id, seq_id, fb = convert.fb_request_from_proto(req.SerializeToString())
     assert (model_id, seq_id, fb.forward_only) == ("s:train:0", 4, True)
-    assert dict(fb.loss_fn_config) == {"clip_low_threshold": 0.8}
+    # v2 wins; the loss's other config keys get the contract's defaults.
+    assert dict(fb.loss_fn_config) == {
+        "clip_low_threshold": 0.8,
+        "clip_high_threshold": contract.DEFAULT_CLIP_HIGH,
+    }
     assert list(fb.data[0].tokens) == [3, 4]
     req.loss_fn_config_v2["mode"].text = "x"
     with raises("loss_fn_config_v2.mode"):

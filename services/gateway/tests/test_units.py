@@ -10,6 +10,7 @@ import time
 import pytest
 
 from lorafleet import errors
+from lorafleet.contract import TinkerPath
 from lorafleet.testing import child_env
 from lorafleet_gateway import archive, views
 from lorafleet_gateway.signing import Signer
@@ -66,10 +67,7 @@ def test_tinker_ids_and_paths() -> None:
     assert views.session_of("s-1:train:3") == "s-1"
     with pytest.raises(errors.InvalidArgument):
         views.session_of("s-1:sample:3")
-    assert views.checkpoint_path("r:train:0", "weights/a") == "tinker://r:train:0/weights/a"
-    with pytest.raises(errors.InvalidArgument):
-        views.checkpoint_path("r:train:0", "weights/a/b")
-    with pytest.raises(errors.InvalidArgument):
-        views.check_tinker_path("tinker://r:train:0/other/a")
-    external = "tinker://r:train:0/external_weights/a"
+    external = TinkerPath.parse("tinker://r:train:0/external_weights/a")
     assert views.controller_path(external) == "tinker://r:train:0/weights/external.a"
+    weights = TinkerPath.parse("tinker://r:train:0/weights/a")
+    assert views.controller_path(weights) == str(weights) == "tinker://r:train:0/weights/a"

@@ -1,14 +1,14 @@
-"""The gateway application: build_app(settings) → a FastAPI app serving Tinker's REST API.
+"""The gateway application: build_app(settings, download_secret) → a FastAPI app serving
+Tinker's REST API.
 
-Stateless by design: the lifespan opens one gRPC channel to the controller and that is all
-the state there is (plus a few-second auth cache and the download-URL signer), so any number
-of replicas can run behind a load balancer. Prometheus metrics are served at /metrics on the
-same port; unknown routes answer 404 JSON.
+Stateless by design: the lifespan opens one gRPC channel to the controller and builds the
+serving layer around it; that is all the state there is (plus a one-second auth cache), so
+any number of replicas can run behind a load balancer. Prometheus metrics are served at
+/metrics on the same port; unknown routes answer 404 JSON.
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet_gateway import errors, protocol
 from lorafleet_gateway.auth import AuthCache
-from lorafleet_gateway.controller import Controller
+from lorafleet_gateway.controller import ControllerClient
 from lorafleet_gateway.middleware import GatewayMiddleware
 from lorafleet_gateway.routers import (
     checkpoints,
@@ -30,10 +30,13 @@ from lorafleet_gateway.routers import (
     training,
     weights,
 )
+from lorafleet_gateway.serving import Serving
 from lorafleet_gateway.settings import GatewaySettings
 from lorafleet_gateway.signing import Signer
 
 ROUTERS = (service, sessions, training, futures, weights, sampling, checkpoints)
+# Routes whose bodies carry training data or prompts; every other route takes small bodies.
+DATA_ROUTES = frozenset({"/api/v1/forward_backward", "/api/v1/forward", "/api/v1/asample"})
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -55,14 +58,15 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
-def build_app(settings: GatewaySettings) -> FastAPI:
+def build_app(settings: GatewaySettings, download_secret: bytes) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.controller = Controller(settings.controller_address, settings.rpc_timeout_seconds)
+        controller = ControllerClient(settings.controller_address, settings.rpc_timeout_seconds)
+        app.state.serving = Serving.build(controller, settings, Signer(download_secret))
         try:
             yield
         finally:
-            await app.state.controller.close()
+            await controller.close()
 
     app = FastAPI(
         title="lorafleet gateway",
@@ -70,19 +74,21 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.state.settings = settings
     app.state.auth_cache = AuthCache(settings.auth_cache_seconds)
-    secret = settings.download_secret.encode() or secrets.token_bytes(32)
-    app.state.signer = Signer(secret)
     errors.install(app)
     for module in ROUTERS:
         app.include_router(module.router)
 
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented hook
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(GatewayMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        GatewayMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        max_small_body_bytes=settings.max_small_body_bytes,
+        data_routes=DATA_ROUTES,
+    )
     return app

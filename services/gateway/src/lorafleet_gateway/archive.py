@@ -15,15 +15,20 @@ import time
 from collections.abc import AsyncIterator
 
 from lorafleet import errors
-from lorafleet_gateway.controller import Controller
+from lorafleet.v1 import controller_pb2 as cpb
+from lorafleet_gateway.controller import ControllerClient
 
 COMPLETE_MARKER = "checkpoint_complete"
 
 
-async def files(ctl: Controller, tenant: str, tinker_path: str) -> AsyncIterator[tuple[str, bytes]]:
+async def files(
+    controller: ControllerClient, tenant: str, tinker_path: str
+) -> AsyncIterator[tuple[str, bytes]]:
     """(relative path, content) per file of the checkpoint."""
-    name, parts, digest = "", [], ""
-    async for chunk in ctl.download(tenant, tinker_path):
+    name, digest = "", ""
+    parts: list[bytes] = []
+    request = cpb.DownloadCheckpointRequest(tenant=tenant, tinker_path=tinker_path)
+    async for chunk in controller.download_checkpoint(request):
         if chunk.path != name and parts:
             yield _checked(name, parts, digest)
             parts, digest = [], ""

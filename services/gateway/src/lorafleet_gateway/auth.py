@@ -1,17 +1,17 @@
 """API-key authentication: X-API-Key → tenant, via the controller's Authenticate.
 
-Keys are never stored here; a successful lookup is remembered for a few seconds under the
-key's SHA-256, so a revoked key stops working within `auth_cache_seconds`. Missing or
-unknown keys are 401 in Tinker's shape. Every router takes the tenant from `Tenant`.
+Keys are never stored here; a successful lookup is remembered for `auth_cache_seconds`
+(at most 1 s) under the key's SHA-256, so a revoked key stops working within a second
+without a revocation channel from the controller. Missing or unknown keys are 401 in
+Tinker's shape. Every router takes the tenant from `Tenant`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Request
 
 from lorafleet import errors
 from lorafleet.v1 import controller_pb2 as cpb
@@ -49,8 +49,8 @@ async def tenant_of(request: Request) -> str:
     tenant = state.auth_cache.get(digest)
     if tenant is None:
         try:
-            reply = await state.controller.call(
-                "Authenticate", cpb.AuthenticateRequest(api_key=key)
+            reply = await state.serving.controller.authenticate(
+                cpb.AuthenticateRequest(api_key=key)
             )
         except (errors.NotFound, errors.InvalidArgument, errors.PermissionDenied):
             raise errors.PermissionDenied("invalid API key", field=HEADER) from None
@@ -59,6 +59,3 @@ async def tenant_of(request: Request) -> str:
             raise errors.PermissionDenied("invalid API key", field=HEADER)
         state.auth_cache.put(digest, tenant)
     return tenant
-
-
-Tenant = Annotated[str, Depends(tenant_of)]

@@ -1,22 +1,25 @@
-"""The gateway's only dependency: a typed, deadline-carrying client of ControllerService.
+"""`ControllerClient`: the gateway's only dependency, one typed method per ControllerService RPC.
 
-Every call has an explicit deadline and turns a failed RPC back into the domain exception
-the controller raised (field and message preserved), so routers only ever see
-`lorafleet.errors`. Transport retries (UNAVAILABLE only) are enabled for every RPC the
-controller documents as idempotent, which is all of them except CreateSession.
+Every call carries the deadline controller.proto documents for that RPC and turns a failed
+RPC back into the domain exception the controller raised (field and message preserved), so
+the serving layer only ever sees `lorafleet.errors`. Transport retries (UNAVAILABLE only)
+are enabled for every RPC the controller documents as idempotent, which is all of those used
+here except CreateSession. Capabilities are cached here for a few seconds, because get_info
+and every base-model lookup need them and they change only when replicas come and go.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TypeVar
 
 import grpc
 
 from lorafleet.rpc.channel import make_channel
 from lorafleet.rpc.errors import from_rpc_error
+from lorafleet.v1 import common_pb2, controller_pb2_grpc
 from lorafleet.v1 import controller_pb2 as cpb
-from lorafleet.v1 import controller_pb2_grpc
 
 SERVICE = "lorafleet.v1.ControllerService"
 IDEMPOTENT = tuple(
@@ -30,6 +33,7 @@ IDEMPOTENT = tuple(
         "CreateRegistration",
         "GetRegistration",
         "ListRegistrations",
+        "DeleteRegistration",
         "SubmitOperation",
         "GetOperation",
         "AckOperation",
@@ -44,40 +48,148 @@ IDEMPOTENT = tuple(
         "GetCapabilities",
     )
 )
+CAPABILITIES_TTL = 5.0
+# Deadlines controller.proto documents, in seconds (short RPCs use the configured default).
+CREATE_REGISTRATION_DEADLINE = 30.0
+DELETE_DEADLINE = 30.0
+CREATE_SAMPLER_DEADLINE = 60.0
+DOWNLOAD_DEADLINE = 300.0
+POLL_MARGIN = 5.0
 
-# Deadlines the controller documents per RPC (controller.proto), in seconds.
-_LONG = {"CreateRegistration": 30.0, "CreateSampler": 60.0, "DeleteCheckpoint": 30.0}
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 
-class Controller:
-    """Async ControllerService client; `await controller.call("GetSession", request)`."""
+class ControllerClient:
+    """Async ControllerService client: `await client.get_session(request)`."""
 
     def __init__(self, address: str, default_timeout: float) -> None:
-        self.channel = make_channel(address, idempotent_methods=IDEMPOTENT)
-        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
-        self.default_timeout = default_timeout
+        self._channel = make_channel(address, idempotent_methods=IDEMPOTENT)
+        self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
+        self._timeout = default_timeout
+        self._capabilities: tuple[list[cpb.BaseModelInfo], float] | None = None
 
-    async def call(self, method: str, request: Any, deadline: float | None = None) -> Any:
-        deadline = deadline or max(self.default_timeout, _LONG.get(method, 0.0))
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
+        request: Req,
+        deadline: float = 0.0,
+    ) -> Resp:
         try:
-            return await getattr(self.stub, method)(request, timeout=deadline)
+            return await method(request, timeout=max(self._timeout, deadline))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
-    async def get_operation(self, tenant: str, operation_id: str, wait: float) -> Any:
-        request = cpb.GetOperationRequest(
-            tenant=tenant, operation_id=operation_id, wait_seconds=wait
-        )
-        return (await self.call("GetOperation", request, deadline=wait + 5.0)).operation
+    # --- tenancy and sessions ---------------------------------------------------------------
+    async def authenticate(self, request: cpb.AuthenticateRequest) -> cpb.AuthenticateResponse:
+        return await self._call(self._stub.Authenticate, request)
 
-    async def download(self, tenant: str, tinker_path: str) -> AsyncIterator[Any]:
-        """The checkpoint's files as FileChunk messages (DownloadCheckpoint stream)."""
-        request = cpb.DownloadCheckpointRequest(tenant=tenant, tinker_path=tinker_path)
+    async def create_session(self, request: cpb.CreateSessionRequest) -> cpb.CreateSessionResponse:
+        return await self._call(self._stub.CreateSession, request)
+
+    async def session_heartbeat(
+        self, request: cpb.SessionHeartbeatRequest
+    ) -> cpb.SessionHeartbeatResponse:
+        return await self._call(self._stub.SessionHeartbeat, request)
+
+    async def finish_session(self, request: cpb.FinishSessionRequest) -> cpb.FinishSessionResponse:
+        return await self._call(self._stub.FinishSession, request)
+
+    async def get_session(self, request: cpb.GetSessionRequest) -> cpb.GetSessionResponse:
+        return await self._call(self._stub.GetSession, request)
+
+    async def list_sessions(self, request: cpb.ListSessionsRequest) -> cpb.ListSessionsResponse:
+        return await self._call(self._stub.ListSessions, request)
+
+    # --- registry ---------------------------------------------------------------------------
+    async def create_registration(
+        self, request: cpb.CreateRegistrationRequest
+    ) -> cpb.CreateRegistrationResponse:
+        return await self._call(
+            self._stub.CreateRegistration, request, CREATE_REGISTRATION_DEADLINE
+        )
+
+    async def get_registration(
+        self, request: cpb.GetRegistrationRequest
+    ) -> cpb.GetRegistrationResponse:
+        return await self._call(self._stub.GetRegistration, request)
+
+    async def list_registrations(
+        self, request: cpb.ListRegistrationsRequest
+    ) -> cpb.ListRegistrationsResponse:
+        return await self._call(self._stub.ListRegistrations, request)
+
+    async def delete_registration(
+        self, request: cpb.DeleteRegistrationRequest
+    ) -> cpb.DeleteRegistrationResponse:
+        return await self._call(self._stub.DeleteRegistration, request, DELETE_DEADLINE)
+
+    # --- ledger -----------------------------------------------------------------------------
+    async def submit_operation(
+        self, request: cpb.SubmitOperationRequest
+    ) -> cpb.SubmitOperationResponse:
+        return await self._call(self._stub.SubmitOperation, request)
+
+    async def get_operation(self, request: cpb.GetOperationRequest) -> cpb.GetOperationResponse:
+        """Long-polls inside the controller for up to `request.wait_seconds`."""
+        deadline = request.wait_seconds + POLL_MARGIN
+        return await self._call(self._stub.GetOperation, request, deadline)
+
+    async def ack_operation(self, request: cpb.AckOperationRequest) -> cpb.AckOperationResponse:
+        return await self._call(self._stub.AckOperation, request)
+
+    # --- sampling ---------------------------------------------------------------------------
+    async def create_sampler(self, request: cpb.CreateSamplerRequest) -> cpb.CreateSamplerResponse:
+        return await self._call(self._stub.CreateSampler, request, CREATE_SAMPLER_DEADLINE)
+
+    async def get_sampler(self, request: cpb.GetSamplerRequest) -> cpb.GetSamplerResponse:
+        return await self._call(self._stub.GetSampler, request)
+
+    async def submit_sample(self, request: cpb.SubmitSampleRequest) -> cpb.SubmitOperationResponse:
+        return await self._call(self._stub.SubmitSample, request)
+
+    # --- checkpoints ------------------------------------------------------------------------
+    async def list_checkpoints(
+        self, request: cpb.ListCheckpointsRequest
+    ) -> cpb.ListCheckpointsResponse:
+        return await self._call(self._stub.ListCheckpoints, request)
+
+    async def get_checkpoint(self, request: cpb.GetCheckpointRequest) -> cpb.GetCheckpointResponse:
+        return await self._call(self._stub.GetCheckpoint, request)
+
+    async def delete_checkpoint(
+        self, request: cpb.DeleteCheckpointRequest
+    ) -> cpb.DeleteCheckpointResponse:
+        return await self._call(self._stub.DeleteCheckpoint, request, DELETE_DEADLINE)
+
+    async def update_checkpoint(
+        self, request: cpb.UpdateCheckpointRequest
+    ) -> cpb.UpdateCheckpointResponse:
+        return await self._call(self._stub.UpdateCheckpoint, request)
+
+    async def download_checkpoint(
+        self, request: cpb.DownloadCheckpointRequest
+    ) -> AsyncIterator[common_pb2.FileChunk]:
+        """The checkpoint's files as consecutive FileChunk messages (a server stream)."""
         try:
-            async for chunk in self.stub.DownloadCheckpoint(request, timeout=300.0):
+            async for chunk in self._stub.DownloadCheckpoint(request, timeout=DOWNLOAD_DEADLINE):
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
-    async def close(self) -> None:
-        await self.channel.close()
+    # --- fleet ------------------------------------------------------------------------------
+    async def get_capabilities(
+        self, request: cpb.GetCapabilitiesRequest
+    ) -> cpb.GetCapabilitiesResponse:
+        return await self._call(self._stub.GetCapabilities, request)
+
+    async def capabilities(self) -> list[cpb.BaseModelInfo]:
+        """The served base models, from GetCapabilities at most every CAPABILITIES_TTL s."""
+        if self._capabilities and self._capabilities[1] > time.monotonic():
+            return self._capabilities[0]
+        models = list((await self.get_capabilities(cpb.GetCapabilitiesRequest())).models)
+        self._capabilities = (models, time.monotonic() + CAPABILITIES_TTL)
+        return models

@@ -18,33 +18,19 @@ from typing import Any
 
 import numpy as np
 
+from lorafleet import contract
 from lorafleet.errors import InvalidArgument
+from lorafleet.tensors import BY_NAME, WIRE_DTYPES, check_layout
 from lorafleet.v1 import common_pb2 as pb
 from lorafleet_gateway import protocol
 from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
 
-# Losses this server implements, and the loss_fn_inputs each one needs (tinker-api.md §7.3).
-REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("target_tokens",),
-    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-    "ppo": ("target_tokens", "logprobs", "advantages"),
-    "cispo": ("target_tokens", "logprobs", "advantages"),
-    "dro": ("target_tokens", "logprobs", "advantages"),
-}
-INT_INPUTS = frozenset({"target_tokens"})
-
-_LE = {
-    pb.DTYPE_FLOAT32: "<f4",
-    pb.DTYPE_INT64: "<i8",
-    pb.DTYPE_INT32: "<i4",
-    pb.DTYPE_FLOAT64: "<f8",
-    pb.DTYPE_BFLOAT16: "<u2",
-}
-_TINKER_LE = {
-    tpb.DTYPE_FLOAT32: "<f4",
-    tpb.DTYPE_INT64: "<i8",
-    tpb.DTYPE_INT32: "<i4",
-    tpb.DTYPE_BFLOAT16: "<u2",
+# Tinker's own protobuf dtypes, by the wire dtype name they share with lorafleet.tensors.
+_TINKER_DTYPES = {
+    tpb.DTYPE_FLOAT32: "float32",
+    tpb.DTYPE_INT64: "int64",
+    tpb.DTYPE_INT32: "int32",
+    tpb.DTYPE_BFLOAT16: "bfloat16",
 }
 
 
@@ -147,9 +133,10 @@ def _frombuffer(raw: bytes, le: str, field: str) -> np.ndarray:
 
 def array_from_proto(t: tpb.Tensor, field: str) -> np.ndarray:
     """tinker_public.Tensor (dense or sparse_csr) → a checked float32/int64 numpy array."""
-    le = _TINKER_LE.get(t.dtype)
-    if le is None:
+    name = _TINKER_DTYPES.get(t.dtype)
+    if name is None:
         raise InvalidArgument(f"unsupported dtype {t.dtype}", field=f"{field}.dtype")
+    le = WIRE_DTYPES[BY_NAME[name]].numpy_le
     encoding = t.WhichOneof("encoding")
     if encoding == "sparse_csr":
         values = _frombuffer(t.sparse_csr.values, le, f"{field}.sparse_csr.values")
@@ -204,7 +191,7 @@ def tokens_from_proto(chunks: Iterable[tpb.Chunk], field: str) -> list[int]:
 def _datum(
     tokens: list[int], inputs: Mapping[str, np.ndarray], loss_fn: str, field: str
 ) -> pb.Datum:
-    for name in REQUIRED_INPUTS[loss_fn]:
+    for name in contract.loss_spec(loss_fn).required:
         if name not in inputs:
             raise InvalidArgument(f"{loss_fn} needs {name!r}", field=f"{field}.loss_fn_inputs")
     datum = pb.Datum(tokens=tokens)
@@ -216,33 +203,18 @@ def _datum(
                 f"length {len(tokens)}",
                 field=where,
             )
-        if name in INT_INPUTS and arr.dtype.kind != "i":
+        if name in contract.INT_INPUTS and arr.dtype.kind != "i":
             raise InvalidArgument("must be int64", field=f"{where}.dtype")
-        if name in INT_INPUTS and arr.size and arr.min() < 0:
+        if name in contract.INT_INPUTS and arr.size and arr.min() < 0:
             raise InvalidArgument("negative token id", field=where)
         datum.loss_fn_inputs[name].CopyFrom(_to_tensor(arr))
     return datum
 
 
-def check_loss_fn(loss_fn: str, field: str) -> None:
-    if loss_fn not in REQUIRED_INPUTS:
-        known = ", ".join(sorted(REQUIRED_INPUTS))
-        raise InvalidArgument(
-            f"unknown or unsupported loss {loss_fn!r} (supported: {known})", field=field
-        )
-
-
-def _config(config: Mapping[str, float], field: str) -> dict[str, float]:
-    for key, value in config.items():
-        if not math.isfinite(value):
-            raise InvalidArgument("must be finite", field=f"{field}.{key}")
-    return dict(config)
-
-
 def fb_input_from_json(
     body: protocol.ForwardBackwardInput, field: str, forward_only: bool
 ) -> pb.ForwardBackwardInput:
-    check_loss_fn(body.loss_fn, f"{field}.loss_fn")
+    contract.loss_spec(body.loss_fn, f"{field}.loss_fn")
     if not body.data:
         raise InvalidArgument("needs at least one datum", field=f"{field}.data")
     data = []
@@ -254,7 +226,9 @@ def fb_input_from_json(
             for k, v in d.loss_fn_inputs.items()
         }
         data.append(_datum(tokens, inputs, body.loss_fn, where))
-    config = _config(body.loss_fn_config or {}, f"{field}.loss_fn_config")
+    config = contract.loss_config(
+        body.loss_fn, body.loss_fn_config or {}, f"{field}.loss_fn_config"
+    )
     return pb.ForwardBackwardInput(
         data=data, loss_fn=body.loss_fn, loss_fn_config=config, forward_only=forward_only
     )
@@ -286,7 +260,7 @@ def fb_request_parts_from_proto(
 
 
 def _fb_input_from_proto(request: tpb.ForwardBackwardRequest) -> pb.ForwardBackwardInput:
-    check_loss_fn(request.loss_fn, "loss_fn")
+    contract.loss_spec(request.loss_fn, "loss_fn")
     if not request.data:
         raise InvalidArgument("needs at least one datum", field="data")
     data = []
@@ -307,36 +281,29 @@ def _fb_input_from_proto(request: tpb.ForwardBackwardRequest) -> pb.ForwardBackw
                     field=f"loss_fn_config_v2.{key}",
                 )
             config[key] = value.number
-        config = _config(config, "loss_fn_config_v2")
+        config = contract.loss_config(request.loss_fn, config, "loss_fn_config_v2")
     else:
-        config = _config(request.loss_fn_config, "loss_fn_config")
+        config = contract.loss_config(request.loss_fn, request.loss_fn_config, "loss_fn_config")
     fb = pb.ForwardBackwardInput(
         data=data, loss_fn=request.loss_fn, loss_fn_config=config, forward_only=request.forward_only
     )
     return fb
 
 
-def adam_from_json(params: protocol.AdamParams, field: str = "adam_params") -> pb.AdamParams:
-    """AdamParams, all finite and in range (a NaN learning rate would poison a slot)."""
-    values = params.model_dump()
-    for key, value in values.items():
-        if not math.isfinite(value):
-            raise InvalidArgument("must be finite", field=f"{field}.{key}")
-    rules = {
-        "learning_rate": values["learning_rate"] >= 0,
-        "beta1": 0 <= values["beta1"] < 1,
-        "beta2": 0 <= values["beta2"] < 1,
-        "eps": values["eps"] > 0,
-        "weight_decay": values["weight_decay"] >= 0,
-        "grad_clip_norm": values["grad_clip_norm"] >= 0,
-    }
-    for key, ok in rules.items():
-        if not ok:
-            raise InvalidArgument(f"out of range: {values[key]!r}", field=f"{field}.{key}")
+def adam_from_json(params: protocol.AdamParams | None, field: str = "adam_params") -> pb.AdamParams:
+    """AdamParams (Tinker's defaults for a bare request), all finite and in range: a NaN
+    learning rate would poison a slot."""
+    values = {**contract.ADAM_DEFAULTS, **(params.model_dump() if params else {})}
+    contract.check_adam(values, field)
     return pb.AdamParams(**values)
 
 
-def lora_from_json(config: protocol.LoraConfig, field: str = "lora_config") -> pb.LoraConfig:
+def lora_from_json(
+    config: protocol.LoraConfig,
+    options: contract.LoraOptions,
+    field: str = "lora_config",
+) -> pb.LoraConfig:
+    """Tinker's LoraConfig plus the `lorafleet.*` options of the run's user_metadata."""
     if not (config.train_attn or config.train_mlp or config.train_unembed):
         raise InvalidArgument(
             "at least one of train_attn, train_mlp, train_unembed must be true", field=field
@@ -347,6 +314,13 @@ def lora_from_json(config: protocol.LoraConfig, field: str = "lora_config") -> p
         train_attn=config.train_attn,
         train_mlp=config.train_mlp,
         train_unembed=config.train_unembed,
+        alpha=options.alpha,
+        dropout=options.dropout,
+        target_modules=options.target_modules,
+        exclude_modules=options.exclude_modules,
+        lora_plus_ratio=options.lora_plus_ratio,
+        a_only_weight_decay=options.a_only_decay,
+        max_grad_norm_default=options.max_grad_norm_default,
     )
 
 
@@ -367,11 +341,11 @@ def sampling_params_from_json(params: protocol.SamplingParams) -> pb.SamplingPar
         if not stop:
             out.disable_eos_stop = True
         elif isinstance(stop[0], str):
-            out.stop_strings.extend(stop)  # type: ignore[arg-type]
+            out.stop_strings.extend(stop)
         else:
-            if min(stop) < 0:  # type: ignore[type-var]
+            if min(stop) < 0:
                 raise InvalidArgument("negative token id", field="sampling_params.stop")
-            out.stop_token_ids.extend(stop)  # type: ignore[arg-type]
+            out.stop_token_ids.extend(stop)
     return out
 
 
@@ -381,9 +355,10 @@ def metadata(values: Mapping[str, Any] | None) -> dict[str, str]:
 
 
 # --- outputs ------------------------------------------------------------------------------
-def array(t: pb.Tensor) -> np.ndarray:
+def array(t: pb.Tensor, field: str = "tensor") -> np.ndarray:
     """A v1 Tensor → numpy (bfloat16 widened to float32, float64 narrowed to float32)."""
-    arr = np.frombuffer(t.data, dtype=_LE[t.dtype]).reshape(tuple(t.shape) or (-1,))
+    dims = check_layout(t.dtype, t.shape, len(t.data), field)
+    arr = np.frombuffer(t.data, dtype=WIRE_DTYPES[t.dtype].numpy_le).reshape(dims)
     if t.dtype == pb.DTYPE_BFLOAT16:
         return _bf16_to_f32(arr)
     if t.dtype == pb.DTYPE_FLOAT64:
@@ -402,14 +377,31 @@ def tensor_json(arr: np.ndarray) -> dict[str, Any]:
     }
 
 
+def finite_metrics(metrics: Mapping[str, float], field: str) -> dict[str, float]:
+    """The metrics, or InvalidArgument naming the first non-finite one (JSON has no inf)."""
+    for key, value in metrics.items():
+        if not math.isfinite(value):
+            raise InvalidArgument(f"non-finite value {value}", field=f"{field}.{key}")
+    return dict(metrics)
+
+
 def fb_output_json(out: pb.ForwardBackwardOutput) -> dict[str, Any]:
-    """ForwardBackwardOutput as 0.24.1 parses it from JSON (§7.4)."""
+    """ForwardBackwardOutput as 0.24.1 parses it from JSON (§7.4); every output the trainer
+    returns per datum (logprobs, elementwise_loss) passes through. Non-finite values are
+    InvalidArgument naming the field: JSON cannot carry them."""
+    outputs = []
+    for i, datum in enumerate(out.outputs):
+        record = {}
+        for name, tensor in datum.outputs.items():
+            where = f"loss_fn_outputs[{i}].{name}"
+            arr = array(tensor, where)
+            _finite(arr, where)
+            record[name] = tensor_json(arr)
+        outputs.append(record)
     return {
         "loss_fn_output_type": "ArrayRecord",
-        "loss_fn_outputs": [
-            {k: tensor_json(array(t)) for k, t in d.outputs.items()} for d in out.outputs
-        ],
-        "metrics": dict(out.metrics),
+        "loss_fn_outputs": outputs,
+        "metrics": finite_metrics(out.metrics, "metrics"),
     }
 
 
@@ -421,7 +413,10 @@ def fb_output_proto(out: pb.ForwardBackwardOutput) -> bytes:
     """tinker_public.ForwardBackwardOutput: one ArrayRecord per run of datums that share
     field names, dtypes and trailing shapes; each field a BatchedTensor with byte offsets."""
     result = tpb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=out.metrics)
-    datums = [{k: array(t) for k, t in d.outputs.items()} for d in out.outputs]
+    datums = [
+        {k: array(t, f"loss_fn_outputs[{i}].{k}") for k, t in d.outputs.items()}
+        for i, d in enumerate(out.outputs)
+    ]
     groups: list[list[dict[str, np.ndarray]]] = []
     for datum in datums:
         if groups and _signature(groups[-1][0]) == _signature(datum):
@@ -454,8 +449,13 @@ def _topk_rows(out: pb.SampleOutput) -> list[list[tuple[int, float]]]:
 
 
 def sample_output_json(out: pb.SampleOutput) -> dict[str, Any]:
-    """SampleResponse as 0.24.1 parses it from JSON (§7.5)."""
+    """SampleResponse as 0.24.1 parses it from JSON (§7.5). NaN marks a missing prompt
+    logprob (None); any other non-finite value is InvalidArgument naming the field."""
+    for i, seq in enumerate(out.sequences):
+        _finite(np.asarray(seq.logprobs, dtype=np.float64), f"sequences[{i}].logprobs")
     prompt_lps = [None if math.isnan(x) else x for x in out.prompt_logprobs] or None
+    if any(x is not None and math.isinf(x) for x in prompt_lps or ()):
+        raise InvalidArgument("non-finite value", field="prompt_logprobs")
     if prompt_lps:
         prompt_lps[0] = None
     topk = [rows or None for rows in _topk_rows(out)] or None

@@ -1,4 +1,4 @@
-"""FastAPI dependencies shared by the routers: the tenant, the controller, the settings."""
+"""FastAPI dependencies shared by the routers: the tenant and the serving layer."""
 
 from __future__ import annotations
 
@@ -7,18 +7,13 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from lorafleet_gateway.auth import tenant_of
-from lorafleet_gateway.controller import Controller
-from lorafleet_gateway.settings import GatewaySettings
+from lorafleet_gateway.serving import Serving
 
 
-def _controller(request: Request) -> Controller:
-    return request.app.state.controller
-
-
-def _settings(request: Request) -> GatewaySettings:
-    return request.app.state.settings
+def _serving(request: Request) -> Serving:
+    serving: Serving = request.app.state.serving
+    return serving
 
 
 Tenant = Annotated[str, Depends(tenant_of)]
-Ctl = Annotated[Controller, Depends(_controller)]
-Settings = Annotated[GatewaySettings, Depends(_settings)]
+Areas = Annotated[Serving, Depends(_serving)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 import grpc
 from fastapi import FastAPI, Request
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorafleet import errors
 from lorafleet.rpc.errors import from_rpc_error
+from lorafleet_gateway.auth import tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def status_for(exc: errors.LorafleetError) -> int:
         return 413
     for cls in type(exc).__mro__:
         if cls in _STATUS:
-            return _STATUS[cls]  # type: ignore[index]
+            return _STATUS[cls]
     return 500
 
 
@@ -66,7 +68,7 @@ def error_response(exc: errors.LorafleetError, status: int | None = None) -> JSO
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def dotted(loc: tuple[object, ...] | list[object]) -> str:
+def dotted(loc: Sequence[object]) -> str:
     """("body", "data", 0, "loss_fn_inputs") → "data[0].loss_fn_inputs"."""
     out = ""
     for part in loc:
@@ -88,6 +90,18 @@ def validation_error(exc: RequestValidationError) -> errors.InvalidArgument:
     return errors.InvalidArgument(str(first.get("msg", "invalid")), field=field)
 
 
+async def _spend_named_seq_id(request: Request, body: object, error: errors.LorafleetError) -> None:
+    """A body refused by its schema that still names (model_id, seq_id) spends that seq_id,
+    as the SDK already has: otherwise the run's next operation waits for the gap timeout."""
+    if not isinstance(body, dict) or "seq_id" not in body:
+        return
+    try:
+        tenant = await tenant_of(request)
+    except errors.LorafleetError:
+        return
+    await request.app.state.serving.ledger.spend_named(tenant, body, error)
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers that give every failure a JSON body and a meaningful status."""
 
@@ -100,8 +114,10 @@ def install(app: FastAPI) -> None:
         return error_response(from_rpc_error(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(exc)
+        await _spend_named_seq_id(request, exc.body, error)
+        return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,7 +1,9 @@
 """ASGI middleware: request-body limit and HTTP metrics.
 
-The body limit is enforced on the declared Content-Length (413 before reading) and on the
-bytes actually received (chunked uploads), so an oversized upload never fills memory. The
+Every route has a body limit: `max_body_bytes` for the data routes (training data, prompts),
+`max_small_body_bytes` for all others. It is enforced on the declared Content-Length (413
+before reading, before authentication) and on the bytes actually received (chunked uploads),
+so an oversized upload never fills memory. The
 metrics label each request with its route template, resolved by the router into
 scope["route"], so ids in paths never become label values.
 """
@@ -17,9 +19,17 @@ from lorafleet_gateway.metrics import HTTP_REQUESTS, HTTP_SECONDS, UNMATCHED
 
 
 class GatewayMiddleware:
-    def __init__(self, app: Any, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: Any,
+        max_body_bytes: int,
+        max_small_body_bytes: int,
+        data_routes: frozenset[str],
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_small_body_bytes = max_small_body_bytes
+        self.data_routes = data_routes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -27,7 +37,8 @@ class GatewayMiddleware:
             return
         start = time.perf_counter()
         status = 500
-        limit = self.max_body_bytes
+        data = scope.get("path", "").rstrip("/") in self.data_routes
+        limit = self.max_body_bytes if data else self.max_small_body_bytes
         received = 0
 
         async def counted_receive() -> dict:

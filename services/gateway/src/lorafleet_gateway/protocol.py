@@ -215,3 +215,256 @@ class RetrieveFutureRequest(Body):
 # --- checkpoints --------------------------------------------------------------------------
 class TtlRequest(Body):
     ttl_seconds: int | None = None
+
+
+# === responses ==============================================================================
+# What each route answers, so the OpenAPI document says it. They mirror the SDK's own
+# response types; fields the SDK treats as optional are None rather than absent.
+class Reply(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UntypedAPIFuture(Reply):
+    """What every submit answers: the future to poll with retrieve_future."""
+
+    request_id: str
+    model_id: str | None = None
+    sample_sequence_ids: list[str] | None = None
+
+
+class ClientConfigResponse(Reply):
+    pjwt_auth_enabled: bool = False
+    use_pyqwest_transport: bool = False
+    proto_write_fwdbwd: bool | None = None
+    fwd_via_fwdbwd: bool | None = None
+    create_model_via_load_weights: bool | None = None
+    proto_compress_fwdbwd: bool | None = None
+
+
+class DynamicConfigResponse(Reply):
+    refresh_interval_sec: int
+    sample_cancel_enabled: bool
+    sample_cancel_max_batch_size: int
+
+
+class SupportedModel(Reply):
+    model_name: str
+    max_context_length: int | None
+    trainable: bool
+    sampleable: bool
+
+
+class ServerCapabilities(Reply):
+    supported_models: list[SupportedModel]
+
+
+class Health(Reply):
+    status: Literal["ok"] = "ok"
+
+
+class Empty(Reply):
+    pass
+
+
+class CreateSessionResponse(Reply):
+    type: Literal["create_session"] = "create_session"
+    session_id: str
+    info_message: str | None = None
+    warning_message: str | None = None
+    error_message: str | None = None
+
+
+class SessionHeartbeatResponse(Reply):
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+
+
+class TelemetryResponse(Reply):
+    status: Literal["accepted"] = "accepted"
+
+
+class Cursor(Reply):
+    offset: int
+    limit: int
+    total_count: int
+
+
+class ListSessionsResponse(Reply):
+    sessions: list[str]
+    cursor: Cursor
+
+
+class SessionInfo(Reply):
+    session_id: str
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str]
+    display_name: str | None
+
+
+class ModelData(Reply):
+    model_name: str
+    arch: str | None = None
+    tokenizer_id: str | None = None
+
+
+class OptimizerInfo(Reply):
+    type: str = "adamw"
+
+
+class GetInfoResponse(Reply):
+    type: Literal["get_info"] = "get_info"
+    model_id: str
+    model_data: ModelData
+    is_lora: bool = True
+    lora_rank: int
+    model_name: str
+    optimizer_config: OptimizerInfo
+
+
+class WeightsInfoResponse(Reply):
+    base_model: str
+    is_lora: bool = True
+    lora_rank: int
+    train_unembed: bool
+    train_mlp: bool
+    train_attn: bool
+    optimizer_config: OptimizerInfo
+
+
+class CreateSamplingSessionResponse(Reply):
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+    sampling_session_id: str
+
+
+class GetSamplerResponse(Reply):
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+
+
+class CheckpointView(Reply):
+    checkpoint_id: str
+    checkpoint_type: Literal["training", "sampler", "external"]
+    time: str
+    tinker_path: str
+    training_run_id: str
+    size_bytes: int | None
+    public: bool
+    expires_at: str | None
+    user_metadata: dict[str, str] | None
+
+
+class CheckpointsListResponse(Reply):
+    checkpoints: list[CheckpointView]
+    cursor: Cursor
+
+
+class TrainingRun(Reply):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool = True
+    corrupted: bool = False
+    lora_rank: int
+    last_request_time: str
+    last_checkpoint: CheckpointView | None = None
+    last_sampler_checkpoint: CheckpointView | None = None
+    user_metadata: dict[str, str] | None
+
+
+class TrainingRunsResponse(Reply):
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+class ArchiveUrlResponse(Reply):
+    url: str
+    expires: str | None
+
+
+class ExternalWeightsUrlsResponse(Reply):
+    urls: dict[str, str]
+    expires: str | None
+
+
+# --- retrieve_future results (JSON; protobuf for forward_backward and sample when asked) ----
+class TryAgain(Reply):
+    type: Literal["try_again"] = "try_again"
+    request_id: str
+    queue_state: Literal["active", "paused_capacity"]
+    queue_state_reason: str | None = None
+
+
+class RequestFailed(Reply):
+    error: str
+    category: Literal["user", "server", "unknown"]
+
+
+class TensorOut(Reply):
+    data: list[int] | list[float]
+    dtype: Literal["int64", "float32"]
+    shape: list[int]
+
+
+class ForwardBackwardOutput(Reply):
+    loss_fn_output_type: Literal["ArrayRecord"] = "ArrayRecord"
+    loss_fn_outputs: list[dict[str, TensorOut]]
+    metrics: dict[str, float]
+
+
+class OptimStepResult(Reply):
+    metrics: dict[str, float]
+
+
+class SampledSequence(Reply):
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+
+
+class SampleResult(Reply):
+    type: Literal["sample"] = "sample"
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
+    prompt_cache_hit_tokens: int = 0
+
+
+class PathResult(Reply):
+    """save_weights, save_weights_for_sampler (named), save_weights_external."""
+
+    type: Literal["save_weights", "save_weights_for_sampler", "save_weights_external"]
+    path: str
+
+
+class SamplerResult(Reply):
+    """save_weights_for_sampler without a name: the sampler created for it."""
+
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+    sampling_session_id: str
+
+
+class LoadWeightsResult(Reply):
+    type: Literal["load_weights"] = "load_weights"
+    path: str | None
+    model_id: str
+
+
+class ModelResult(Reply):
+    """create_model and unload_model."""
+
+    type: Literal["create_model", "unload_model"]
+    model_id: str
+
+
+FutureResult = (
+    TryAgain
+    | RequestFailed
+    | ForwardBackwardOutput
+    | OptimStepResult
+    | SampleResult
+    | PathResult
+    | SamplerResult
+    | LoadWeightsResult
+    | ModelResult
+)

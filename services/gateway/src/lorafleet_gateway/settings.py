@@ -1,8 +1,9 @@
 """Gateway settings, from `LORAFLEET_GATEWAY_*` environment variables.
 
 The gateway is stateless: everything here is about reaching the controller and shaping the
-HTTP surface. The download secret signs the short-lived URLs of checkpoint downloads; with
-several gateway replicas it must be the same on all of them.
+HTTP surface. The download secret signs the short-lived URLs of checkpoint downloads: every
+replica must use the same one, and it must outlive restarts, so it comes from a setting (a
+Kubernetes Secret) or from a key file that the first gateway on a machine creates.
 """
 
 from __future__ import annotations
@@ -38,18 +39,27 @@ class GatewaySettings:
     )
     max_body_bytes: int = setting(
         64 * 1024 * 1024,
-        doc="Largest request body accepted, before and after zstd decompression (413 above).",
+        doc="Largest body of a data route (forward_backward, forward, asample), before and "
+        "after zstd decompression (413 above).",
         min=1024,
         max=1024 * 1024 * 1024,
+    )
+    max_small_body_bytes: int = setting(
+        1024 * 1024,
+        doc="Largest body of every other route (sessions, telemetry, saves, futures; 413 "
+        "above, refused from Content-Length before anything is read).",
+        min=1024,
+        max=64 * 1024 * 1024,
     )
     rpc_timeout_seconds: float = setting(
         10.0, doc="Deadline of short controller calls (submits, lookups).", min=0.5, max=120.0
     )
     auth_cache_seconds: float = setting(
-        5.0,
-        doc="How long a successful API-key check is reused (0 = ask every time).",
+        1.0,
+        doc="How long a successful API-key check is reused (0 = ask every time); a revoked "
+        "key stops working within this time, so it is at most 1 s.",
         min=0.0,
-        max=60.0,
+        max=1.0,
     )
     proto_flags: bool = setting(
         True,
@@ -67,8 +77,14 @@ class GatewaySettings:
     )
     download_secret: str = setting(
         "",
-        doc="HMAC key for signed download URLs; empty = a random key per process "
-        "(fine for one replica).",
+        doc="HMAC key for signed download URLs, the same on every replica (from a Secret; at "
+        "least 16 characters); empty = read download_secret_file.",
+    )
+    download_secret_file: str = setting(
+        "~/.lorafleet/gateway-download-secret",
+        doc="File holding the download HMAC key when download_secret is empty; created "
+        "(mode 0600, random key) by the first gateway that finds it missing, so URLs survive "
+        "restarts and agree between the replicas of one machine.",
     )
     download_ttl_seconds: int = setting(
         900, doc="Lifetime of a signed download URL.", min=10, max=7 * 24 * 3600

@@ -1,27 +1,28 @@
-"""Controller records → Tinker's REST JSON shapes (Checkpoint, TrainingRun, cursors, ids).
+"""Controller records → Tinker's REST shapes (Checkpoint, TrainingRun, cursors), and the
+Tinker ids the contract does not own.
 
 Tinker ids are structural: a model id is "<session>:train:<n>", a sampler id
-"<session>:sample:<n>", a checkpoint path "tinker://<run>/<kind>/<name>" whose checkpoint_id
-"<kind>/<name>" contains a slash. The helpers here build and check them in one place.
+"<session>:sample:<n>", a checkpoint path `lorafleet.contract.TinkerPath`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Literal
 
+from lorafleet.contract import CheckpointKind, TinkerPath
 from lorafleet.errors import InvalidArgument
-from lorafleet.v1 import common_pb2
 from lorafleet.v1 import controller_pb2 as cpb
+from lorafleet_gateway.protocol import CheckpointView, Cursor, TrainingRun
 
-TINKER = "tinker://"
-CHECKPOINT_KINDS = ("weights", "sampler_weights", "external_weights")
 EXTERNAL_PREFIX = "external."
-_TYPES = {
+_TYPES: dict[int, Literal["training", "sampler", "external"]] = {
     cpb.CHECKPOINT_TYPE_TRAINING: "training",
     cpb.CHECKPOINT_TYPE_SAMPLER: "sampler",
     cpb.CHECKPOINT_TYPE_EXTERNAL: "external",
 }
+# Epoch 0 is "unknown"; Tinker's time fields are required, so it shows as the epoch.
+_EPOCH = 0.001
 
 
 def iso(epoch: float) -> str | None:
@@ -42,68 +43,38 @@ def sampler_id(session_id: str, seq: int) -> str:
     return f"{session_id}:sample:{seq}"
 
 
-def checkpoint_path(run_id: str, checkpoint_id: str, field: str = "checkpoint_id") -> str:
-    kind, _, name = checkpoint_id.partition("/")
-    if kind not in CHECKPOINT_KINDS or not name or "/" in name:
-        raise InvalidArgument(
-            f"{checkpoint_id!r} is not '<weights|sampler_weights|external_weights>/<name>'",
-            field=field,
-        )
-    return f"{TINKER}{run_id}/{checkpoint_id}"
-
-
-def check_tinker_path(path: str, field: str = "path") -> str:
-    """tinker://<run>/<kind>/<name>, exactly three parts (as the SDK parses it)."""
-    parts = path.removeprefix(TINKER).split("/") if path.startswith(TINKER) else []
-    if len(parts) != 3 or not all(parts) or parts[1] not in CHECKPOINT_KINDS:
-        raise InvalidArgument(f"{path!r} is not a tinker://<run>/<kind>/<name> path", field=field)
-    return path
-
-
-def controller_path(path: str) -> str:
+def controller_path(path: TinkerPath) -> str:
     """tinker://<run>/external_weights/<name> is stored as the training checkpoint
-    weights/external.<name> (see routers/weights.py); other paths are unchanged."""
-    head, sep, name = path.rpartition("/external_weights/")
-    return f"{head}/weights/{EXTERNAL_PREFIX}{name}" if sep else path
+    weights/external.<name> (see serving/weights.py); other paths are unchanged."""
+    if path.kind is CheckpointKind.EXTERNAL_WEIGHTS:
+        path = TinkerPath(path.run_id, CheckpointKind.WEIGHTS, EXTERNAL_PREFIX + path.name)
+    return str(path)
 
 
-def checkpoint(cp: cpb.Checkpoint) -> dict[str, Any]:
-    return {
-        "checkpoint_id": cp.checkpoint_id,
-        "checkpoint_type": _TYPES.get(cp.type, "training"),
-        "time": iso(cp.created_at) or iso(0.001),
-        "tinker_path": cp.tinker_path,
-        "training_run_id": cp.training_run_id,
-        "size_bytes": cp.size_bytes or None,
-        "public": cp.public,
-        "expires_at": iso(cp.expires_at),
-        "user_metadata": dict(cp.user_metadata) or None,
-    }
+def checkpoint(cp: cpb.Checkpoint) -> CheckpointView:
+    return CheckpointView(
+        checkpoint_id=cp.checkpoint_id,
+        checkpoint_type=_TYPES.get(cp.type, "training"),
+        time=iso(cp.created_at) or iso(_EPOCH) or "",
+        tinker_path=cp.tinker_path,
+        training_run_id=cp.training_run_id,
+        size_bytes=cp.size_bytes or None,
+        public=cp.public,
+        expires_at=iso(cp.expires_at),
+        user_metadata=dict(cp.user_metadata) or None,
+    )
 
 
-def cursor(offset: int, limit: int, total: int) -> dict[str, int]:
-    return {"offset": offset, "limit": limit, "total_count": total}
+def cursor(offset: int, limit: int, total: int) -> Cursor:
+    return Cursor(offset=offset, limit=limit, total_count=total)
 
 
-def training_run(reg: cpb.Registration) -> dict[str, Any]:
-    return {
-        "training_run_id": reg.registration_id,
-        "base_model": reg.base_model,
-        "model_owner": reg.tenant,
-        "is_lora": True,
-        "corrupted": False,
-        "lora_rank": reg.lora_config.rank,
-        "last_request_time": iso(reg.last_request_time or reg.created_at) or iso(0.001),
-        "last_checkpoint": None,
-        "last_sampler_checkpoint": None,
-        "user_metadata": dict(reg.user_metadata) or None,
-    }
-
-
-def lora_fields(lora: common_pb2.LoraConfig) -> dict[str, Any]:
-    return {
-        "lora_rank": lora.rank,
-        "train_unembed": lora.train_unembed,
-        "train_mlp": lora.train_mlp,
-        "train_attn": lora.train_attn,
-    }
+def training_run(reg: cpb.Registration) -> TrainingRun:
+    return TrainingRun(
+        training_run_id=reg.registration_id,
+        base_model=reg.base_model,
+        model_owner=reg.tenant,
+        lora_rank=reg.lora_config.rank,
+        last_request_time=iso(reg.last_request_time or reg.created_at) or iso(_EPOCH) or "",
+        user_metadata=dict(reg.user_metadata) or None,
+    )

@@ -161,6 +161,7 @@ class LoraConfig(_message.Message):
     TRAIN_UNEMBED_FIELD_NUMBER: _builtins.int
     LORA_PLUS_RATIO_FIELD_NUMBER: _builtins.int
     A_ONLY_WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
+    MAX_GRAD_NORM_DEFAULT_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     alpha: _builtins.float
     """Scaling numerator: scale = alpha / rank. 0 means the default alpha of 32."""
@@ -174,6 +175,10 @@ class LoraConfig(_message.Message):
     """Extensions over Tinker (off by default): B learning rate = lr * lora_plus_ratio (0 or 1 = off)."""
     a_only_weight_decay: _builtins.bool
     """Apply decoupled weight decay to A only, never to B."""
+    max_grad_norm_default: _builtins.float
+    """Gradient clip norm of an optim_step whose AdamParams ask for none (grad_clip_norm 0);
+    0 = no default (the user metadata key lorafleet.max_grad_norm_default).
+    """
     @_builtins.property
     def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Explicit module names ("q_proj", ...) or "all-linear". Empty: derived from the train_* flags."""
@@ -194,10 +199,11 @@ class LoraConfig(_message.Message):
         train_unembed: _builtins.bool = ...,
         lora_plus_ratio: _builtins.float = ...,
         a_only_weight_decay: _builtins.bool = ...,
+        max_grad_norm_default: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["a_only_weight_decay", b"a_only_weight_decay", "alpha", b"alpha", "dropout", b"dropout", "exclude_modules", b"exclude_modules", "lora_plus_ratio", b"lora_plus_ratio", "rank", b"rank", "seed", b"seed", "target_modules", b"target_modules", "train_attn", b"train_attn", "train_mlp", b"train_mlp", "train_unembed", b"train_unembed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["a_only_weight_decay", b"a_only_weight_decay", "alpha", b"alpha", "dropout", b"dropout", "exclude_modules", b"exclude_modules", "lora_plus_ratio", b"lora_plus_ratio", "max_grad_norm_default", b"max_grad_norm_default", "rank", b"rank", "seed", b"seed", "target_modules", b"target_modules", "train_attn", b"train_attn", "train_mlp", b"train_mlp", "train_unembed", b"train_unembed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,86 +4,63 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from lorafleet import errors
-from lorafleet.v1 import controller_pb2 as cpb
-from lorafleet_gateway import convert, views
-from lorafleet_gateway.deps import Ctl, Tenant
+from lorafleet_gateway.deps import Areas, Tenant
 from lorafleet_gateway.protocol import (
     CreateSessionRequest,
+    CreateSessionResponse,
+    Empty,
     FinishSessionRequest,
+    ListSessionsResponse,
     SessionHeartbeatRequest,
+    SessionHeartbeatResponse,
+    SessionInfo,
     TelemetryRequest,
+    TelemetryResponse,
 )
 
 router = APIRouter(prefix="/api/v1", tags=["sessions"])
 
 
 @router.post("/create_session")
-async def create_session(body: CreateSessionRequest, tenant: Tenant, ctl: Ctl) -> dict:
-    request = cpb.CreateSessionRequest(
-        tenant=tenant,
-        tags=body.tags,
-        user_metadata=convert.metadata(body.user_metadata),
-        sdk_version=body.sdk_version,
-        project_id=body.project_id or "",
-        display_name=body.display_name or "",
-    )
-    reply = await ctl.call("CreateSession", request)
-    return {
-        "type": "create_session",
-        "session_id": reply.session_id,
-        "info_message": None,
-        "warning_message": None,
-        "error_message": None,
-    }
+async def create_session(
+    body: CreateSessionRequest, tenant: Tenant, serving: Areas
+) -> CreateSessionResponse:
+    return await serving.sessions.create(tenant, body)
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(body: SessionHeartbeatRequest, tenant: Tenant, ctl: Ctl) -> dict:
-    request = cpb.SessionHeartbeatRequest(tenant=tenant, session_id=body.session_id)
-    try:
-        await ctl.call("SessionHeartbeat", request)
-    except errors.FailedPrecondition as exc:  # finished: 0.38 stops heartbeating on 410
-        raise errors.Expired(exc.message, field="session_id", reason=exc.reason) from None
-    return {"type": "session_heartbeat"}
+async def session_heartbeat(
+    body: SessionHeartbeatRequest, tenant: Tenant, serving: Areas
+) -> SessionHeartbeatResponse:
+    await serving.sessions.heartbeat(tenant, body.session_id)
+    return SessionHeartbeatResponse()
 
 
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(
-    session_id: str, tenant: Tenant, ctl: Ctl, body: FinishSessionRequest | None = None
-) -> dict:
+    session_id: str, tenant: Tenant, serving: Areas, body: FinishSessionRequest | None = None
+) -> Empty:
     reason = body.reason.type if body and body.reason else "success"
-    request = cpb.FinishSessionRequest(tenant=tenant, session_id=session_id, reason=reason)
-    await ctl.call("FinishSession", request)
-    return {}
+    await serving.sessions.finish(tenant, session_id, reason)
+    return Empty()
 
 
 @router.post("/telemetry")
-async def telemetry(body: TelemetryRequest) -> dict:
+async def telemetry(body: TelemetryRequest, tenant: Tenant) -> TelemetryResponse:
     """Accepted and dropped: the SDK retries a failed batch every second forever."""
-    return {"status": "accepted"}
+    return TelemetryResponse()
 
 
 @router.get("/sessions")
 async def list_sessions(
     tenant: Tenant,
-    ctl: Ctl,
+    serving: Areas,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, lt=2**31),
-) -> dict:
-    request = cpb.ListSessionsRequest(tenant=tenant, limit=limit, offset=offset)
-    reply = await ctl.call("ListSessions", request)
-    return {"sessions": list(reply.session_ids), "cursor": views.cursor(offset, limit, reply.total)}
+) -> ListSessionsResponse:
+    return await serving.sessions.list(tenant, limit, offset)
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, tenant: Tenant, ctl: Ctl) -> dict:
-    request = cpb.GetSessionRequest(tenant=tenant, session_id=session_id)
-    session = (await ctl.call("GetSession", request)).session
-    return {
-        "session_id": session.session_id,
-        "training_run_ids": list(session.training_run_ids),
-        "sampler_ids": list(session.sampler_ids),
-        "user_metadata": dict(session.user_metadata),
-        "display_name": session.display_name or None,
-    }
+async def get_session(session_id: str, tenant: Tenant, serving: Areas) -> SessionInfo:
+    return await serving.sessions.get(tenant, session_id)
