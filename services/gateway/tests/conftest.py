@@ -17,6 +17,7 @@ def fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator
     gateway_env = {
         "LORAFLEET_GATEWAY_LONG_POLL_SECONDS": "2",
         "LORAFLEET_GATEWAY_MAX_BODY_BYTES": str(1 << 20),
+        "LORAFLEET_GATEWAY_MAX_SMALL_BODY_BYTES": str(64 << 10),
     }
     with make_fleet(trainers=1, rollouts=1, slots=4, extra_env={"gateway": gateway_env}) as running:
         yield running

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 
 import httpx
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import zstandard
 
+from lorafleet.v1 import controller_pb2 as cpb
+from lorafleet.v1 import controller_pb2_grpc
 from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
 
 PROTO = "application/x-protobuf"
@@ -240,3 +243,109 @@ def test_metrics_use_route_templates(fleet: object, client: Client) -> None:
     assert 'route="/api/v1/training_runs/{run_id}"' in text
     assert "some-id-that-does-not-exist" not in text
     assert "lorafleet_http_request_seconds_bucket" in text
+
+
+def test_every_route_has_a_body_limit_checked_before_auth(fleet: object) -> None:
+    """A 52 MB telemetry upload without a key is refused from its Content-Length alone."""
+    host, port = fleet.base_url.removeprefix("http://").split(":")  # type: ignore[attr-defined]
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 52000000\r\n\r\n"
+        )
+        head = sock.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 413"), head
+    small = httpx.post(
+        f"{fleet.base_url}/api/v1/create_session",  # type: ignore[attr-defined]
+        content=b" " * (100 << 10),
+        headers={"Content-Type": "application/json", "X-API-Key": fleet.api_key},  # type: ignore[attr-defined]
+    )
+    assert_400(small, "body", 413)
+
+
+def test_refusals_spend_their_seq_id_schema_stage_included(client: Client, model: dict) -> None:
+    before = forward_logprobs(client, model)
+    refused = [
+        # refused by the schema (ttl_seconds must be >= 1)
+        ("/save_weights", {"path": "ok", "ttl_seconds": 0}, "ttl_seconds"),
+        # refused by the contract's name rule
+        ("/save_weights", {"path": "my ckpt"}, "path"),
+        ("/forward", {"forward_input": fb_body(model, 0, loss_fn="dimuon")["forward_input"]},
+         "forward_input.loss_fn"),
+    ]  # fmt: skip
+    for path, body, field in refused:
+        seq = next_seq(model)
+        reply = client.post(path, {"model_id": model["model_id"], "seq_id": seq, **body})
+        assert_400(reply, field)
+    # Each refusal spent its seq_id: the next operation runs at once, computing the same.
+    started = time.monotonic()
+    assert forward_logprobs(client, model) == pytest.approx(before, abs=0)
+    assert time.monotonic() - started < 30
+
+
+def test_unknown_checkpoint_routes_are_404(client: Client, model: dict) -> None:
+    run = model["model_id"]
+    for checkpoint_id in ("checkpoint-123", "weights/never-saved", "other/x"):
+        reply = client.http.get(f"/training_runs/{run}/checkpoints/{checkpoint_id}/archive")
+        assert reply.status_code == 404, (checkpoint_id, reply.status_code, reply.text)
+    assert client.http.get(f"/training_runs/{run}/checkpoints/weights/nope").status_code == 404
+
+
+def test_lora_options_from_user_metadata(client: Client, model: dict) -> None:
+    caps = client.http.get("/get_server_capabilities").json()["supported_models"]
+    base = next(m["model_name"] for m in caps if m["trainable"])
+    body = {"session_id": model["session_id"], "base_model": base, "lora_config": {"rank": 2}}
+    for seq, (metadata, field) in enumerate(
+        [
+            ({"lorafleet.alpha": "abc"}, "user_metadata.lorafleet.alpha"),
+            ({"lorafleet.dropout": "1.5"}, "user_metadata.lorafleet.dropout"),
+            ({"lorafleet.alphaa": "16"}, "user_metadata.lorafleet.alphaa"),
+        ],
+        start=10,
+    ):
+        reply = client.post(
+            "/create_model", {**body, "model_seq_id": seq, "user_metadata": metadata}
+        )
+        assert_400(reply, field)
+    metadata = {"lorafleet.alpha": "16", "lorafleet.target_modules": "q_proj,v_proj", "team": "a"}
+    created = client.post("/create_model", {**body, "model_seq_id": 20, "user_metadata": metadata})
+    assert created.status_code == 200, created.text
+    run_id = created.json()["model_id"]
+    run = client.http.get(f"/training_runs/{run_id}").json()
+    assert run["user_metadata"] == {"team": "a"}  # options are not the user's metadata
+    assert client.post("/unload_model", {"model_id": run_id}).status_code == 200
+
+
+def test_asample_without_seq_id_twice(client: Client, model: dict) -> None:
+    caps = client.http.get("/get_server_capabilities").json()["supported_models"]
+    base = next(m["model_name"] for m in caps if m["sampleable"])
+    sampler = client.post(
+        "/create_sampling_session",
+        {"session_id": model["session_id"], "sampling_session_seq_id": 0, "base_model": base},
+    ).json()["sampling_session_id"]
+    ids = []
+    for tokens in ([5, 6], [7, 8, 9]):
+        body = {
+            "sampling_session_id": sampler,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+            "sampling_params": {"max_tokens": 2, "temperature": 0.0},
+        }
+        reply = client.post("/asample", body)
+        assert reply.status_code == 200, reply.text
+        ids.append(reply.json()["request_id"])
+        assert client.result(ids[-1]).json()["type"] == "sample"
+    assert ids[0] != ids[1]
+
+
+def test_revoked_key_stops_working_within_a_second(fleet: object) -> None:
+    with fleet.admin_channel() as channel:  # type: ignore[attr-defined]
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        created = stub.CreateApiKey(
+            cpb.CreateApiKeyRequest(tenant="revoked", label="t"), timeout=10
+        )
+        headers = {"X-API-Key": created.api_key}
+        url = f"{fleet.base_url}/api/v1/sessions"  # type: ignore[attr-defined]
+        assert httpx.get(url, headers=headers).status_code == 200  # now cached
+        stub.RevokeApiKey(cpb.RevokeApiKeyRequest(key_id=created.key_id), timeout=10)
+    time.sleep(1.0)  # the gateway's auth cache may answer for up to one second
+    assert httpx.get(url, headers=headers).status_code == 401

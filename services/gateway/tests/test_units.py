@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lorafleet import errors
 from lorafleet.contract import TinkerPath
+from lorafleet.settings import SettingsError
 from lorafleet.testing import child_env
+from lorafleet.v1 import common_pb2 as pb
+from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway import archive, views
-from lorafleet_gateway.signing import Signer
+from lorafleet_gateway.serving import futures
+from lorafleet_gateway.signing import Signer, load_secret
+from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
 
 
 def test_bad_setting_is_one_line_and_exit_2() -> None:
@@ -71,3 +81,56 @@ def test_tinker_ids_and_paths() -> None:
     assert views.controller_path(external) == "tinker://r:train:0/weights/external.a"
     weights = TinkerPath.parse("tinker://r:train:0/weights/a")
     assert views.controller_path(weights) == str(weights) == "tinker://r:train:0/weights/a"
+
+
+def test_download_key_is_shared_persistent_and_never_per_process(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys" / "download-secret"
+    first = load_secret("", str(key_file), "P_")
+    assert load_secret("", str(key_file), "P_") == first  # a restart or a second replica
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert load_secret("s" * 40, str(key_file), "P_") == b"s" * 40  # the setting wins
+    with pytest.raises(SettingsError, match="P_DOWNLOAD_SECRET"):
+        load_secret("short", str(key_file), "P_")
+    token = Signer(first).sign("t", "tinker://r:train:0/weights/a", time.time() + 60)
+    assert Signer(load_secret("", str(key_file), "P_")).verify(token)[0] == "t"
+
+
+def test_queue_state_comes_from_waiting_for() -> None:
+    def state(waiting_for: int) -> str:
+        op = cpb.Operation(state=cpb.OPERATION_STATE_QUEUED, waiting_for=waiting_for)
+        return futures.try_again("op:x", op).queue_state
+
+    assert state(cpb.WAITING_FOR_SLOT) == state(cpb.WAITING_FOR_TRAINER) == "paused_capacity"
+    assert state(cpb.WAITING_FOR_SEQUENCE) == state(cpb.WAITING_FOR_DISPATCH) == "active"
+    assert state(cpb.WAITING_FOR_UNSPECIFIED) == "active"
+
+
+def test_non_finite_results_are_a_user_error_in_json_and_exact_in_protobuf() -> None:
+    """A loss that overflowed float32 (weights of 1e38) never reaches the JSON encoder."""
+    lps = np.array([-1.5, -2.0], dtype="<f4")
+    losses = np.array([np.inf, 2e38], dtype="<f4")
+    datum = pb.DatumOutput()
+    for name, arr in (("logprobs", lps), ("elementwise_loss", losses)):
+        datum.outputs[name].CopyFrom(
+            pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[2], data=arr.tobytes())
+        )
+    fb = pb.ForwardBackwardOutput(outputs=[datum], metrics={"loss:sum": math.inf})
+    op = cpb.Operation(
+        operation_id="o",
+        state=cpb.OPERATION_STATE_SUCCEEDED,
+        result=cpb.OperationResult(forward_backward=fb),
+    )
+    reply = futures.render(op, accept_proto=False)
+    body = json.loads(reply.body)
+    assert reply.media_type == "application/json" and body["category"] == "user"
+    assert body["error"].startswith("loss_fn_outputs[0].elementwise_loss: non-finite"), body
+    proto = tpb.ForwardBackwardOutput.FromString(futures.render(op, accept_proto=True).body)
+    got = np.frombuffer(proto.loss_fn_outputs[0].fields["elementwise_loss"].data, "<f4")
+    assert got.tobytes() == losses.tobytes() and math.isinf(proto.metrics["loss:sum"])
+    optim = cpb.Operation(
+        state=cpb.OPERATION_STATE_SUCCEEDED,
+        result=cpb.OperationResult(optim_step=pb.OptimStepOutput(metrics={"grad_norm": math.nan})),
+    )
+    assert json.loads(futures.render(optim, accept_proto=False).body)["error"].startswith(
+        "metrics.grad_norm: non-finite"
+    )
