@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from lorafleet.testing import free_port, stop_process
@@ -31,12 +32,15 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     )
 
 
-def launch_ranks(argv: list[str], world: int, log_dir: Path) -> list[subprocess.Popen]:
+def launch_ranks(
+    argv: list[str], world: int, log_dir: Path, base_env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
+    """One process per rank with the variables torchrun would set; logs in log_dir."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = {
-            **os.environ,
+            **(base_env or os.environ),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world),
@@ -107,3 +111,78 @@ def test_two_ranks_equal_one_process_and_resume_in_one(tiny_model_dir, engine_fo
     for g, w in zip(after["logprobs"][0], cont["logprobs"][0], strict=True):
         assert close(g, w)
     assert_same_state(after["state"], cont["state"])
+
+
+def _datum(n: int, gen: torch.Generator):
+    from lorafleet.v1 import common_pb2
+    from lorafleet_trainer import convert
+
+    return common_pb2.Datum(
+        tokens=torch.randint(0, 2048, (n,), generator=gen).tolist(),
+        loss_fn_inputs={
+            "target_tokens": convert.tensor_to_proto(torch.randint(0, 2048, (n,), generator=gen)),
+            "weights": convert.tensor_to_proto(torch.ones(n)),
+        },
+    )
+
+
+async def test_rank_killed_mid_step_takes_the_replica_down(tiny_model_dir, tmp_path) -> None:
+    """SIGKILL rank 1 during a forward_backward: the call fails and rank 0 exits (status 3)
+    well within the controller's heartbeat window, instead of hanging in a collective."""
+    import asyncio
+    import signal
+
+    import grpc
+
+    from lorafleet.testing import child_env, wait_for_port, wait_serving
+    from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+    port = free_port()
+    env = child_env(
+        LORAFLEET_TRAINER_PORT=str(port),
+        LORAFLEET_TRAINER_MODEL_PATH=str(tiny_model_dir),
+        LORAFLEET_TRAINER_NUM_SLOTS="2",
+        LORAFLEET_TRAINER_MAX_RANK="8",
+        LORAFLEET_TRAINER_STORAGE_ROOT=str(tmp_path / "states"),
+        LORAFLEET_TRAINER_TORCH_THREADS="1",
+        LORAFLEET_TRAINER_GROUP_TIMEOUT_SECONDS="30",
+        LORAFLEET_TRAINER_GROUP_KEEPALIVE_SECONDS="1",
+    )
+    procs = launch_ranks([sys.executable, "-m", "lorafleet_trainer"], 2, tmp_path, env)
+    rank0, rank1 = procs
+    try:
+        wait_for_port(port, timeout=120, proc=rank0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await wait_serving(channel, "lorafleet.v1.TrainerService", within=120)
+            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            cfg = common_pb2.LoraConfig(rank=4, seed=3, train_attn=True, train_mlp=True)
+            await stub.BindSlot(
+                trainer_pb2.BindSlotRequest(slot=0, registration_id="r", lora_config=cfg),
+                timeout=60,
+            )
+            gen = torch.Generator().manual_seed(0)
+
+            def request(op: str, rows: int) -> trainer_pb2.ForwardBackwardRequest:
+                data = [_datum(256, gen) for _ in range(rows)]
+                item = trainer_pb2.ForwardBackwardItem(
+                    operation_id=op,
+                    slot=0,
+                    registration_id="r",
+                    input=common_pb2.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+                )
+                return trainer_pb2.ForwardBackwardRequest(items=[item])
+
+            await stub.ForwardBackward(request("warm", 1), timeout=60)  # the group serves
+            call = asyncio.ensure_future(stub.ForwardBackward(request("big", 48), timeout=120))
+            await asyncio.sleep(0.5)
+            rank1.send_signal(signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call  # rank 0 exits rather than answer from a broken group
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        loop = asyncio.get_running_loop()
+        code = await loop.run_in_executor(None, lambda: rank0.wait(timeout=60))
+        assert code == 3, (tmp_path / "rank0.log").read_text()[-3000:]
+        assert "trainer group lost" in (tmp_path / "rank0.log").read_text()
+    finally:
+        for p in procs:
+            stop_process(p, grace=2.0)

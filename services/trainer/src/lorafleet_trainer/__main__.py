@@ -49,6 +49,13 @@ def main() -> None:
     from lorafleet.rpc.server import ServiceSpec, serve
     from lorafleet.v1 import controller_pb2, trainer_pb2_grpc
     from lorafleet_trainer.engine import TrainerEngine
+    from lorafleet_trainer.group import (
+        GroupEngine,
+        GroupEnv,
+        exit_lost,
+        load_group_engine,
+        serve_worker,
+    )
     from lorafleet_trainer.servicer import TrainerServicer
     from lorafleet_trainer.snapshots import Snapshotter
 
@@ -57,19 +64,38 @@ def main() -> None:
         torch.set_num_threads(settings.torch_threads)
     if settings.device == "cuda" and not torch.cuda.is_available():
         _fail(f"{PREFIX}DEVICE=cuda: no CUDA device is available")
+    group_env = GroupEnv.from_environ()
     try:
-        engine = TrainerEngine.from_pretrained(
-            settings.model_path,
-            device=settings.device,
-            dtype=settings.dtype,
-            num_slots=settings.num_slots,
-            max_rank=settings.max_rank,
-            storage_root=settings.storage_root,
-            max_applied_ops=settings.max_applied_ops,
-            base_model=served,
-        )
+        if group_env is None:
+            engine = TrainerEngine.from_pretrained(
+                settings.model_path,
+                device=settings.device,
+                dtype=settings.dtype,
+                num_slots=settings.num_slots,
+                max_rank=settings.max_rank,
+                storage_root=settings.storage_root,
+                max_applied_ops=settings.max_applied_ops,
+                base_model=served,
+            )
+        else:  # a trainer group under torchrun: see lorafleet_trainer.group
+            engine, group = load_group_engine(
+                settings.model_path,
+                group_env,
+                device=settings.device,
+                dtype=settings.dtype,
+                timeout=settings.group_timeout_seconds,
+                base_model=served,
+                num_slots=settings.num_slots,
+                max_rank=settings.max_rank,
+                storage_root=settings.storage_root,
+                max_applied_ops=settings.max_applied_ops,
+            )
     except Exception as exc:  # any load failure is an operator error: one line, exit 2
         _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: cannot load the model: {exc}")
+    if group_env is not None:
+        if group_env.rank != 0:
+            serve_worker(engine, group)  # never returns
+        engine = GroupEngine(engine, group, settings.group_keepalive_seconds, exit_lost)
     snapshots = Snapshotter(engine, settings.snapshot_every_steps, settings.snapshot_every_seconds)
     servicer = TrainerServicer(engine, settings.replica_id, snapshots)
     info = engine.info()
@@ -96,6 +122,8 @@ def main() -> None:
         await registrar.stop()
         servicer.executor.shutdown(wait=True)
         snapshots.close()
+        if group_env is not None:
+            engine.close()  # releases the other ranks
 
     serve(
         "trainer",

@@ -46,6 +46,8 @@ from lorafleet.errors import LorafleetError
 
 log = logging.getLogger(__name__)
 
+EXIT_LOST = 3  # exit status of a rank whose group broke
+
 # Engine methods every rank runs, in rank 0's order: they run the model or change slot state.
 BROADCAST = ("bind", "unbind", "forward_backward", "optim_step", "load_state", "import_adapter")
 
@@ -273,3 +275,25 @@ def load_group_engine(
     shard_base(engine.model, group)
     engine.device = dev
     return engine, group
+
+
+def exit_lost(exc: BaseException) -> None:
+    """`on_lost` of a service: without all its ranks the replica cannot run; exit now.
+
+    The process exits from whichever thread saw the failure, so an in-flight RPC ends with
+    UNAVAILABLE, the heartbeat stops and the controller's replica-loss policy takes over.
+    """
+    logging.shutdown()
+    os._exit(EXIT_LOST)
+
+
+def serve_worker(engine: Any, group: Group) -> None:
+    """A rank > 0 of a service: follow rank 0 until it stops (exit 0) or is lost (exit 3)."""
+    try:
+        worker_loop(engine, group)
+    except GroupLost as exc:
+        log.error("trainer group lost (rank %d): %s", group.rank, exc)
+        exit_lost(exc)
+    group.close()
+    logging.shutdown()
+    os._exit(0)
