@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.testing import RedisServer, free_port, start_redis
+from lorafleet.testing import (
+    RedisClusterNodes,
+    RedisServer,
+    free_port,
+    start_redis,
+    start_redis_cluster,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -51,6 +57,16 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    """A private 3-master Redis Cluster on free loopback ports, stopped by PID afterwards."""
+    cluster = start_redis_cluster(tmp_path / "redis-cluster", masters=3)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

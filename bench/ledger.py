@@ -28,11 +28,11 @@ import redis.asyncio as aioredis
 from lorafleet.testing import start_redis
 from lorafleet.v1 import common_pb2
 from lorafleet_controller import ledger as L
-from lorafleet_controller.lua import Scripts
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.registry import Registry, Replica
 from lorafleet_controller.scheduler import CLAIM_BATCH
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import OpState, Store
 
 
 def pct(values: list[float], q: float) -> float:
@@ -46,14 +46,16 @@ async def run(
     settings = ControllerSettings(
         redis_url=url, key_prefix=prefix, max_pending_per_registration=1024,
         max_unacked_results=10_000_000, max_pending_global=10_000_000,
+        max_unacked_results_per_tenant=10_000_000, max_pending_per_tenant=10_000_000,
         pipeline_submits=pipelined,
     )  # fmt: skip
     client = aioredis.from_url(url)
-    scripts = Scripts(client, settings.key_prefix)
-    notifier = Notifier(client, settings.key_prefix)
+    store = Store(client, settings.key_prefix)
+    await store.take_epoch()
+    notifier = Notifier(client, store.keys.done)
     await notifier.start()
-    ledger = L.Ledger(client, scripts, settings, notifier)
-    registry = Registry(client, scripts, settings.key_prefix)
+    ledger = L.Ledger(store, settings, notifier)
+    registry = Registry(store, settings)
     await registry.register_replica(
         Replica("trainer", "bench", "127.0.0.1:1", "base", args.registrations, "i", 0, True)
     )
@@ -62,8 +64,8 @@ async def run(
         rec, _ = await registry.create(
             "t", "bench", i, "base", common_pb2.LoraConfig(rank=4), {}, "adamw", False
         )
-        _, replica, slot = await registry.place(rec.registration_id)
-        await registry.bound(rec.registration_id, replica, slot)
+        placement = await registry.place(rec.registration_id)
+        await registry.bound(rec.registration_id, placement.replica, placement.slot)
         rids.append(rec.registration_id)
 
     per_reg = args.ops // args.registrations
@@ -91,15 +93,14 @@ async def run(
     async def consumer() -> None:
         nonlocal completed
         conn = aioredis.from_url(url)
-        p = settings.key_prefix
         while not done.is_set():
-            popped = await conn.blpop([f"{p}ready:ctl", f"{p}ready:data"], timeout=0.2)
+            popped = await conn.blpop([store.keys.ready_ctl, store.keys.ready_data], timeout=0.2)
             if popped is None:
                 continue
             claims = await ledger.claim_many([popped[1].decode()], CLAIM_BATCH)
             now = time.perf_counter()
             claim_lat.extend(now - submitted[c.operation_id] for c in claims)
-            await ledger.complete_many([L.Outcome(c.operation_id, L.SUCCEEDED, b"r")
+            await ledger.complete_many([L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r")
                                         for c in claims])  # fmt: skip
             for c in claims:
                 finished[c.operation_id].set()

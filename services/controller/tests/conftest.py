@@ -1,4 +1,5 @@
-"""Fixtures for the controller's domain tests: a real redis-server and the domain objects."""
+"""Fixtures for the controller's domain tests: real Redis (one server, or a 3-master Redis
+Cluster) and the domain objects on it."""
 
 from __future__ import annotations
 
@@ -8,15 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
-from lorafleet.testing import RedisServer
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.ledger import Ledger
-from lorafleet_controller.lua import Scripts
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.registry import Registry, Replica
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import Client, Store, connect
 
 
 class Clock:
@@ -31,7 +30,7 @@ class Clock:
 
 @dataclass
 class Domain:
-    client: aioredis.Redis
+    store: Store
     settings: ControllerSettings
     ledger: Ledger
     registry: Registry
@@ -48,35 +47,51 @@ class Domain:
         rec, _ = await self.registry.create(
             tenant, session, seq, base, common_pb2.LoraConfig(rank=4), {}, "adamw", False
         )
-        code, replica, slot = await self.registry.place(rec.registration_id)
-        assert code == "placed"
-        assert await self.registry.bound(rec.registration_id, replica, slot)
+        placement = await self.registry.place(rec.registration_id)
+        assert placement.code == "placed"
+        assert await self.registry.bound(rec.registration_id, placement.replica, placement.slot)
         return rec.registration_id
+
+    @property
+    def client(self) -> Client:
+        return self.store.redis
 
     async def restart(self, **overrides: Any) -> Domain:
         """A fresh set of domain objects on the same Redis (a controller restart)."""
         await self.notifier.stop()
-        return await build(self.client, dataclasses.replace(self.settings, **overrides),
+        return await build(self.store.redis, dataclasses.replace(self.settings, **overrides),
                            self.clock)  # fmt: skip
 
 
-async def build(client: aioredis.Redis, settings: ControllerSettings, clock: Clock) -> Domain:
-    scripts = Scripts(client, settings.key_prefix)
-    notifier = Notifier(client, settings.key_prefix)
+async def build(client: Client, settings: ControllerSettings, clock: Clock) -> Domain:
+    """The domain objects of one controller that dispatches (it holds the newest epoch)."""
+    store = Store(client, settings.key_prefix)
+    await store.take_epoch()
+    notifier = Notifier(client, store.keys.done)
     await notifier.start()
-    ledger = Ledger(client, scripts, settings, notifier, clock)
-    registry = Registry(client, scripts, settings.key_prefix, clock)
-    return Domain(client, settings, ledger, registry, notifier, clock)
+    ledger = Ledger(store, settings, notifier, clock)
+    registry = Registry(store, settings, clock)
+    return Domain(store, settings, ledger, registry, notifier, clock)
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_url(request: pytest.FixtureRequest) -> tuple[str, bool]:
+    """(url, cluster): every domain test runs on one redis-server and on a 3-master Cluster."""
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster").url, True
+    return request.getfixturevalue("redis_server").url, False
 
 
 @pytest.fixture
-async def domain(redis_server: RedisServer) -> AsyncIterator[Domain]:
-    client = aioredis.from_url(redis_server.url)
+async def domain(redis_url: tuple[str, bool]) -> AsyncIterator[Domain]:
+    url, cluster = redis_url
     settings = ControllerSettings(
-        redis_url=redis_server.url, max_pending_per_registration=8, max_unacked_results=20,
-        max_pending_global=50, gap_timeout_seconds=5, claimed_timeout_seconds=10,
+        redis_url=url, redis_cluster=cluster, max_pending_per_registration=8,
+        max_unacked_results=20, max_unacked_results_per_tenant=20, max_pending_global=50,
+        max_pending_per_tenant=50, gap_timeout_seconds=5, claimed_timeout_seconds=10,
         result_ttl_seconds=100,
     )  # fmt: skip
+    client = connect(url, cluster=cluster)
     d = await build(client, settings, Clock())
     try:
         yield d

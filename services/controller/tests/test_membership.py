@@ -12,16 +12,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aioredis
 
 from lorafleet.testing import RedisServer
 from lorafleet.v1 import common_pb2, controller_pb2
-from lorafleet_controller import ledger as L
 from lorafleet_controller.controller import Controller
 from lorafleet_controller.discovery import KubernetesDiscovery, LeaderElector
-from lorafleet_controller.lua import Scripts
 from lorafleet_controller.registry import Registry, Replica
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import OpState, RegState, Store, connect
 
 from .test_discovery import FAST, LEASE, NS, SERVICES, FakeApiServer, wait_until
 
@@ -40,8 +38,8 @@ def settings(redis_server: RedisServer, tmp_path: Path) -> ControllerSettings:
 
 @pytest.fixture
 async def registry(settings: ControllerSettings) -> AsyncIterator[Registry]:
-    client = aioredis.from_url(settings.redis_url)
-    yield Registry(client, Scripts(client, settings.key_prefix), settings.key_prefix)
+    client = connect(settings.redis_url)
+    yield Registry(Store(client, settings.key_prefix), settings)
     await client.aclose()
 
 
@@ -51,8 +49,9 @@ async def bound_registration(registry: Registry, replica: str, address: str) -> 
     rec, _ = await registry.create(
         "t", "s1", 0, "tiny", common_pb2.LoraConfig(rank=4), {}, "adamw", False
     )
-    code, rep, slot = await registry.place(rec.registration_id)
-    assert code == "placed" and await registry.bound(rec.registration_id, rep, slot)
+    placement = await registry.place(rec.registration_id)
+    assert placement.code == "placed"
+    assert await registry.bound(rec.registration_id, placement.replica, placement.slot)
     return rec.registration_id
 
 
@@ -70,20 +69,20 @@ async def test_a_vanished_trainer_endpoint_fails_its_registrations_at_once(
         # an op behind a gap: queued, never dispatched, so only the loss can finish it
         blocked = await controller.ledger.submit("t", rid, 2, 2, b"", "d")
 
-        async def state() -> str:
+        async def state() -> RegState:
             rec = await registry.get_any(rid)
             assert rec is not None
             return rec.state
 
         deadline = asyncio.get_running_loop().time() + 10  # heartbeats would take an hour
-        while await state() != "unavailable":
+        while await state() != RegState.UNAVAILABLE:
             assert asyncio.get_running_loop().time() < deadline, await state()
             await asyncio.sleep(0.02)
         rec = await registry.get_any(rid)
         assert rec is not None and "left discovery" in rec.unavailable_reason
         assert rec.queue_position == 1  # re-queued ahead of new registrations
         op = await controller.ledger.get("t", blocked.operation_id)
-        assert op.state == L.FAILED and op.error is not None
+        assert op.state == OpState.FAILED and op.error is not None
         assert op.error["reason"] == "REPLICA_LOST"
         assert not (await registry.replica(TRAINER_0)).healthy  # type: ignore[union-attr]
     finally:
@@ -101,13 +100,12 @@ async def test_only_the_lease_holder_dispatches(
     rid = await bound_registration(registry, "trainer-x", "127.0.0.1:1")
     controllers: list[Controller] = []
     electors: list[LeaderElector] = []
-    for who in ("a", "b"):
-        c = Controller(settings)
+    for i, who in enumerate(("a", "b")):
+        c = Controller(settings, is_leader=lambda i=i: electors[i].is_leader)
         e = LeaderElector(
             apiserver.api_client(who), NS, LEASE, who, on_started_leading=c.start_leading,
             on_stopped_leading=c.stop_leading, **FAST,
         )  # fmt: skip
-        c.is_leader = lambda e=e: e.is_leader
         controllers.append(c)
         electors.append(e)
     for c in controllers:
@@ -117,14 +115,14 @@ async def test_only_the_lease_holder_dispatches(
         # No lease yet: nobody dispatches, the operation waits.
         first = await controllers[0].ledger.submit("t", rid, 1, 3, optim(), "d1")
         await asyncio.sleep(0.3)
-        assert (await controllers[0].ledger.get("t", first.operation_id)).state == L.QUEUED
+        assert (await controllers[0].ledger.get("t", first.operation_id)).state == OpState.QUEUED
         tasks += [asyncio.create_task(e.run()) for e in electors]
         await wait_until(lambda: any(c.leading for c in controllers))
         leader = next(i for i, c in enumerate(controllers) if c.leading)
         other = 1 - leader
         assert not controllers[other]._loops  # the standby runs no loop at all
         op = await controllers[0].ledger.wait("t", first.operation_id, 10)
-        assert op.state == L.FAILED and op.error["reason"] == "TRAINER_UNREACHABLE"  # type: ignore[index]
+        assert op.state == OpState.FAILED and op.error["reason"] == "TRAINER_UNREACHABLE"  # type: ignore[index]
 
         # Cut the leader off the API server: it stops dispatching by its renew deadline,
         # and the other takes over (only) after the lease duration.
@@ -134,7 +132,7 @@ async def test_only_the_lease_holder_dispatches(
         second = await controllers[0].ledger.submit("t", rid, 2, 3, optim(), "d2")
         await wait_until(lambda: controllers[other].leading)
         op = await controllers[0].ledger.wait("t", second.operation_id, 10)
-        assert op.state == L.FAILED and op.error["reason"] == "TRAINER_UNREACHABLE"  # type: ignore[index]
+        assert op.state == OpState.FAILED and op.error["reason"] == "TRAINER_UNREACHABLE"  # type: ignore[index]
         assert not controllers[leader]._loops
     finally:
         apiserver.blocked.clear()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from lorafleet import errors
 from lorafleet.v1 import common_pb2
-from lorafleet_controller import ledger as L
-from lorafleet_controller.registry import Replica
+from lorafleet_controller.registry import Placement, Replica
+from lorafleet_controller.store import OpState, RegState
 
 from .conftest import Domain
 
@@ -30,18 +30,19 @@ async def test_full_pool_queues_instead_of_evicting(domain: Domain) -> None:
     placed = []
     for seq in range(4):
         placed.append(await domain.registry.place(await create(domain, seq)))
-    assert {p[1] for p in placed[:2]} == {"tr-a", "tr-b"}  # spread over replicas
-    assert placed[2] == ("queued", "", 1) and placed[3] == ("queued", "", 2)
+    assert {p.replica for p in placed[:2]} == {"tr-a", "tr-b"}  # spread over replicas
+    assert placed[2] == Placement("queued", position=1)
+    assert placed[3] == Placement("queued", position=2)
     rec = await domain.registry.get("t1", "s:train:3")
-    assert rec.state == "queued" and rec.queue_position == 2
+    assert rec.state == RegState.QUEUED and rec.queue_position == 2
     # ops for a queued registration wait; they are not dispatched
     adm = await domain.ledger.submit("t1", "s:train:3", 1, 2, b"x", "d")
     assert (await domain.ledger.get("t1", adm.operation_id)).waiting_reason == "waiting for a slot"
     # releasing a slot lets the queue head in, in arrival order
     first = placed[0]
-    replica, slot = await domain.registry.release("s:train:0")
-    assert (replica, slot) == (first[1], first[2])
-    assert await domain.registry.place("s:train:2") == ("placed", replica, slot)
+    replica, slot, _ = await domain.registry.release("s:train:0")
+    assert (replica, slot) == (first.replica, first.slot)
+    assert await domain.registry.place("s:train:2") == Placement("placed", replica, slot)
     assert (await domain.registry.get("t1", "s:train:3")).queue_position == 1
 
 
@@ -63,20 +64,21 @@ async def test_idempotent_create_and_tenancy(domain: Domain) -> None:
 async def test_replica_loss_fails_open_ops_and_requeues_first(domain: Domain) -> None:
     await add_trainer(domain, "tr-a", 1)
     rid = await create(domain, 0)
-    code, replica, slot = await domain.registry.place(rid)
-    assert code == "placed" and await domain.registry.bound(rid, replica, slot)
+    placement = await domain.registry.place(rid)
+    assert placement.code == "placed"
+    assert await domain.registry.bound(rid, placement.replica, placement.slot)
     newcomer = await create(domain, 1)
-    assert (await domain.registry.place(newcomer))[0] == "queued"
+    assert (await domain.registry.place(newcomer)).code == "queued"
     a = await domain.ledger.submit("t1", rid, 1, 2, b"a", "da")
     b = await domain.ledger.submit("t1", rid, 2, 2, b"b", "db")
     await domain.ledger.claim(a.operation_id)
     # the trainer comes back with a new incarnation: its slots are gone
     assert await add_trainer(domain, "tr-a", 1, inc="b") == "restarted"
     rec = await domain.registry.get("t1", rid)
-    assert rec.state == "unavailable" and "new incarnation" in rec.unavailable_reason
+    assert rec.state == RegState.UNAVAILABLE and "new incarnation" in rec.unavailable_reason
     for opid in (a.operation_id, b.operation_id):
         op = await domain.ledger.get("t1", opid)
-        assert op.state == L.FAILED and op.error["reason"] == "REPLICA_LOST"
+        assert op.state == OpState.FAILED and op.error["reason"] == "REPLICA_LOST"
     try:
         await domain.ledger.submit("t1", rid, 3, 2, b"c", "dc")
     except errors.Unavailable as exc:
@@ -85,12 +87,12 @@ async def test_replica_loss_fails_open_ops_and_requeues_first(domain: Domain) ->
         raise AssertionError("an unavailable registration admitted an op")
     # the lost registration is rebound before the newcomer
     assert (await domain.registry.queued("base"))[0] == rid
-    code, replica, slot = await domain.registry.place(rid)
-    assert code == "placed"
-    assert await domain.registry.r.hget(f"{domain.settings.key_prefix}reg:{rid}", "restore") == b"1"
-    assert await domain.registry.bound(rid, replica, slot)
+    placement = await domain.registry.place(rid)
+    assert placement.code == "placed"
+    assert (await domain.registry.get("t1", rid)).restore
+    assert await domain.registry.bound(rid, placement.replica, placement.slot)
     adm = await domain.ledger.submit("t1", rid, 3, 2, b"c", "dc")
-    assert adm.state == L.QUEUED
+    assert adm.state == OpState.QUEUED
 
 
 async def test_heartbeat_silence_is_detected(domain: Domain) -> None:

@@ -75,12 +75,16 @@ def redis_server_binary() -> str:
 
 
 def start_redis(
-    data_dir: Path, *, port: int | None = None, appendonly: bool = False
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    appendonly: bool = False,
+    extra: list[str] | None = None,
 ) -> RedisServer:
     """Start redis-server in the foreground of a child process (so its PID is ours).
 
     With `appendonly`, every write is fsynced before it is acknowledged, for the
-    durability-across-restart tests.
+    durability-across-restart tests; `extra` adds server options (cluster mode).
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
@@ -97,6 +101,7 @@ def start_redis(
         args += ["--appendonly", "yes", "--appendfsync", "always"]
     else:
         args += ["--appendonly", "no"]
+    args += extra or []
     # Own session: a Ctrl-C meant for `lorafleet up` must not kill Redis before the services.
     proc = subprocess.Popen(
         args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -112,6 +117,69 @@ def redis_server(data_dir: Path, **kwargs: object) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@dataclass
+class RedisClusterNodes:
+    """A private Redis Cluster: `masters` redis-servers in cluster mode, slots spread evenly."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        """A seed node's URL; a cluster client discovers the others from it."""
+        return f"redis://127.0.0.1:{self.nodes[0].port}"
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def start_redis_cluster(
+    data_dir: Path, masters: int = 3, timeout: float = 30.0
+) -> RedisClusterNodes:
+    """Start `masters` cluster-enabled redis-servers and join them with `redis-cli --cluster
+    create` (no replicas), then wait until every node reports `cluster_state:ok`."""
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        raise RuntimeError("redis-cli is not installed: apt-get install -y redis-tools")
+    nodes: list[RedisServer] = []
+    try:
+        for i in range(masters):
+            folder = data_dir / f"node-{i}"
+            folder.mkdir(parents=True, exist_ok=True)
+            nodes.append(
+                start_redis(
+                    folder,
+                    # The bus port is given: the default (port + 10000) overflows for the
+                    # high ephemeral ports free_port() hands out.
+                    extra=["--cluster-enabled", "yes", "--cluster-config-file",
+                           str(folder / "nodes.conf"), "--cluster-node-timeout", "5000",
+                           "--cluster-port", str(free_port())],
+                )
+            )  # fmt: skip
+        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            while True:
+                info = subprocess.run(
+                    [cli, "-p", str(node.port), "cluster", "info"],
+                    capture_output=True, text=True, timeout=timeout,
+                ).stdout  # fmt: skip
+                if "cluster_state:ok" in info:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Redis Cluster node {node.port} never became ok")
+                time.sleep(0.1)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return RedisClusterNodes(nodes)
 
 
 @contextlib.contextmanager

@@ -15,9 +15,14 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from lorafleet.settings import ServerSettings, load_or_exit
 from lorafleet_controller.settings import PREFIX, ControllerSettings
+
+if TYPE_CHECKING:
+    from lorafleet_controller.discovery.leader import LeaderElector
+    from lorafleet_controller.discovery.types import Discovery
 
 SERVICE = "lorafleet.v1.ControllerService"
 log = logging.getLogger("lorafleet_controller")
@@ -34,7 +39,10 @@ def main() -> None:
     from lorafleet_controller import cluster
 
     try:
-        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
+        if settings.redis_cluster:
+            redis.RedisCluster.from_url(settings.redis_url, socket_connect_timeout=3).ping()
+        else:
+            redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
     except (redis.RedisError, ValueError) as exc:
         print(f"error: cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -53,7 +61,9 @@ def main() -> None:
     asyncio.run(run(settings, server, discovery))
 
 
-async def run(settings: ControllerSettings, server: ServerSettings, discovery: object) -> None:
+async def run(
+    settings: ControllerSettings, server: ServerSettings, discovery: Discovery | None
+) -> None:
     """Serve until SIGTERM/SIGINT; with leader election, dispatch only while leading."""
     from grpc_health.v1 import health_pb2
     from prometheus_client import start_http_server
@@ -71,41 +81,41 @@ async def run(settings: ControllerSettings, server: ServerSettings, discovery: o
     if server.metrics_port:
         start_http_server(server.metrics_port, addr=server.host)
 
-    controller = Controller(settings, discovery=discovery)  # type: ignore[arg-type]
+    elector: LeaderElector | None = None  # built once the server runs (it reports health)
+
+    def is_leader() -> bool:
+        """Without election this controller always dispatches; with it, while the lease is
+        safely held (and the store's epoch fences it once a newer leader took over)."""
+        return not settings.leader_election or (elector is not None and elector.is_leader)
+
+    controller = Controller(settings, discovery=discovery, is_leader=is_leader)
     spec = ServiceSpec(
         servicer=ControllerServicer(controller),
         add_fn=controller_pb2_grpc.add_ControllerServiceServicer_to_server,
         full_name=SERVICE,
     )
-    state = {"health": None}
-    status = health_pb2.HealthCheckResponse
-
-    async def set_serving(serving: bool) -> None:
-        if state["health"] is not None and not stop.is_set():
-            await state["health"].set(SERVICE, status.SERVING if serving else status.NOT_SERVING)
-
-    async def started_leading() -> None:
-        await controller.start_leading()
-        await set_serving(True)
-
-    async def stopped_leading() -> None:
-        await set_serving(False)
-        await controller.stop_leading()
-
-    elector = None
-    if settings.leader_election:
-        elector = cluster.build_elector(settings, started_leading, stopped_leading)
-        controller.is_leader = lambda: elector.is_leader
-
     running = await start_server(
         server,
         [spec],
-        lambda: controller.start(lead=elector is None),
-        standby=(SERVICE,) if elector is not None else (),  # NOT_SERVING until the lease is ours
+        lambda: controller.start(lead=not settings.leader_election),
+        # NOT_SERVING until the lease is ours
+        standby=(SERVICE,) if settings.leader_election else (),
     )
+    status = health_pb2.HealthCheckResponse
+
+    async def started_leading() -> None:
+        await controller.start_leading()
+        if not stop.is_set():
+            await running.health.set(SERVICE, status.SERVING)
+
+    async def stopped_leading() -> None:
+        if not stop.is_set():
+            await running.health.set(SERVICE, status.NOT_SERVING)
+        await controller.stop_leading()
+
     campaign = None
-    if elector is not None:
-        state["health"] = running.health
+    if settings.leader_election:
+        elector = cluster.build_elector(settings, started_leading, stopped_leading)
         campaign = asyncio.create_task(elector.run(), name="leader-election")
     log.info("controller serving on %s:%d", server.host, running.port)
     await stop.wait()

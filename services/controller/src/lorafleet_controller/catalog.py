@@ -8,27 +8,23 @@ tenant-checked (another tenant's path is NotFound) unless the checkpoint is publ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-import redis.asyncio as aioredis
-
 from lorafleet import errors
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.clients import file_chunks
+from lorafleet_controller.store import Store, named, text
 from lorafleet_controller.validate import parse_tinker_path
 
 TRAINING, SAMPLER = 1, 2
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-def _s(value: bytes | None, default: str = "") -> str:
-    return value.decode() if value is not None else default
 
 
 @dataclass(frozen=True)
@@ -56,17 +52,10 @@ class CheckpointRecord:
 
 
 class Catalog:
-    def __init__(
-        self, client: aioredis.Redis, prefix: str, storage_root: Path,
-        clock: Callable[[], float] = time.time,
-    ) -> None:  # fmt: skip
-        self.r = client
-        self.p = prefix
-        self.storage_root = storage_root
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.keys = store.keys
         self.clock = clock
-
-    def _key(self, path: str) -> str:
-        return f"{self.p}ckpt:{path}"
 
     async def add(
         self,
@@ -83,34 +72,34 @@ class Catalog:
         ttl_seconds: float = 0,
         user_metadata: dict[str, str] | None = None,
         size_bytes: int = 0,
-    ) -> None:
-        """Record a checkpoint. Idempotent: an existing entry is kept as it is."""
+        operation_id: str = "",
+    ) -> bool:
+        """Record a checkpoint in one script. Idempotent: an existing entry is kept as it is
+        (False). `operation_id` names the save that made it, so a re-dispatch recognises it."""
         rid, _, _ = parse_tinker_path(tinker_path, "path")
         now = self.clock()
         expires = now + ttl_seconds if ttl_seconds > 0 else 0
-        mapping = {
-            "tenant": tenant, "type": type, "rid": rid, "created_at": now,
-            "size": size_bytes or (manifest.size_bytes if manifest else 0), "public": "0",
-            "expires_at": expires, "metadata": json.dumps(user_metadata or {}, sort_keys=True),
-            "base_model": base_model, "lora": lora.SerializeToString(deterministic=True),
-            "manifest": manifest.SerializeToString() if manifest else b"",
-            "has_optimizer": "1" if has_optimizer else "0", "files_dir": files_dir,
-            "version": version,
-        }  # fmt: skip
-        if not await self.r.hsetnx(self._key(tinker_path), "tenant", tenant):
-            return
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(self._key(tinker_path), mapping=mapping)  # type: ignore[arg-type]
-            pipe.zadd(f"{self.p}ckpts:{tenant}", {tinker_path: now})
-            pipe.zadd(f"{self.p}run_ckpts:{rid}", {tinker_path: now})
-            if expires:
-                pipe.zadd(f"{self.p}ckpt_ttl", {tinker_path: expires})
-            await pipe.execute()
+        own = [self.keys.ckpt(tinker_path), self.keys.tenant_ckpts(tenant),
+               self.keys.run_ckpts(rid)]  # fmt: skip
+        out = named(await self.store.scripts.run(
+            "add_checkpoint", own, tinker_path, tenant, rid, now, expires,
+            "type", type, "size", size_bytes or (manifest.size_bytes if manifest else 0),
+            "public", "0", "metadata", json.dumps(user_metadata or {}, sort_keys=True),
+            "base_model", base_model, "lora", lora.SerializeToString(deterministic=True),
+            "manifest", manifest.SerializeToString() if manifest else b"",
+            "has_optimizer", "1" if has_optimizer else "0", "files_dir", files_dir,
+            "version", version, "op", operation_id,
+        ))  # fmt: skip
+        return text(out["code"]) == "created"
 
-    async def exists(self, tinker_path: str) -> bool:
-        return bool(await self.r.exists(self._key(tinker_path)))
+    async def owner(self, tinker_path: str) -> str | None:
+        """The operation that saved the checkpoint, or None when there is none."""
+        op = await self.store.redis.hget(self.keys.ckpt(tinker_path), "op")
+        return None if op is None else text(op)
 
-    async def get(self, tenant: str, tinker_path: str, *, allow_public: bool = True):
+    async def get(
+        self, tenant: str, tinker_path: str, *, allow_public: bool = True
+    ) -> CheckpointRecord:
         parse_tinker_path(tinker_path, "tinker_path")
         rec = await self._load(tinker_path)
         if rec is None or (rec.tenant != tenant and not (allow_public and rec.public)):
@@ -120,26 +109,26 @@ class Catalog:
         return rec
 
     async def _load(self, tinker_path: str) -> CheckpointRecord | None:
-        raw = await self.r.hgetall(self._key(tinker_path))
+        raw = await self.store.redis.hgetall(self.keys.ckpt(tinker_path))
         if not raw or b"type" not in raw:
             return None
         _, _, name = parse_tinker_path(tinker_path, "tinker_path")
         return CheckpointRecord(
             tinker_path=tinker_path,
-            tenant=_s(raw[b"tenant"]),
+            tenant=text(raw[b"tenant"]),
             type=int(raw[b"type"]),
-            training_run_id=_s(raw[b"rid"]),
+            training_run_id=text(raw[b"rid"]),
             name=name,
             created_at=float(raw[b"created_at"]),
             size_bytes=int(raw.get(b"size", b"0")),
             public=raw.get(b"public") == b"1",
             expires_at=float(raw.get(b"expires_at", b"0")),
             user_metadata=json.loads(raw.get(b"metadata", b"{}")),
-            base_model=_s(raw.get(b"base_model")),
+            base_model=text(raw.get(b"base_model")),
             lora=common_pb2.LoraConfig.FromString(raw.get(b"lora", b"")),
             manifest=common_pb2.BlobRef.FromString(raw.get(b"manifest", b"")),
             has_optimizer=raw.get(b"has_optimizer") == b"1",
-            files_dir=_s(raw.get(b"files_dir")),
+            files_dir=text(raw.get(b"files_dir")),
             version=int(raw.get(b"version", b"0")),
         )
 
@@ -151,9 +140,10 @@ class Catalog:
         self, tenant: str, training_run_id: str, limit: int, offset: int
     ) -> tuple[list[CheckpointRecord], int]:
         key = (
-            f"{self.p}run_ckpts:{training_run_id}" if training_run_id else f"{self.p}ckpts:{tenant}"
-        )
-        paths = [_s(p) for p in await self.r.zrevrange(key, 0, -1)]
+            self.keys.run_ckpts(training_run_id) if training_run_id
+            else self.keys.tenant_ckpts(tenant)
+        )  # fmt: skip
+        paths = [text(p) for p in await self.store.redis.zrevrange(key, 0, -1)]
         recs = []
         for path in paths:
             rec = await self._load(path)
@@ -167,14 +157,14 @@ class Catalog:
         await self._remove(rec)
 
     async def _remove(self, rec: CheckpointRecord) -> None:
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key(rec.tinker_path))
-            pipe.zrem(f"{self.p}ckpts:{rec.tenant}", rec.tinker_path)
-            pipe.zrem(f"{self.p}run_ckpts:{rec.training_run_id}", rec.tinker_path)
-            pipe.zrem(f"{self.p}ckpt_ttl", rec.tinker_path)
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.ckpt(rec.tinker_path))
+            pipe.zrem(self.keys.tenant_ckpts(rec.tenant), rec.tinker_path)
+            pipe.zrem(self.keys.run_ckpts(rec.training_run_id), rec.tinker_path)
+            pipe.zrem(self.keys.ckpt_ttl, rec.tinker_path)
             await pipe.execute()
         if rec.files_dir:
-            shutil.rmtree(rec.files_dir, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, rec.files_dir, ignore_errors=True)
 
     async def update(
         self, tenant: str, tinker_path: str, public: bool | None, ttl_seconds: int | None,
@@ -185,59 +175,54 @@ class Catalog:
                 "must be > 0 (use clear_ttl to remove)", field="ttl_seconds"
             )
         rec = await self.get(tenant, tinker_path, allow_public=False)
-        key = self._key(tinker_path)
-        if public is not None:
-            await self.r.hset(key, "public", "1" if public else "0")
-        if clear_ttl:
-            await self.r.hset(key, "expires_at", 0)
-            await self.r.zrem(f"{self.p}ckpt_ttl", tinker_path)
-        elif ttl_seconds is not None:
-            expires = self.clock() + ttl_seconds
-            await self.r.hset(key, "expires_at", expires)
-            await self.r.zadd(f"{self.p}ckpt_ttl", {tinker_path: expires})
+        key = self.keys.ckpt(tinker_path)
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            if public is not None:
+                pipe.hset(key, "public", "1" if public else "0")
+            if clear_ttl:
+                pipe.hset(key, "expires_at", 0)
+                pipe.zrem(self.keys.ckpt_ttl, tinker_path)
+            elif ttl_seconds is not None:
+                expires = self.clock() + ttl_seconds
+                pipe.hset(key, "expires_at", expires)
+                pipe.zadd(self.keys.ckpt_ttl, {tinker_path: expires})
+            await pipe.execute()
         return await self.get(rec.tenant, tinker_path)
 
     async def sweep_expired(self) -> int:
-        paths = await self.r.zrangebyscore(f"{self.p}ckpt_ttl", "-inf", self.clock())
+        paths = await self.store.redis.zrangebyscore(self.keys.ckpt_ttl, "-inf", self.clock())
         for path in paths:
-            rec = await self._load(_s(path))
+            rec = await self._load(text(path))
             if rec is not None:
                 await self._remove(rec)
             else:
-                await self.r.zrem(f"{self.p}ckpt_ttl", path)
+                await self.store.redis.zrem(self.keys.ckpt_ttl, path)
         return len(paths)
 
-    def store_files(self, tinker_path: str, files: dict[str, bytes]) -> tuple[str, int]:
-        """Write a sampler export under the storage root; returns (folder, total bytes)."""
-        rid, _, name = parse_tinker_path(tinker_path, "path")
-        folder = self.storage_root / "sampler_weights" / rid.replace("/", "_") / name
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for path, data in files.items():
-            (tmp / Path(path).name).write_bytes(data)
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-        return str(folder), sum(len(d) for d in files.values())
+    async def read_files(self, rec: CheckpointRecord) -> dict[str, bytes]:
+        """The checkpoint's PEFT adapter files (sampler folder, or the trainer's state), read
+        in a worker thread so the event loop keeps serving."""
+        return await asyncio.to_thread(_read_adapter_files, rec)
 
-    def read_files(self, rec: CheckpointRecord) -> dict[str, bytes]:
-        """The checkpoint's PEFT adapter files (sampler folder, or the trainer's state)."""
-        if rec.files_dir:
-            folder = Path(rec.files_dir)
-        else:
-            parsed = urlparse(rec.manifest.uri)
-            if parsed.scheme != "file":
-                raise errors.FailedPrecondition(
-                    "the checkpoint's files are not readable by the controller",
-                    field="tinker_path",
-                )
-            folder = Path(unquote(parsed.path))
-        files = {}
-        for name in ADAPTER_FILES:
-            if not (folder / name).is_file():
-                raise errors.NotFound(f"checkpoint files are missing ({name})", field="tinker_path")
-            files[name] = (folder / name).read_bytes()
-        return files
+    async def chunks(self, rec: CheckpointRecord) -> list[common_pb2.FileChunk]:
+        return file_chunks(await self.read_files(rec))
 
-    def chunks(self, rec: CheckpointRecord) -> Iterator[common_pb2.FileChunk]:
-        yield from file_chunks(self.read_files(rec))
+
+def _read_adapter_files(rec: CheckpointRecord) -> dict[str, bytes]:
+    """Blocking: run in a worker thread (Catalog.read_files)."""
+    if rec.files_dir:
+        folder = Path(rec.files_dir)
+    else:
+        parsed = urlparse(rec.manifest.uri)
+        if parsed.scheme != "file":
+            raise errors.FailedPrecondition(
+                "the checkpoint's files are not readable by the controller",
+                field="tinker_path",
+            )
+        folder = Path(unquote(parsed.path))
+    files = {}
+    for name in ADAPTER_FILES:
+        if not (folder / name).is_file():
+            raise errors.NotFound(f"checkpoint files are missing ({name})", field="tinker_path")
+        files[name] = (folder / name).read_bytes()
+    return files

@@ -15,30 +15,31 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 MAX_BATCH = 128  # commands per pipeline; more queued calls go out as further pipelines
 
-Pending = tuple[Sequence[Any], "asyncio.Future[Any]"]
+Call = tuple[Sequence[str], Sequence[Any]]  # (KEYS, ARGV) of one script call
+Pending = tuple[Call, "asyncio.Future[Any]"]
 
 
 class Coalescer:
-    """`await coalescer(args)` runs `script` with `args`, sharing a pipeline with others."""
+    """`await coalescer(keys, args)` runs `script`, sharing a pipeline with others."""
 
-    def __init__(self, client: aioredis.Redis, script: AsyncScript) -> None:
+    def __init__(self, client: Any, script: AsyncScript) -> None:
         self.client = client
         self.script = script
         self._pending: list[Pending] = []
         self._flushes: set[asyncio.Task[None]] = set()
 
-    async def __call__(self, args: Sequence[Any]) -> Any:
+    async def __call__(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush)
-        self._pending.append((args, future))
+        self._pending.append(((keys, args), future))
         return await future
 
     def _flush(self) -> None:
@@ -53,7 +54,7 @@ class Coalescer:
             if len(batch) == 1:  # nothing to share: the plain call is one round trip too
                 results = [await self._eval(batch[0][0])]
             else:
-                results = await self._pipeline([args for args, _ in batch])
+                results = await self._pipeline([call for call, _ in batch])
         except BaseException as exc:  # a lost connection fails every caller of the batch
             for _, future in batch:
                 if not future.done():
@@ -69,18 +70,24 @@ class Coalescer:
             else:
                 future.set_result(result)
 
-    async def _eval(self, args: Sequence[Any]) -> Any:
+    async def _eval(self, call: Call) -> Any:
+        keys, args = call
         try:
-            return await self.script(keys=[], args=args)
+            return await self.script(keys=keys, args=args)
         except Exception as exc:
             return exc
 
-    async def _pipeline(self, calls: list[Sequence[Any]]) -> list[Any]:
+    async def _pipeline(self, calls: list[Call]) -> list[Any]:
         """One EVALSHA per call in one round trip; a Redis that lost its script cache
-        (restarted) answers NOSCRIPT, and those calls are re-run one by one, which loads it."""
+        (restarted) answers NOSCRIPT, and those calls are re-run one by one, which loads it.
+
+        redis-py refuses EVALSHA in a Redis Cluster pipeline: there the calls go out
+        concurrently instead (several connections to the fleet's master, no shared trip)."""
+        if isinstance(self.client, RedisCluster):
+            return list(await asyncio.gather(*(self._eval(call) for call in calls)))
         pipe = self.client.pipeline(transaction=False)
-        for args in calls:
-            pipe.evalsha(self.script.sha, 0, *args)
+        for keys, args in calls:
+            pipe.evalsha(self.script.sha, len(keys), *keys, *args)
         results = await pipe.execute(raise_on_error=False)
         for i, result in enumerate(results):
             if isinstance(result, NoScriptError):

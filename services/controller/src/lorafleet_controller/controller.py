@@ -15,22 +15,14 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from lorafleet import errors
 from lorafleet.v1 import common_pb2, controller_pb2
-from lorafleet_controller import metrics
-from lorafleet_controller import validate as V
+from lorafleet_controller import metrics, validate
 from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.discovery.types import Discovery
 from lorafleet_controller.ledger import Admission, Ledger
 from lorafleet_controller.loops import raise_if_stopped
-from lorafleet_controller.lua import Scripts
 from lorafleet_controller.membership import Membership
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.publish import Publisher
@@ -46,25 +38,10 @@ from lorafleet_controller.registry import (
 from lorafleet_controller.samplers import SamplerRecord, Samplers, sampler_id_of
 from lorafleet_controller.scheduler import Scheduler
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import RegState, StaleEpoch, Store, connect
 from lorafleet_controller.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
-K = controller_pb2
-
-
-def connect(url: str) -> aioredis.Redis:
-    """A client that reconnects and retries across a Redis restart.
-
-    Retrying is safe: every script is idempotent (a replayed submit is a duplicate, a
-    replayed claim or completion finds the state already moved and does nothing).
-    """
-    return aioredis.from_url(
-        url,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=20),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=5,
-        socket_connect_timeout=2,
-    )
 
 
 class Controller:
@@ -82,32 +59,30 @@ class Controller:
         settings: ControllerSettings,
         clock: Callable[[], float] = time.time,
         discovery: Discovery | None = None,
+        is_leader: Callable[[], bool] = lambda: True,
     ):
         self.settings = settings
-        p = settings.key_prefix
-        self.redis = connect(settings.redis_url)
-        self.blocking = connect(settings.redis_url)  # BLPOP holds a connection
-        self.scripts = Scripts(self.redis, p)
-        self.notifier = Notifier(self.redis, p)
+        self.is_leader = is_leader  # the elector's clock-based check, when electing
+        self.store = Store(connect(settings.redis_url, cluster=settings.redis_cluster),
+                           settings.key_prefix)  # fmt: skip
+        # BLPOP holds a connection: the scheduler's intake gets a client of its own.
+        self.blocking = connect(settings.redis_url, cluster=settings.redis_cluster)
+        self.notifier = Notifier(self.store.redis, self.store.keys.done)
         self.pool = Pool(settings.transport_retry_seconds, settings.rpc_timeout_seconds)
-        self.ledger = Ledger(self.redis, self.scripts, settings, self.notifier, clock)
-        self.registry = Registry(self.redis, self.scripts, p, clock)
-        self.catalog = Catalog(self.redis, p, settings.storage_root, clock)
-        self.tenancy = Tenancy(self.redis, p, clock)
+        self.ledger = Ledger(self.store, settings, self.notifier, clock)
+        self.registry = Registry(self.store, settings, clock)
+        self.catalog = Catalog(self.store, clock)
+        self.tenancy = Tenancy(self.store, clock)
         self.placer = Placer(self.registry, self.pool, self.catalog.manifest_for)
-        self.samplers = Samplers(
-            self.redis, self.scripts, self.ledger, self.registry, self.pool, settings
-        )
+        self.samplers = Samplers(self.store, self.ledger, self.registry, self.pool, settings)
         self.publisher = Publisher(
-            self.redis, p, settings.storage_root, self.registry, self.catalog, self.samplers,
+            self.store, settings.storage_root, self.registry, self.catalog, self.samplers,
             self.pool, settings.resident_versions,
         )  # fmt: skip
-        self.is_leader: Callable[[], bool] = lambda: True  # the elector's check, when electing
         self.scheduler = Scheduler(
-            self.blocking, self.ledger, self.registry, self.catalog, self.pool, settings,
-            gate=lambda: self.is_leader(),
+            self.blocking, self.store.keys, self.ledger, self.registry, self.catalog, self.pool,
+            settings, self.publisher.publish, gate=is_leader,
         )  # fmt: skip
-        self.scheduler.publish = self.publisher.publish
         self.membership: Membership | None = None
         if discovery is not None:
             self.membership = Membership(
@@ -120,7 +95,7 @@ class Controller:
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self, lead: bool = True) -> None:
-        await self.redis.ping()
+        await self.store.redis.ping()
         await self.notifier.start()
         if lead:
             await self.start_leading()
@@ -130,6 +105,8 @@ class Controller:
         async with self._leading:
             if self._loops:
                 return
+            epoch = await self.store.take_epoch()
+            log.info("dispatching under leader epoch %d", epoch)
             await self.scheduler.recover()
             await self.samplers.recover()
             self._loops = [
@@ -161,13 +138,14 @@ class Controller:
                     await task
             await self.scheduler.stop()
             await self.samplers.stop()
+            self.store.drop_epoch()
 
     async def stop(self) -> None:
         await self.stop_leading()
         await self.notifier.stop()
         await self.pool.close()
         await self.blocking.aclose()
-        await self.redis.aclose()
+        await self.store.redis.aclose()
 
     @property
     def leading(self) -> bool:
@@ -188,6 +166,9 @@ class Controller:
                 await self.sweep_once()
             except asyncio.CancelledError:
                 raise
+            except StaleEpoch as exc:  # deposed: a newer leader sweeps now
+                log.warning("sweeper stops: %s", exc)
+                return
             except Exception:
                 log.exception("sweep failed")
             raise_if_stopped()
@@ -215,21 +196,19 @@ class Controller:
         rep = await self.registry.replica(replica_id)
         if rep is None or not rep.healthy:
             return
+        await self.registry.replica_lost(rep.replica_id, reason)
         if rep.kind == TRAINER:
-            await self.registry.replica_lost(rep.replica_id, reason)
             await self.placer.fill(rep.base_model)
-        else:
-            log.warning("%s", reason)
-            await self.redis.hset(f"{self.settings.key_prefix}replica:{replica_id}",
-                                  "healthy", "0")  # fmt: skip
 
     async def _update_gauges(self) -> None:
         for state, n in (await self.ledger.depth()).items():
             metrics.LEDGER_OPERATIONS.labels(state=state).set(n)
         metrics.GAP_STALLS.set(await self.ledger.gap_stalls())
         queued = 0
-        for rep in await self.registry.replicas(TRAINER):
-            used = len(await self.registry.slot_table(rep.replica_id))
+        trainers = await self.registry.replicas(TRAINER)
+        tables = await self.registry.slot_tables([rep.replica_id for rep in trainers])
+        for rep in trainers:
+            used = len(tables[rep.replica_id])
             metrics.REGISTRY_SLOTS.labels(replica=rep.replica_id, state="bound").set(used)
             metrics.REGISTRY_SLOTS.labels(replica=rep.replica_id, state="free").set(
                 max(0, rep.num_slots - used)
@@ -260,8 +239,8 @@ class Controller:
                 )
             lora.CopyFrom(ckpt.lora)
             base_model = ckpt.base_model
-            load_payload = K.OperationPayload(
-                load_state=K.LoadStatePayload(
+            load_payload = controller_pb2.OperationPayload(
+                load_state=controller_pb2.LoadStatePayload(
                     path=req.initial_checkpoint, with_optimizer=req.initial_with_optimizer
                 )
             ).SerializeToString()
@@ -284,12 +263,15 @@ class Controller:
         load_op = ""
         if load_payload:
             load_op = await self.ledger.create_internal(
-                rec.registration_id, req.tenant, 0, K.OPERATION_KIND_LOAD_STATE, load_payload
+                rec.registration_id,
+                req.tenant,
+                0,
+                controller_pb2.OPERATION_KIND_LOAD_STATE,
+                load_payload,
             )
-        if created or rec.state == "queued":
-            code, _, _ = await self.registry.place(rec.registration_id)
-            if code == "placed":
-                await self.placer.finish_binding(rec.registration_id)
+        placeable = created or rec.state == RegState.QUEUED
+        if placeable and (await self.registry.place(rec.registration_id)).code == "placed":
+            await self.placer.finish_binding(rec.registration_id)
         return await self.registry.get(req.tenant, rec.registration_id), load_op
 
     async def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
@@ -307,20 +289,20 @@ class Controller:
         )  # fmt: skip
         for rid in await self.tenancy.training_runs(session_id):
             rec = await self.registry.get(tenant, rid)
-            if rec.state == "retired":
+            if rec.state == RegState.RETIRED:
                 continue
-            await self.ledger.fence(rid, "retired", finished)
+            await self.ledger.fence(rid, RegState.RETIRED, finished)
             await self.placer.retire(rid)
 
     async def delete_registration(self, tenant: str, rid: str) -> None:
         rec = await self.registry.get(tenant, rid)
-        if rec.state == "retired":
+        if rec.state == RegState.RETIRED:
             return
         retired = errors.FailedPrecondition(
             "registration retired before the operation ran", field="registration_id",
             reason="RETIRED",
         )  # fmt: skip
-        await self.ledger.fence(rid, "retired", retired)
+        await self.ledger.fence(rid, RegState.RETIRED, retired)
         await self.placer.retire(rid)
         await self.publisher.forget(rid, rec.base_model)
 
@@ -341,11 +323,12 @@ class Controller:
             )
         payload = req.payload
         body = payload.SerializeToString(deterministic=True)
-        kind = V.payload_kind(payload)
-        rejection = V.validate(payload)
+        kind = validate.payload_kind(payload)
+        rejection = validate.validate(payload)
         return await self.ledger.submit(
-            req.tenant, req.registration_id, req.seq_id, kind, body, V.digest(payload), rejection
-        )
+            req.tenant, req.registration_id, req.seq_id, kind, body, validate.digest(payload),
+            rejection,
+        )  # fmt: skip
 
     # --- samplers -------------------------------------------------------------------------
     async def create_sampler(self, req: controller_pb2.CreateSamplerRequest) -> SamplerRecord:
@@ -367,16 +350,11 @@ class Controller:
                 model_path="", ref=common_pb2.AdapterRef(), inflight=False,
             )  # fmt: skip
         ckpt = await self.catalog.get(req.tenant, req.model_path)
-        if ckpt.type == SAMPLER:
-            ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=ckpt.version)
-        else:
-            files = self.catalog.read_files(ckpt)
-            version = int(await self.redis.hincrby(
-                f"{self.settings.key_prefix}reg:{ckpt.training_run_id}", "next_version", 1
-            ))  # fmt: skip
-            ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=version)
-            folder = self.publisher._store(ckpt.training_run_id, version, files)
-            await self.publisher.ensure_published(ref, ckpt.base_model, ckpt.lora, files, folder)
+        if ckpt.type != SAMPLER:
+            return await self.publisher.sampler_from_checkpoint(
+                ckpt, sampler_id, req.tenant, req.model_path
+            )
+        ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=ckpt.version)
         return await self.samplers.record(
             sampler_id=sampler_id, tenant=req.tenant, base_model=ckpt.base_model,
             model_path=req.model_path, ref=ref, inflight=False,
@@ -384,7 +362,8 @@ class Controller:
 
     # --- fleet ----------------------------------------------------------------------------
     async def register_replica(self, req: controller_pb2.RegisterReplicaRequest) -> None:
-        kind = {K.REPLICA_KIND_TRAINER: TRAINER, K.REPLICA_KIND_ROLLOUT: ROLLOUT}.get(req.kind)
+        kind = {controller_pb2.REPLICA_KIND_TRAINER: TRAINER,
+                controller_pb2.REPLICA_KIND_ROLLOUT: ROLLOUT}.get(req.kind)  # fmt: skip
         if kind is None:
             raise errors.InvalidArgument("kind must be TRAINER or ROLLOUT", field="kind")
         for name in ("replica_id", "address", "base_model", "incarnation"):

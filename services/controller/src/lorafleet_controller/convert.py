@@ -7,16 +7,9 @@ from lorafleet_controller.catalog import CheckpointRecord
 from lorafleet_controller.ledger import OpRecord
 from lorafleet_controller.registry import RegRecord
 from lorafleet_controller.samplers import SamplerRecord
+from lorafleet_controller.store import RegState
 from lorafleet_controller.tenancy import Session
 
-K = controller_pb2
-REG_STATES = {
-    "queued": K.REGISTRATION_STATE_QUEUED,
-    "binding": K.REGISTRATION_STATE_QUEUED,
-    "ready": K.REGISTRATION_STATE_READY,
-    "unavailable": K.REGISTRATION_STATE_UNAVAILABLE,
-    "retired": K.REGISTRATION_STATE_RETIRED,
-}
 CATEGORIES = {
     "user": common_pb2.ERROR_CATEGORY_USER,
     "server": common_pb2.ERROR_CATEGORY_SERVER,
@@ -29,9 +22,9 @@ def registration(rec: RegRecord) -> controller_pb2.Registration:
         tenant=rec.tenant,
         base_model=rec.base_model,
         lora_config=rec.lora,
-        state=REG_STATES.get(rec.state, K.REGISTRATION_STATE_UNSPECIFIED),
-        trainer_replica=rec.replica if rec.state in ("ready", "binding") else "",
-        slot=rec.slot if rec.state in ("ready", "binding") else -1,
+        state=rec.state.proto,
+        trainer_replica=rec.replica if rec.placed else "",
+        slot=rec.slot if rec.placed else -1,
         queue_position=rec.queue_position,
         optim_steps=rec.optim_steps,
         published_version=rec.published_version,
@@ -39,7 +32,7 @@ def registration(rec: RegRecord) -> controller_pb2.Registration:
         created_at=rec.created_at,
         last_request_time=rec.last_request_time,
         user_metadata=rec.user_metadata,
-        unavailable_reason=rec.unavailable_reason if rec.state == "unavailable" else "",
+        unavailable_reason=rec.unavailable_reason if rec.state == RegState.UNAVAILABLE else "",
         optimizer=rec.optimizer,
     )
 
@@ -58,11 +51,12 @@ def operation(rec: OpRecord) -> controller_pb2.Operation:
         operation_id=rec.operation_id,
         registration_id=rec.registration_id,
         seq_id=rec.seq_id,
-        kind=rec.kind,  # type: ignore[arg-type]
-        state=rec.state,  # type: ignore[arg-type]
+        kind=controller_pb2.OperationKind.ValueType(rec.kind),
+        state=controller_pb2.OperationState.ValueType(rec.state),
         submitted_at=rec.submitted_at,
         finished_at=rec.finished_at,
         waiting_reason=rec.waiting_reason,
+        waiting_for=rec.waiting_for,
     )
     if rec.result:
         op.result.ParseFromString(rec.result)
@@ -74,7 +68,7 @@ def operation(rec: OpRecord) -> controller_pb2.Operation:
 def checkpoint(rec: CheckpointRecord) -> controller_pb2.Checkpoint:
     return controller_pb2.Checkpoint(
         checkpoint_id=rec.checkpoint_id,
-        type=rec.type,  # type: ignore[arg-type]
+        type=controller_pb2.CheckpointType.ValueType(rec.type),
         training_run_id=rec.training_run_id,
         tinker_path=rec.tinker_path,
         created_at=rec.created_at,

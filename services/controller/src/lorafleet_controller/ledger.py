@@ -1,13 +1,15 @@
 """The operation ledger: per-registration ordered, idempotent, durable operations in Redis.
 
 Semantics copied from the miles ledger (design-lessons §3) and made durable: every state
-transition is one Lua script (`scripts/*.lua`), so a controller killed at any instant leaves
+transition is one Lua script (`store/lua/*.lua`), so a controller killed at any instant leaves
 either the old or the new state, never half of one. Operation ids are derived from the
 identity the client already has, `<registration_id>#<seq_id>`, so a retried submission lands
 on its original record without any lookup table.
 
-States: QUEUED → CLAIMED → SUCCEEDED | FAILED(user|server) | CANCELLED, then EXPIRED once the
-result is acknowledged or outlives `result_ttl_seconds`; the seq_id stays reserved forever.
+States (`store.OpState`): QUEUED → CLAIMED → SUCCEEDED | FAILED(user|server) | CANCELLED, then
+EXPIRED once the result is acknowledged or outlives `result_ttl_seconds`; the seq_id stays
+reserved forever. Limits are per registration, per tenant and for the fleet (see submit).
+Dispatch writes (claims, outcomes, sweeps) carry the leader's epoch (`store.Store`).
 """
 
 from __future__ import annotations
@@ -19,20 +21,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from lorafleet import errors
+from lorafleet.v1 import controller_pb2
 from lorafleet_controller import metrics
-from lorafleet_controller.lua import Scripts
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import TERMINAL, OpState, RegState, Store, named, text
 
-QUEUED, CLAIMED, SUCCEEDED, FAILED, CANCELLED, EXPIRED = 1, 2, 3, 4, 5, 6
-TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED, EXPIRED})
-STATE_NAMES = {
-    QUEUED: "queued", CLAIMED: "claimed", SUCCEEDED: "succeeded", FAILED: "failed",
-    CANCELLED: "cancelled", EXPIRED: "expired",
-}  # fmt: skip
+WaitingFor = controller_pb2.WaitingFor.ValueType
+BACKPRESSURE_SCOPES = {
+    "registration": "open operations of this registration",
+    "tenant": "open operations of this tenant",
+    "global": "open operations of the fleet",
+    "tenant_results": "unacknowledged results of this tenant",
+    "results": "unacknowledged results of the fleet",
+}
 
 
 def operation_id(registration_id: str, seq_id: int) -> str:
@@ -51,14 +54,10 @@ def error_json(exc: errors.LorafleetError) -> str:
     )
 
 
-def _s(value: bytes | None, default: str = "") -> str:
-    return value.decode() if value is not None else default
-
-
 @dataclass(frozen=True)
 class Admission:
     operation_id: str
-    state: int
+    state: OpState
     duplicate: bool
 
 
@@ -69,13 +68,14 @@ class OpRecord:
     tenant: str
     seq_id: int
     kind: int
-    state: int
+    state: OpState
     payload: bytes
     result: bytes
     error: dict[str, str] | None
     submitted_at: float
     finished_at: float
     waiting_reason: str
+    waiting_for: WaitingFor
     version: int
 
     @property
@@ -88,7 +88,7 @@ class Outcome:
     """What became of one claimed operation, for `Ledger.complete_many`."""
 
     operation_id: str
-    state: int
+    state: OpState
     result: bytes = b""
     error: errors.LorafleetError | None = None
     effects: Sequence[tuple[str, str, Any]] = ()
@@ -108,24 +108,48 @@ class Claim:
     tenant: str
     submitted_at: float
 
+    @classmethod
+    def decode(cls, out: Sequence[Any]) -> Claim:
+        """A claim from the named result of `claim_op` (store/lua/common.lua)."""
+        f = named(out)
+        slot = text(f["slot"])
+        return cls(
+            operation_id=text(f["operation_id"]),
+            registration_id=text(f["registration_id"]),
+            seq_id=int(f["seq_id"] or 0),
+            kind=int(f["kind"] or 0),
+            payload=f["payload"] or b"",
+            replica=text(f["replica"]),
+            slot=int(slot) if slot not in ("", "-1") else -1,
+            dirty=text(f["dirty"]) == "1",
+            base_model=text(f["base_model"]),
+            tenant=text(f["tenant"]),
+            submitted_at=float(f["submitted_at"] or 0),
+        )
+
+
+@dataclass(frozen=True)
+class Swept:
+    claims_failed: int
+    results_expired: int
+    gaps_sealed: int
+
 
 class Ledger:
     """Admission, claims, outcomes, acknowledgement and housekeeping of operations."""
 
     def __init__(
         self,
-        client: aioredis.Redis,
-        scripts: Scripts,
+        store: Store,
         settings: ControllerSettings,
         notifier: Notifier,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.r = client
-        self.scripts = scripts
+        self.store = store
+        self.keys = store.keys
         self.settings = settings
         self.notifier = notifier
         self.clock = clock
-        self.p = settings.key_prefix
         # How far ahead of the oldest open seq_id a submission may be: twice the pending
         # limit, so backpressure (retryable) is met long before the window (a user error).
         self.window = 2 * settings.max_pending_per_registration
@@ -180,15 +204,19 @@ class Ledger:
     ) -> Admission:
         s = self.settings
         born = error_json(rejection) if rejection is not None else ""
-        run = self.scripts.run_coalesced if s.pipeline_submits else self.scripts.run
-        out = await run(
-            "submit", registration_id, seq_id, digest, kind, payload, self.clock(), tenant,
-            s.max_pending_per_registration, s.max_unacked_results, s.max_pending_global,
-            born, self.window,
-        )  # fmt: skip
-        code = _s(out[0])
+        scripts = self.store.scripts
+        run = scripts.run_coalesced if s.pipeline_submits else scripts.run
+        own = [self.keys.reg(registration_id), self.keys.op(operation_id(registration_id, seq_id)),
+               self.keys.tenant(tenant)]  # fmt: skip
+        out = named(await run(
+            "submit", own, registration_id, seq_id, digest, kind, payload, self.clock(), tenant,
+            s.max_pending_per_registration, s.max_pending_per_tenant, s.max_pending_global,
+            s.max_unacked_results_per_tenant, s.max_unacked_results, born, self.window,
+        ))  # fmt: skip
+        code = text(out["code"])
         if code in ("created", "duplicate"):
-            return Admission(_s(out[1]), int(out[2]), code == "duplicate")
+            return Admission(text(out["operation_id"]), OpState(int(out["state"])),
+                             code == "duplicate")  # fmt: skip
         if code == "not_found":
             raise errors.NotFound(f"no registration {registration_id!r}", field="registration_id")
         if code == "conflict":
@@ -204,7 +232,7 @@ class Ledger:
                 reason="RETIRED",
             )  # fmt: skip
         if code == "window":
-            head = int(out[1])
+            head = int(out["head"])
             raise errors.InvalidArgument(
                 f"seq_id {seq_id} is outside the window [{head}, "
                 f"{head + self.window - 1}] of {registration_id}",
@@ -213,50 +241,46 @@ class Ledger:
             )
         if code == "unavailable":
             raise errors.Unavailable(
-                f"registration {registration_id} is unavailable: {_s(out[1])}",
+                f"registration {registration_id} is unavailable: {text(out['reason'])}",
                 field="registration_id",
                 reason="REGISTRATION_UNAVAILABLE",
             )
         if code == "backpressure":
-            scope = _s(out[1])
-            metrics.BACKPRESSURE.labels(scope=scope).inc()
-            raise errors.ResourceExhausted(
-                f"too many {'unacknowledged results' if scope == 'results' else 'open operations'}"
-                f" ({scope}); nothing was admitted, retry the same seq_id",
-                retry_after=1.0,
-                field="seq_id",
-                reason="BACKPRESSURE",
-            )
+            raise backpressure(text(out["scope"]))
         raise errors.Internal(f"unexpected submit outcome {code!r}")
 
     # --- reads ----------------------------------------------------------------------------
     async def get(self, tenant: str, opid: str) -> OpRecord:
-        raw = await self.r.hgetall(f"{self.p}op:{opid}")
-        if not raw or _s(raw.get(b"tenant")) != tenant:
+        raw = await self.store.redis.hgetall(self.keys.op(opid))
+        if not raw or text(raw.get(b"tenant")) != tenant:
             raise errors.NotFound(f"no operation {opid!r}", field="operation_id")
         return await self._record(opid, raw)
 
     async def get_any(self, opid: str) -> OpRecord | None:
-        raw = await self.r.hgetall(f"{self.p}op:{opid}")
+        raw = await self.store.redis.hgetall(self.keys.op(opid))
         return await self._record(opid, raw) if raw else None
 
     async def _record(self, opid: str, raw: dict[bytes, bytes]) -> OpRecord:
-        state = int(raw[b"state"])
+        state = OpState(int(raw[b"state"]))
         finished = float(raw.get(b"finished_at", b"0"))
         ttl_over = finished + self.settings.result_ttl_seconds < self.clock()
-        if state in TERMINAL and state != EXPIRED and ttl_over:
-            state = EXPIRED
-        rid = _s(raw.get(b"rid"))
+        if state in TERMINAL and state != OpState.EXPIRED and ttl_over:
+            state = OpState.EXPIRED
+        rid = text(raw.get(b"rid"))
         seq = int(raw.get(b"seq", b"0"))
-        waiting = ""
-        if state == QUEUED and raw.get(b"ordered") == b"1":
-            waiting = await self._waiting_reason(rid, seq)
+        waiting, waiting_for = "", controller_pb2.WAITING_FOR_UNSPECIFIED
+        if state == OpState.QUEUED and raw.get(b"ordered") == b"1":
+            waiting, waiting_for = await self._waiting(rid, seq)
+        elif state == OpState.QUEUED:
+            waiting_for = controller_pb2.WAITING_FOR_DISPATCH
+        elif state == OpState.CLAIMED:
+            waiting_for = controller_pb2.WAITING_FOR_TRAINER
         err = raw.get(b"error")
-        expired = state == EXPIRED
+        expired = state == OpState.EXPIRED
         return OpRecord(
             operation_id=opid,
             registration_id=rid,
-            tenant=_s(raw.get(b"tenant")),
+            tenant=text(raw.get(b"tenant")),
             seq_id=seq,
             kind=int(raw.get(b"kind", b"0")),
             state=state,
@@ -266,23 +290,26 @@ class Ledger:
             submitted_at=float(raw.get(b"submitted_at", b"0")),
             finished_at=finished,
             waiting_reason=waiting,
+            waiting_for=waiting_for,
             version=int(raw.get(b"version", b"0")),
         )
 
-    async def _waiting_reason(self, rid: str, seq: int) -> str:
-        state, head, reason = await self.r.hmget(
-            f"{self.p}reg:{rid}", "state", "head", "unavailable_reason"
+    async def _waiting(self, rid: str, seq: int) -> tuple[str, WaitingFor]:
+        """Why a queued operation has not been claimed: text for people, a value for code."""
+        state, head, reason = await self.store.redis.hmget(
+            self.keys.reg(rid), "state", "head", "unavailable_reason"
         )
-        st = _s(state)
-        if st in ("queued", "binding"):
-            return "waiting for a slot"
-        if st == "unavailable":
-            return f"registration unavailable: {_s(reason)}"
+        st = text(state)
+        if st in (RegState.QUEUED, RegState.BINDING):
+            return "waiting for a slot", controller_pb2.WAITING_FOR_SLOT
+        if st == RegState.UNAVAILABLE:
+            return f"registration unavailable: {text(reason)}", controller_pb2.WAITING_FOR_TRAINER
         h = int(head or 0)
         if seq > h:
-            exists = await self.r.exists(f"{self.p}op:{operation_id(rid, h)}")
-            return f"waiting for seq_id {h}" + ("" if not exists else " to finish")
-        return ""
+            exists = await self.store.redis.exists(self.keys.op(operation_id(rid, h)))
+            return (f"waiting for seq_id {h}" + ("" if not exists else " to finish"),
+                    controller_pb2.WAITING_FOR_SEQUENCE)  # fmt: skip
+        return "", controller_pb2.WAITING_FOR_DISPATCH
 
     async def wait(self, tenant: str, opid: str, wait_seconds: float) -> OpRecord:
         """Long-poll: return as soon as the operation is terminal, or after `wait_seconds`."""
@@ -299,7 +326,8 @@ class Ledger:
                     return await self.get(tenant, opid)
 
     async def ack(self, tenant: str, opid: str) -> None:
-        code = _s(await self.scripts.run("ack", opid, tenant))
+        own = [self.keys.op(opid), self.keys.tenant(tenant)]
+        code = text(named(await self.store.scripts.run("ack", own, opid, tenant))["code"])
         if code == "not_found":
             raise errors.NotFound(f"no operation {opid!r}", field="operation_id")
         if code == "open":
@@ -308,119 +336,139 @@ class Ledger:
                 field="operation_id",
             )
 
-    # --- dispatch side --------------------------------------------------------------------
-    async def claim(self, opid: str) -> Claim | None:
-        out = await self.scripts.run("claim", opid, self.clock())
-        return _claim(opid, out) if out else None
+    # --- dispatch side (`fenced`: the write carries the leader's epoch) ----------------------
+    def _epoch(self, fenced: bool) -> int | None:
+        return self.store.leader_epoch() if fenced else None
+
+    async def claim(self, opid: str, *, fenced: bool = True) -> Claim | None:
+        out = await self.store.scripts.run("claim", [self.keys.op(opid)], opid, self.clock(),
+                                           epoch=self._epoch(fenced))  # fmt: skip
+        return Claim.decode(out) if out else None
 
     async def claim_many(self, popped: Sequence[str], limit: int) -> list[Claim]:
         """Claim the popped ids and more ready ones, up to `limit` ids, in one round trip."""
-        out = await self.scripts.run("claim_many", self.clock(), limit, *popped)
-        return [_claim(_s(out[i]), out[i + 1 : i + 11]) for i in range(0, len(out), 11)]
+        own = [self.keys.op(opid) for opid in popped]
+        out = await self.store.scripts.run("claim_many", own, self.clock(), limit, *popped,
+                                           epoch=self.store.leader_epoch())  # fmt: skip
+        return [Claim.decode(row) for row in out]
 
     async def load_claim(self, opid: str) -> Claim | None:
         """The claim of an operation already CLAIMED (re-dispatch after a restart)."""
-        raw = await self.r.hmget(
-            f"{self.p}op:{opid}", "state", "rid", "seq", "kind", "payload", "tenant", "submitted_at"
-        )
-        if raw[0] is None or int(raw[0]) != CLAIMED:
+        redis = self.store.redis
+        fields = ("state", "rid", "seq", "kind", "payload", "tenant", "submitted_at")
+        op = dict(zip(fields, await redis.hmget(self.keys.op(opid), *fields), strict=True))
+        if op["state"] is None or int(op["state"]) != OpState.CLAIMED:
             return None
-        reg = await self.r.hmget(f"{self.p}reg:{_s(raw[1])}", "replica", "slot", "dirty",
-                                 "base_model")  # fmt: skip
-        return _claim(opid, [raw[1], raw[2], raw[3], raw[4], reg[0], reg[1], reg[2], reg[3],
-                             raw[5], raw[6]])  # fmt: skip
+        reg_fields = ("replica", "slot", "dirty", "base_model")
+        reg = dict(zip(reg_fields, await redis.hmget(self.keys.reg(text(op["rid"])), *reg_fields),
+                       strict=True))  # fmt: skip
+        slot = text(reg["slot"])
+        return Claim(
+            operation_id=opid, registration_id=text(op["rid"]), seq_id=int(op["seq"] or 0),
+            kind=int(op["kind"] or 0), payload=op["payload"] or b"", replica=text(reg["replica"]),
+            slot=int(slot) if slot not in ("", "-1") else -1, dirty=text(reg["dirty"]) == "1",
+            base_model=text(reg["base_model"]), tenant=text(op["tenant"]),
+            submitted_at=float(op["submitted_at"] or 0),
+        )  # fmt: skip
 
     async def complete(
         self,
         opid: str,
-        state: int,
+        state: OpState,
         result: bytes = b"",
         error: errors.LorafleetError | None = None,
         effects: Sequence[tuple[str, str, Any]] = (),
-        from_state: str = "claimed",
+        *,
+        fenced: bool = True,
     ) -> bool:
         """Record an outcome; `effects` update the registration in the same transaction."""
         (done,) = await self.complete_many([Outcome(opid, state, result, error, effects)],
-                                           from_state)  # fmt: skip
+                                           fenced=fenced)  # fmt: skip
         return done
 
     async def complete_many(
-        self, outcomes: Sequence[Outcome], from_state: str = "claimed"
+        self, outcomes: Sequence[Outcome], from_state: str = "claimed", *, fenced: bool = True
     ) -> list[bool]:
         """Record several outcomes in one round trip (a data batch); True where recorded."""
         flat: list[Any] = []
+        own: list[str] = []
         for o in outcomes:
             err = error_json(o.error) if o.error is not None else ""
-            flat += [o.operation_id, o.state, o.result, err, from_state, len(o.effects)]
+            flat += [o.operation_id, int(o.state), o.result, err, from_state, len(o.effects)]
             for op, field, value in o.effects:
                 flat += [op, field, value]
-        done = await self.scripts.run("complete", self.clock(), *flat)
+            own.append(self.keys.op(o.operation_id))
+        done = await self.store.scripts.run("complete", own, self.clock(), *flat,
+                                            epoch=self._epoch(fenced))  # fmt: skip
         return [bool(x) for x in done]
 
-    async def set_field(self, opid: str, field: str, value: Any) -> None:
-        await self.r.hset(f"{self.p}op:{opid}", field, value)
-
     async def fence(
-        self, registration_id: str, new_state: str, error: errors.LorafleetError, reason: str = ""
-    ) -> int:
-        return int(
-            await self.scripts.run(
-                "fence", registration_id, self.clock(), new_state, error_json(error), reason
-            )
-        )
+        self, registration_id: str, new_state: RegState, error: errors.LorafleetError,
+        reason: str = "",
+    ) -> int:  # fmt: skip
+        """Fail every open operation of a registration and move it to `new_state`."""
+        out = named(await self.store.scripts.run(
+            "fence", [self.keys.reg(registration_id)], registration_id, self.clock(),
+            new_state.value, error_json(error), reason,
+        ))  # fmt: skip
+        if text(out["code"]) == "not_found":
+            return -1
+        return int(out["failed"])
 
     async def claimed_ids(self) -> list[str]:
-        return [_s(x) for x in await self.r.zrange(f"{self.p}claimed", 0, -1)]
+        return [text(x) for x in await self.store.redis.zrange(self.keys.claimed, 0, -1)]
 
     async def repush(self, registration_id: str) -> None:
-        await self.scripts.run("repush", registration_id, self.clock())
+        await self.store.scripts.run("repush", [self.keys.reg(registration_id)], registration_id,
+                                     self.clock(), epoch=self.store.leader_epoch())  # fmt: skip
 
     # --- housekeeping ---------------------------------------------------------------------
-    async def sweep(self, limit: int = 500) -> tuple[int, int, int]:
-        """Fail stale claims, expire old results, seal old gaps. Returns the three counts.
+    async def sweep(self, limit: int = 500) -> Swept:
+        """Fail stale claims, expire old results, seal old gaps.
 
         Also deletes the operation records of registrations retired longer ago than the
         result TTL, so Redis does not grow forever.
         """
         now = self.clock()
         s = self.settings
+        epoch = self.store.leader_epoch()
         claimed_err = error_json(
             errors.Internal(
                 f"no result within {s.claimed_timeout_seconds:g}s of being claimed",
                 reason="CLAIM_TIMEOUT",
             )
         )
-        failed, expired, _deleted = await self.scripts.run(
-            "sweep", now, now - s.claimed_timeout_seconds, now - s.result_ttl_seconds, limit,
-            claimed_err,
-        )  # fmt: skip
+        out = named(await self.store.scripts.run(
+            "sweep", [], now, now - s.claimed_timeout_seconds, now - s.result_ttl_seconds, limit,
+            claimed_err, epoch=epoch,
+        ))  # fmt: skip
         sealed = 0
         cutoff = now - s.gap_timeout_seconds
-        for rid in await self.r.zrangebyscore(f"{self.p}gaps", "-inf", cutoff, 0, limit):
-            if int(await self.scripts.run("seal", _s(rid), now, cutoff)) >= 0:
-                sealed += 1
-        return int(failed), int(expired), sealed
+        for raw in await self.store.redis.zrangebyscore(self.keys.gaps, "-inf", cutoff, 0, limit):
+            rid = text(raw)
+            sealing = named(await self.store.scripts.run(
+                "seal", [self.keys.reg(rid)], rid, now, cutoff, epoch=epoch
+            ))  # fmt: skip
+            sealed += text(sealing["code"]) == "sealed"
+        return Swept(int(out["claims_failed"]), int(out["results_expired"]), sealed)
 
     async def depth(self) -> dict[str, int]:
-        raw = await self.r.hgetall(f"{self.p}depth")
-        return {STATE_NAMES.get(int(k), _s(k)): int(v) for k, v in raw.items()}
+        raw = await self.store.redis.hgetall(self.keys.depth)
+        return {OpState(int(k)).label: int(v) for k, v in raw.items()}
 
     async def gap_stalls(self) -> int:
-        return int(await self.r.zcard(f"{self.p}gaps"))
+        return int(await self.store.redis.zcard(self.keys.gaps))
+
+    async def tenant_load(self, tenant: str) -> dict[str, int]:
+        """The tenant's open operations, unacknowledged results and live registrations."""
+        raw = await self.store.redis.hgetall(self.keys.tenant(tenant))
+        return {text(k): int(v) for k, v in raw.items()}
 
 
-def _claim(opid: str, out: Sequence[Any]) -> Claim:
-    slot = _s(out[5])
-    return Claim(
-        operation_id=opid,
-        registration_id=_s(out[0]),
-        seq_id=int(out[1]),
-        kind=int(out[2]),
-        payload=out[3] or b"",
-        replica=_s(out[4]),
-        slot=int(slot) if slot not in ("", "-1") else -1,
-        dirty=_s(out[6]) == "1",
-        base_model=_s(out[7]),
-        tenant=_s(out[8]),
-        submitted_at=float(out[9] or 0),
-    )
+def backpressure(scope: str) -> errors.ResourceExhausted:
+    """The retryable refusal of a submission over one of its limits (nothing was written)."""
+    metrics.BACKPRESSURE.labels(scope=scope).inc()
+    return errors.ResourceExhausted(
+        f"too many {BACKPRESSURE_SCOPES.get(scope, scope)}; nothing was admitted, retry the "
+        "same seq_id", retry_after=1.0, field="seq_id", reason="BACKPRESSURE",
+    )  # fmt: skip

@@ -13,16 +13,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-
-import redis.asyncio as aioredis
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
 class Notifier:
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+    """`client` is a Redis or RedisCluster client; `channel` the store's `keys.done`."""
+
+    def __init__(self, client: Any, channel: str) -> None:
         self.client = client
-        self.channel = f"{prefix}done"
+        self.channel = channel
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()

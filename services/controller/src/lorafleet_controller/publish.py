@@ -20,29 +20,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from lorafleet import errors
+from lorafleet.contract import AdapterId
 from lorafleet.v1 import common_pb2, controller_pb2
-from lorafleet_controller import ledger as L
 from lorafleet_controller import metrics
-from lorafleet_controller.catalog import SAMPLER, Catalog
+from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
 from lorafleet_controller.clients import Pool
+from lorafleet_controller.ledger import Claim
 from lorafleet_controller.registry import ROLLOUT, Registry, Replica
-from lorafleet_controller.samplers import Samplers
+from lorafleet_controller.samplers import SamplerRecord, Samplers
+from lorafleet_controller.store import RegState, Store, named, text
 
 log = logging.getLogger(__name__)
 
-
-def _s(value: bytes | None, default: str = "") -> str:
-    return value.decode() if value is not None else default
+Effects = list[tuple[str, str, Any]]
 
 
 class Publisher:
     def __init__(
         self,
-        client: aioredis.Redis,
-        prefix: str,
+        store: Store,
         storage_root: Path,
         registry: Registry,
         catalog: Catalog,
@@ -50,8 +47,8 @@ class Publisher:
         pool: Pool,
         resident_versions: int,
     ) -> None:
-        self.r = client
-        self.p = prefix
+        self.store = store
+        self.keys = store.keys
         self.storage_root = storage_root
         self.registry = registry
         self.catalog = catalog
@@ -60,20 +57,20 @@ class Publisher:
         self.resident_versions = resident_versions
 
     async def publish(
-        self, claim: L.Claim, sw: controller_pb2.SaveWeightsForSamplerPayload
-    ) -> tuple[controller_pb2.OperationResult, list[tuple[str, str, Any]]]:
+        self, claim: Claim, sw: controller_pb2.SaveWeightsForSamplerPayload
+    ) -> tuple[controller_pb2.OperationResult, Effects]:
         start = time.monotonic()
         reg = await self.registry.get_any(claim.registration_id)
         if reg is None:
             raise errors.NotFound("registration vanished", field="registration_id")
-        version = await self._version_for(claim)
+        version = await self._version(claim.registration_id, claim.operation_id)
         rep = await self.registry.replica(claim.replica)
         if rep is None:
             raise errors.Unavailable(f"trainer replica {claim.replica!r} is gone")
         files = await self.pool.trainer(rep.address).export_adapter(
             claim.slot, claim.registration_id
         )
-        folder = self._store(claim.registration_id, version, files)
+        folder = await asyncio.to_thread(self._write, claim.registration_id, version, files)
         ref = common_pb2.AdapterRef(registration_id=claim.registration_id, version=version)
         await self._record_live(ref, reg.base_model, reg.lora, folder)
         await self.push_all(ref, reg.base_model, reg.lora, files)
@@ -100,20 +97,15 @@ class Publisher:
         )
         return result, [("set", "published_version", version)]
 
-    async def _version_for(self, claim: L.Claim) -> int:
-        """The version this operation publishes, allocated once (a re-dispatch reuses it)."""
-        key = f"{self.p}op:{claim.operation_id}"
-        existing = await self.r.hget(key, "version")
-        if existing is not None:
-            return int(existing)
-        version = int(
-            await self.r.hincrby(f"{self.p}reg:{claim.registration_id}", "next_version", 1)
-        )
-        if not await self.r.hsetnx(key, "version", version):
-            return int(await self.r.hget(key, "version"))  # type: ignore[arg-type]
-        return version
+    async def _version(self, rid: str, opid: str) -> int:
+        """The version a publish makes live, allocated once per operation (a re-dispatch
+        reuses it); `opid` '' allocates a fresh one."""
+        own = [self.keys.reg(rid)] + ([self.keys.op(opid)] if opid else [])
+        out = named(await self.store.scripts.run("publish_version", own, rid, opid))
+        return int(out["version"])
 
-    def _store(self, rid: str, version: int, files: dict[str, bytes]) -> str:
+    def _write(self, rid: str, version: int, files: dict[str, bytes]) -> str:
+        """Blocking: write a version's files once under the storage root (worker thread)."""
         folder = self.storage_root / "adapters" / rid / str(version)
         if folder.is_dir():
             return str(folder)
@@ -125,18 +117,34 @@ class Publisher:
         tmp.rename(folder)
         return str(folder)
 
+    async def sampler_from_checkpoint(
+        self, ckpt: CheckpointRecord, sampler_id: str, tenant: str, model_path: str
+    ) -> SamplerRecord:
+        """A sampler on a training checkpoint: its adapter becomes a new live version of the
+        run (written once, pushed to every rollout) and the sampler pins that version."""
+        files = await self.catalog.read_files(ckpt)
+        version = await self._version(ckpt.training_run_id, "")
+        ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=version)
+        folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, files)
+        await self._record_live(ref, ckpt.base_model, ckpt.lora, folder)
+        await self.push_all(ref, ckpt.base_model, ckpt.lora, files)
+        return await self.samplers.record(
+            sampler_id=sampler_id, tenant=tenant, base_model=ckpt.base_model,
+            model_path=model_path, ref=ref, inflight=False,
+        )  # fmt: skip
+
     async def _record_live(
         self, ref: common_pb2.AdapterRef, base_model: str, lora: common_pb2.LoraConfig, folder: str
     ) -> None:
-        aid = f"{ref.registration_id}@{ref.version}"
-        async with self.r.pipeline(transaction=True) as pipe:
+        aid = str(AdapterId(ref.registration_id, ref.version))
+        async with self.store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(
-                f"{self.p}adapter:{aid}",
+                self.keys.adapter(aid),
                 mapping={"files_dir": folder, "lora": lora.SerializeToString(),
                          "base_model": base_model, "rid": ref.registration_id,
                          "version": ref.version},
             )  # fmt: skip
-            pipe.zadd(f"{self.p}live:{base_model}", {aid: ref.version})
+            pipe.zadd(self.keys.live(base_model), {aid: ref.version})
             await pipe.execute()
 
     async def push_all(
@@ -164,31 +172,23 @@ class Publisher:
                 reason="PUBLISH_INCOMPLETE",
             )
 
-    async def ensure_published(
-        self, ref: common_pb2.AdapterRef, base_model: str, lora: common_pb2.LoraConfig,
-        files: dict[str, bytes], folder: str,
-    ) -> None:  # fmt: skip
-        """Make a version live from stored files (samplers created from a checkpoint)."""
-        await self._record_live(ref, base_model, lora, folder)
-        await self.push_all(ref, base_model, lora, files)
-
     async def reconcile(self, rollout: Replica) -> None:
         """Give a (re)started rollout the newest live versions of every registration."""
         newest: dict[str, list[str]] = {}
-        for aid in await self.r.zrevrange(f"{self.p}live:{rollout.base_model}", 0, -1):
-            rid = _s(aid).rsplit("@", 1)[0]
-            versions = newest.setdefault(rid, [])
+        for raw_id in await self.store.redis.zrevrange(self.keys.live(rollout.base_model), 0, -1):
+            aid = AdapterId.parse(text(raw_id))
+            versions = newest.setdefault(aid.registration_id, [])
             if len(versions) < self.resident_versions:
-                versions.append(_s(aid))
+                versions.append(str(aid))
         for rid, aids in newest.items():
-            state = await self.r.hget(f"{self.p}reg:{rid}", "state")
-            if state == b"retired":
+            state = await self.store.redis.hget(self.keys.reg(rid), "state")
+            if text(state) == RegState.RETIRED:
                 continue
             for aid in reversed(aids):
-                raw = await self.r.hgetall(f"{self.p}adapter:{aid}")
+                raw = await self.store.redis.hgetall(self.keys.adapter(aid))
                 if not raw:
                     continue
-                files = await asyncio.to_thread(_read_folder, Path(_s(raw[b"files_dir"])))
+                files = await asyncio.to_thread(_read_folder, Path(text(raw[b"files_dir"])))
                 ref = common_pb2.AdapterRef(registration_id=rid, version=int(raw[b"version"]))
                 lora = common_pb2.LoraConfig.FromString(raw[b"lora"])
                 try:
@@ -198,10 +198,11 @@ class Publisher:
 
     async def forget(self, rid: str, base_model: str) -> None:
         """A retired registration's versions are no longer pushed to new rollouts."""
-        aids = [a for a in await self.r.zrange(f"{self.p}live:{base_model}", 0, -1)
-                if _s(a).rsplit("@", 1)[0] == rid]  # fmt: skip
+        live = self.keys.live(base_model)
+        aids = [a for a in await self.store.redis.zrange(live, 0, -1)
+                if AdapterId.parse(text(a)).registration_id == rid]  # fmt: skip
         if aids:
-            await self.r.zrem(f"{self.p}live:{base_model}", *aids)
+            await self.store.redis.zrem(live, *aids)
 
 
 def _read_folder(folder: Path) -> dict[str, bytes]:

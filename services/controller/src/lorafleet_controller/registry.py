@@ -25,20 +25,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
-import redis.asyncio as aioredis
-
 from lorafleet import errors
 from lorafleet.v1 import common_pb2
-from lorafleet_controller.clients import Pool
-from lorafleet_controller.lua import Scripts
+from lorafleet_controller.clients import Pool, TrainerClient
+from lorafleet_controller.discovery.types import ROLLOUT, TRAINER
+from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import RegState, Store, named, text
 
 log = logging.getLogger(__name__)
 
-TRAINER, ROLLOUT = "trainer", "rollout"
-
-
-def _s(value: bytes | None, default: str = "") -> str:
-    return value.decode() if value is not None else default
+__all__ = ["ROLLOUT", "TRAINER", "Placement", "Placer", "RegRecord", "Registry", "Replica"]
 
 
 def base_model_name(name: str) -> str:
@@ -60,7 +56,7 @@ class RegRecord:
     session_id: str
     base_model: str
     lora: common_pb2.LoraConfig
-    state: str
+    state: RegState
     replica: str
     slot: int
     queue_position: int
@@ -76,6 +72,12 @@ class RegRecord:
     max_seq: int
     pending: int
     dirty: bool
+    restore: bool
+
+    @property
+    def placed(self) -> bool:
+        """Holds a trainer slot (bound, or binding)."""
+        return self.state in (RegState.READY, RegState.BINDING)
 
 
 @dataclass(frozen=True)
@@ -98,17 +100,24 @@ class Replica:
 ManifestLookup = Callable[[str], Awaitable[common_pb2.BlobRef | None]]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """The outcome of `Registry.place`: placed (or already bound) on a replica's slot,
+    queued at a position, or retired."""
+
+    code: str  # placed | bound | queued | retired
+    replica: str = ""
+    slot: int = -1
+    position: int = 0
+
+
 class Registry:
     def __init__(
-        self,
-        client: aioredis.Redis,
-        scripts: Scripts,
-        prefix: str,
-        clock: Callable[[], float] = time.time,
+        self, store: Store, settings: ControllerSettings, clock: Callable[[], float] = time.time
     ) -> None:
-        self.r = client
-        self.scripts = scripts
-        self.p = prefix
+        self.store = store
+        self.keys = store.keys
+        self.settings = settings
         self.clock = clock
 
     # --- registrations --------------------------------------------------------------------
@@ -125,19 +134,29 @@ class Registry:
     ) -> tuple[RegRecord, bool]:
         """Create the registration (idempotent on its id). Returns (record, created)."""
         rid = registration_id(session_id, model_seq_id)
-        created = await self.scripts.run(
-            "create_reg", rid, tenant, session_id, self.clock(), 0 if with_initial_load else 1,
+        own = [self.keys.reg(rid), self.keys.tenant(tenant), self.keys.tenant_regs(tenant),
+               self.keys.session_runs(session_id)]  # fmt: skip
+        out = named(await self.store.scripts.run(
+            "create_reg", own, rid, tenant, session_id, self.clock(),
+            0 if with_initial_load else 1, self.settings.max_registrations_per_tenant,
             "base_model", base_model, "lora", lora.SerializeToString(deterministic=True),
             "metadata", json.dumps(user_metadata, sort_keys=True), "optimizer", optimizer,
-        )  # fmt: skip
+        ))  # fmt: skip
+        code = text(out["code"])
+        if code == "limit":
+            raise errors.ResourceExhausted(
+                f"tenant {tenant!r} has {self.settings.max_registrations_per_tenant} live "
+                "training runs, the most it may hold; delete one or finish a session first",
+                field="model_seq_id", reason="REGISTRATION_LIMIT", retry_after=5.0,
+            )  # fmt: skip
         rec = await self.get(tenant, rid)
-        if not created and rec.base_model != base_model:
+        if code == "exists" and rec.base_model != base_model:
             raise errors.Conflict(
                 f"{rid} already exists with base model {rec.base_model!r}",
                 field="base_model",
                 reason="REGISTRATION_CONFLICT",
             )
-        return rec, bool(created)
+        return rec, code == "created"
 
     async def get(self, tenant: str, rid: str) -> RegRecord:
         rec = await self.get_any(rid)
@@ -146,91 +165,85 @@ class Registry:
         return rec
 
     async def get_any(self, rid: str) -> RegRecord | None:
-        raw = await self.r.hgetall(f"{self.p}reg:{rid}")
-        if not raw:
-            return None
-        base = _s(raw.get(b"base_model"))
-        position = 0
-        state = _s(raw.get(b"state"))
-        if state in ("queued", "unavailable"):
-            rank = await self.r.zrank(f"{self.p}regq:{base}", rid)
-            position = rank + 1 if rank is not None else 0
-        slot = _s(raw.get(b"slot"), "-1")
-        return RegRecord(
-            registration_id=rid,
-            tenant=_s(raw.get(b"tenant")),
-            session_id=_s(raw.get(b"session_id")),
-            base_model=base,
-            lora=common_pb2.LoraConfig.FromString(raw.get(b"lora", b"")),
-            state=state,
-            replica=_s(raw.get(b"replica")),
-            slot=int(slot) if slot else -1,
-            queue_position=position,
-            optim_steps=int(raw.get(b"optim_steps", b"0")),
-            published_version=int(raw.get(b"published_version", b"0")),
-            last_checkpoint=_s(raw.get(b"last_checkpoint")),
-            created_at=float(raw.get(b"created_at", b"0")),
-            last_request_time=float(raw.get(b"last_request_time", b"0")),
-            user_metadata=json.loads(raw.get(b"metadata", b"{}")),
-            unavailable_reason=_s(raw.get(b"unavailable_reason")),
-            optimizer=_s(raw.get(b"optimizer")),
-            head=int(raw.get(b"head", b"1")),
-            max_seq=int(raw.get(b"max_seq", b"0")),
-            pending=int(raw.get(b"pending", b"0")),
-            dirty=raw.get(b"dirty") == b"1",
-        )
+        (rec,) = await self.get_many([rid])
+        return rec
+
+    async def get_many(self, rids: list[str]) -> list[RegRecord | None]:
+        """Several registrations in two round trips (records, then queue positions)."""
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.hgetall(self.keys.reg(rid))
+            raws = await pipe.execute()
+        queued = [
+            (i, text(raw.get(b"base_model")))
+            for i, raw in enumerate(raws)
+            if raw and text(raw.get(b"state")) in (RegState.QUEUED, RegState.UNAVAILABLE)
+        ]
+        ranks: list[int | None] = []
+        if queued:
+            async with self.store.redis.pipeline(transaction=False) as pipe:
+                for i, base in queued:
+                    pipe.zrank(self.keys.regq(base), rids[i])
+                ranks = await pipe.execute()
+        positions = {i: (rank + 1 if rank is not None else 0)
+                     for (i, _), rank in zip(queued, ranks, strict=True)}  # fmt: skip
+        return [
+            _record(rid, raw, positions.get(i, 0)) if raw else None
+            for i, (rid, raw) in enumerate(zip(rids, raws, strict=True))
+        ]
 
     async def list(self, tenant: str, limit: int, offset: int) -> tuple[list[RegRecord], int]:
-        key = f"{self.p}regs:{tenant}"
-        total = int(await self.r.zcard(key))
+        key = self.keys.tenant_regs(tenant)
+        total = int(await self.store.redis.zcard(key))
         stop = offset + (limit if limit > 0 else 100) - 1
-        ids = await self.r.zrevrange(key, offset, stop)
-        recs = [await self.get_any(_s(i)) for i in ids]
-        return [r for r in recs if r is not None], total
+        ids = [text(i) for i in await self.store.redis.zrevrange(key, offset, stop)]
+        return [r for r in await self.get_many(ids) if r is not None], total
 
     async def all_ids(self) -> list[str]:
-        return sorted(_s(x) for x in await self.r.smembers(f"{self.p}regs"))
+        return sorted(text(x) for x in await self.store.redis.smembers(self.keys.regs))
 
     async def binding_ids(self) -> list[str]:
-        return sorted(_s(x) for x in await self.r.smembers(f"{self.p}binding"))
+        return sorted(text(x) for x in await self.store.redis.smembers(self.keys.binding))
 
     async def queued(self, base_model: str) -> list[str]:
-        return [_s(x) for x in await self.r.zrange(f"{self.p}regq:{base_model}", 0, -1)]
+        return [text(x) for x in await self.store.redis.zrange(self.keys.regq(base_model), 0, -1)]
 
-    async def set_fields(self, rid: str, **values: str | int | float) -> None:
-        await self.r.hset(f"{self.p}reg:{rid}", mapping=values)  # type: ignore[arg-type]
-
-    async def place(self, rid: str) -> tuple[str, str, int]:
-        """('placed'|'bound', replica, slot), ('queued', '', position) or ('retired', '', 0)."""
-        rec = await self.get_any(rid)
-        score = rec.created_at if rec is not None else self.clock()
-        out = await self.scripts.run("place", rid, self.clock(), score)
-        code = _s(out[0])
+    async def place(self, rid: str) -> Placement:
+        """Place on a free slot (dispatch side: carries the leader epoch when it has one)."""
+        out = named(await self.store.scripts.run(
+            "place", [self.keys.reg(rid)], rid, self.clock(), epoch=self.store.epoch
+        ))  # fmt: skip
+        code = text(out["code"])
         if code in ("placed", "bound"):
-            return code, _s(out[1]), int(out[2])
+            return Placement(code, text(out["replica"]), int(out["slot"]))
         if code == "queued":
-            return code, "", int(out[1])
-        return code, "", 0
+            return Placement(code, position=int(out["position"]))
+        return Placement(code)
 
     async def bound(self, rid: str, replica: str, slot: int) -> bool:
-        return bool(await self.scripts.run("bound", rid, replica, slot, self.clock()))
+        out = named(await self.store.scripts.run(
+            "bound", [self.keys.reg(rid)], rid, replica, slot, self.clock(),
+            epoch=self.store.epoch,
+        ))  # fmt: skip
+        return text(out["code"]) == "ok"
 
-    async def release(self, rid: str) -> tuple[str, int]:
-        out = await self.scripts.run("release", rid)
-        replica = _s(out[0])
-        return replica, int(out[1]) if replica else -1
+    async def release(self, rid: str) -> tuple[str, int, str]:
+        """Retire the placement: (replica, slot) freed ('', -1 when none) and the base model."""
+        out = named(await self.store.scripts.run("release", [self.keys.reg(rid)], rid))
+        replica = text(out["replica"])
+        return replica, int(out["slot"]) if replica else -1, text(out["base_model"])
 
     # --- replicas -------------------------------------------------------------------------
     async def register_replica(self, rep: Replica) -> str:
         """Record a replica's announcement. Returns 'new', 'restarted', 'returned' or 'same'."""
-        key = f"{self.p}replica:{rep.replica_id}"
-        old = await self.r.hmget(key, "incarnation", "healthy", "kind")
+        key = self.keys.replica(rep.replica_id)
+        old = await self.store.redis.hmget(key, "incarnation", "healthy", "kind")
         now = self.clock()
         if old[0] is None:
             change = "new"
-        elif _s(old[0]) != rep.incarnation:
+        elif text(old[0]) != rep.incarnation:
             change = "restarted"
-            if _s(old[2]) == TRAINER:
+            if text(old[2]) == TRAINER:
                 await self.replica_lost(
                     rep.replica_id, f"trainer replica {rep.replica_id} restarted (new incarnation)"
                 )
@@ -238,7 +251,7 @@ class Registry:
             change = "returned"
         else:
             change = "same"
-        mapping: dict[str, str | int | float] = {
+        mapping: dict[str | bytes, str | int | float | bytes] = {
             "kind": rep.kind, "address": rep.address, "base_model": rep.base_model,
             "num_slots": rep.num_slots, "incarnation": rep.incarnation, "last_seen": now,
             "healthy": "1", "tokenizer_id": rep.tokenizer_id, "max_rank": rep.max_rank,
@@ -246,67 +259,115 @@ class Registry:
         }  # fmt: skip
         if rep.loss_fns:
             mapping["loss_fns"] = json.dumps(rep.loss_fns)
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=mapping)  # type: ignore[arg-type]
-            pipe.sadd(f"{self.p}replicas", rep.replica_id)
-            pipe.sadd(f"{self.p}{rep.kind}s:{rep.base_model}", rep.replica_id)
-            pipe.sadd(f"{self.p}base_models", rep.base_model)
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=mapping)
+            pipe.sadd(self.keys.replicas, rep.replica_id)
+            pipe.sadd(self.keys.pool(rep.kind, rep.base_model), rep.replica_id)
+            pipe.sadd(self.keys.base_models, rep.base_model)
             await pipe.execute()
         return change
 
     async def set_loss_fns(self, replica_id: str, loss_fns: list[str]) -> None:
-        await self.r.hset(f"{self.p}replica:{replica_id}", "loss_fns", json.dumps(loss_fns))
+        await self.store.redis.hset(self.keys.replica(replica_id), "loss_fns",
+                                    json.dumps(loss_fns))  # fmt: skip
 
     async def replica(self, replica_id: str) -> Replica | None:
-        raw = await self.r.hgetall(f"{self.p}replica:{replica_id}")
-        if not raw:
-            return None
-        return Replica(
-            kind=_s(raw.get(b"kind")),
-            replica_id=replica_id,
-            address=_s(raw.get(b"address")),
-            base_model=_s(raw.get(b"base_model")),
-            num_slots=int(raw.get(b"num_slots", b"0")),
-            incarnation=_s(raw.get(b"incarnation")),
-            last_seen=float(raw.get(b"last_seen", b"0")),
-            healthy=raw.get(b"healthy") == b"1",
-            tokenizer_id=_s(raw.get(b"tokenizer_id")),
-            max_rank=int(raw.get(b"max_rank", b"0") or 0),
-            max_context_length=int(raw.get(b"max_context_length", b"0") or 0),
-            arch=_s(raw.get(b"arch")),
-            loss_fns=json.loads(raw.get(b"loss_fns", b"[]")),
-        )
+        (rep,) = await self._replicas([replica_id])
+        return rep
+
+    async def _replicas(self, ids: list[str]) -> list[Replica | None]:
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for replica_id in ids:
+                pipe.hgetall(self.keys.replica(replica_id))
+            raws = await pipe.execute()
+        return [_replica(i, raw) if raw else None for i, raw in zip(ids, raws, strict=True)]
 
     async def replicas(
         self, kind: str | None = None, base_model: str | None = None
     ) -> list[Replica]:
         if base_model is not None and kind is not None:
-            ids = await self.r.smembers(f"{self.p}{kind}s:{base_model}")
+            ids = await self.store.redis.smembers(self.keys.pool(kind, base_model))
         else:
-            ids = await self.r.smembers(f"{self.p}replicas")
-        out = []
-        for rid in sorted(_s(i) for i in ids):
-            rep = await self.replica(rid)
-            if rep is not None and (kind is None or rep.kind == kind):
-                out.append(rep)
-        return out
+            ids = await self.store.redis.smembers(self.keys.replicas)
+        reps = await self._replicas(sorted(text(i) for i in ids))
+        return [r for r in reps if r is not None and (kind is None or r.kind == kind)]
 
     async def slot_table(self, replica_id: str) -> dict[int, str]:
-        raw = await self.r.hgetall(f"{self.p}slots:{replica_id}")
-        return {int(k): _s(v) for k, v in raw.items()}
+        raw = await self.store.redis.hgetall(self.keys.slots(replica_id))
+        return {int(k): text(v) for k, v in raw.items()}
+
+    async def slot_tables(self, replica_ids: list[str]) -> dict[str, dict[int, str]]:
+        """Several replicas' slot tables in one round trip."""
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for replica_id in replica_ids:
+                pipe.hgetall(self.keys.slots(replica_id))
+            raws = await pipe.execute()
+        return {
+            replica_id: {int(k): text(v) for k, v in raw.items()}
+            for replica_id, raw in zip(replica_ids, raws, strict=True)
+        }
 
     async def replica_lost(self, replica_id: str, reason: str) -> list[str]:
-        """Mark the replica unhealthy; its registrations become UNAVAILABLE and re-queue."""
-        await self.r.hset(f"{self.p}replica:{replica_id}", "healthy", "0")
-        out = await self.scripts.run("replica_lost", replica_id, self.clock(), reason)
-        lost = [_s(x) for x in out]
-        if lost:
-            log.warning("%s: registrations %s are unavailable", reason, lost)
+        """Mark the replica unhealthy; a trainer's registrations become UNAVAILABLE and
+        re-queue. Returns them."""
+        out = named(await self.store.scripts.run(
+            "replica_lost", [self.keys.replica(replica_id), self.keys.slots(replica_id)],
+            replica_id, self.clock(), reason, epoch=self.store.epoch,
+        ))  # fmt: skip
+        lost = [text(x) for x in out["affected"]]
+        if text(out["code"]) == "lost":
+            log.warning("%s%s", reason, f": registrations {lost} are unavailable" if lost else "")
         return lost
 
     async def silent_replicas(self, silence: float) -> list[Replica]:
         cutoff = self.clock() - silence
         return [r for r in await self.replicas() if r.healthy and r.last_seen < cutoff]
+
+
+def _record(rid: str, raw: dict[bytes, bytes], position: int) -> RegRecord:
+    slot = text(raw.get(b"slot"), "-1")
+    return RegRecord(
+        registration_id=rid,
+        tenant=text(raw.get(b"tenant")),
+        session_id=text(raw.get(b"session_id")),
+        base_model=text(raw.get(b"base_model")),
+        lora=common_pb2.LoraConfig.FromString(raw.get(b"lora", b"")),
+        state=RegState(text(raw.get(b"state"))),
+        replica=text(raw.get(b"replica")),
+        slot=int(slot) if slot else -1,
+        queue_position=position,
+        optim_steps=int(raw.get(b"optim_steps", b"0")),
+        published_version=int(raw.get(b"published_version", b"0")),
+        last_checkpoint=text(raw.get(b"last_checkpoint")),
+        created_at=float(raw.get(b"created_at", b"0")),
+        last_request_time=float(raw.get(b"last_request_time", b"0")),
+        user_metadata=json.loads(raw.get(b"metadata", b"{}")),
+        unavailable_reason=text(raw.get(b"unavailable_reason")),
+        optimizer=text(raw.get(b"optimizer")),
+        head=int(raw.get(b"head", b"1")),
+        max_seq=int(raw.get(b"max_seq", b"0")),
+        pending=int(raw.get(b"pending", b"0")),
+        dirty=raw.get(b"dirty") == b"1",
+        restore=raw.get(b"restore") == b"1",
+    )
+
+
+def _replica(replica_id: str, raw: dict[bytes, bytes]) -> Replica:
+    return Replica(
+        kind=text(raw.get(b"kind")),
+        replica_id=replica_id,
+        address=text(raw.get(b"address")),
+        base_model=text(raw.get(b"base_model")),
+        num_slots=int(raw.get(b"num_slots", b"0")),
+        incarnation=text(raw.get(b"incarnation")),
+        last_seen=float(raw.get(b"last_seen", b"0")),
+        healthy=raw.get(b"healthy") == b"1",
+        tokenizer_id=text(raw.get(b"tokenizer_id")),
+        max_rank=int(raw.get(b"max_rank", b"0") or 0),
+        max_context_length=int(raw.get(b"max_context_length", b"0") or 0),
+        arch=text(raw.get(b"arch")),
+        loss_fns=json.loads(raw.get(b"loss_fns", b"[]")),
+    )
 
 
 class Placer:
@@ -321,10 +382,10 @@ class Placer:
     async def fill(self, base_model: str) -> None:
         """Place queued registrations of a base model while free slots remain."""
         for rid in await self.registry.queued(base_model):
-            code, _, _ = await self.registry.place(rid)
-            if code == "queued":
+            placement = await self.registry.place(rid)
+            if placement.code == "queued":
                 return
-            if code == "placed":
+            if placement.code == "placed":
                 await self.finish_binding(rid)
 
     async def finish_binding(self, rid: str) -> None:
@@ -344,7 +405,7 @@ class Placer:
 
     async def _finish_binding(self, rid: str) -> None:
         rec = await self.registry.get_any(rid)
-        if rec is None or rec.state != "binding":
+        if rec is None or rec.state != RegState.BINDING:
             return
         rep = await self.registry.replica(rec.replica)
         if rep is None or not rep.healthy:
@@ -354,8 +415,7 @@ class Placer:
             intact = await self._prepare_slot(trainer, rec)
             if not intact:
                 await trainer.bind(rec.slot, rid, rec.lora)
-                restore = await self.registry.r.hget(f"{self.registry.p}reg:{rid}", "restore")
-                if restore == b"1" and rec.last_checkpoint:
+                if rec.restore and rec.last_checkpoint:
                     manifest = await self.manifest_for(rec.last_checkpoint)
                     if manifest is not None:
                         opid = f"{rid}#restore@{rep.replica_id}:{rep.incarnation}"
@@ -366,7 +426,7 @@ class Placer:
         if not await self.registry.bound(rid, rep.replica_id, rec.slot):
             await self._unbind_quietly(rep.address, rec.slot, rid)
 
-    async def _prepare_slot(self, trainer, rec: RegRecord) -> bool:  # type: ignore[no-untyped-def]
+    async def _prepare_slot(self, trainer: TrainerClient, rec: RegRecord) -> bool:
         """True when the trainer still holds this registration in this slot (state intact).
 
         Clears what the registry no longer owns: our registration in another slot, or
@@ -383,13 +443,12 @@ class Placer:
         return intact
 
     async def retire(self, rid: str) -> None:
-        replica, slot = await self.registry.release(rid)
+        replica, slot, base_model = await self.registry.release(rid)
         if replica:
             rep = await self.registry.replica(replica)
             if rep is not None and rep.healthy:
                 await self._unbind_quietly(rep.address, slot, rid)
-            base = (await self.registry.get_any(rid)).base_model  # type: ignore[union-attr]
-            await self.fill(base)
+            await self.fill(base_model)
 
     async def _unbind_quietly(self, address: str, slot: int, rid: str) -> None:
         try:

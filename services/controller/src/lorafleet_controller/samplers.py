@@ -16,21 +16,15 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from lorafleet import errors
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
-from lorafleet_controller import ledger as L
 from lorafleet_controller.clients import Pool
-from lorafleet_controller.lua import Scripts
+from lorafleet_controller.ledger import Claim, Ledger, backpressure
 from lorafleet_controller.registry import ROLLOUT, Registry
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import OpState, Store, named, text
 
 log = logging.getLogger(__name__)
-
-
-def _s(value: bytes | None, default: str = "") -> str:
-    return value.decode() if value is not None else default
 
 
 def sampler_id_of(session_id: str, seq: int) -> str:
@@ -50,20 +44,18 @@ class SamplerRecord:
 class Samplers:
     def __init__(
         self,
-        client: aioredis.Redis,
-        scripts: Scripts,
-        ledger: L.Ledger,
+        store: Store,
+        ledger: Ledger,
         registry: Registry,
         pool: Pool,
         settings: ControllerSettings,
     ) -> None:
-        self.r = client
-        self.scripts = scripts
+        self.store = store
+        self.keys = store.keys
         self.ledger = ledger
         self.registry = registry
         self.pool = pool
         self.settings = settings
-        self.p = settings.key_prefix
         self._load: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -71,36 +63,34 @@ class Samplers:
         self, *, sampler_id: str, tenant: str, base_model: str, model_path: str,
         ref: common_pb2.AdapterRef, inflight: bool,
     ) -> SamplerRecord:  # fmt: skip
-        key = f"{self.p}sampler:{sampler_id}"
-        if await self.r.hsetnx(key, "tenant", tenant):
-            await self.r.hset(
-                key,
-                mapping={"base_model": base_model, "model_path": model_path,
-                         "rid": ref.registration_id, "version": ref.version,
-                         "inflight": "1" if inflight else "0"},
-            )  # fmt: skip
-            session = sampler_id.rsplit(":sample:", 1)[0]
-            await self.r.sadd(f"{self.p}session_samplers:{session}", sampler_id)
+        """Record the sampler in one script unless it exists (idempotent on its id)."""
+        session = sampler_id.rsplit(":sample:", 1)[0]
+        own = [self.keys.sampler(sampler_id), self.keys.session_samplers(session)]
+        await self.store.scripts.run(
+            "record_sampler", own, sampler_id, session, tenant, "base_model", base_model,
+            "model_path", model_path, "rid", ref.registration_id, "version", ref.version,
+            "inflight", "1" if inflight else "0",
+        )  # fmt: skip
         return await self.get(tenant, sampler_id)
 
     async def get(self, tenant: str, sampler_id: str) -> SamplerRecord:
-        raw = await self.r.hgetall(f"{self.p}sampler:{sampler_id}")
-        if not raw or _s(raw.get(b"tenant")) != tenant or b"base_model" not in raw:
+        raw = await self.store.redis.hgetall(self.keys.sampler(sampler_id))
+        if not raw or text(raw.get(b"tenant")) != tenant or b"base_model" not in raw:
             raise errors.NotFound(f"no sampler {sampler_id!r}", field="sampler_id")
         return SamplerRecord(
             sampler_id=sampler_id,
             tenant=tenant,
-            base_model=_s(raw[b"base_model"]),
-            model_path=_s(raw.get(b"model_path")),
+            base_model=text(raw[b"base_model"]),
+            model_path=text(raw.get(b"model_path")),
             ref=common_pb2.AdapterRef(
-                registration_id=_s(raw.get(b"rid")), version=int(raw.get(b"version", b"0"))
+                registration_id=text(raw.get(b"rid")), version=int(raw.get(b"version", b"0"))
             ),
             inflight=raw.get(b"inflight") == b"1",
         )
 
     async def submit(
         self, tenant: str, req: controller_pb2.SubmitSampleRequest
-    ) -> tuple[str, int, bool, list[str]]:
+    ) -> tuple[str, OpState, bool, list[str]]:
         """(operation_id, state, duplicate, sequence_ids) of a sample request."""
         sampler = await self.get(tenant, req.sampler_id)
         if req.seq_id < 0:
@@ -119,11 +109,12 @@ class Samplers:
         opid = f"{req.sampler_id}#s{req.seq_id}"
         digest = hashlib.sha256(body).hexdigest()
         s = self.settings
-        out = await self.scripts.run(
-            "submit_sample", opid, digest, body, self.ledger.clock(), tenant,
-            sampler.ref.registration_id, s.max_unacked_results, s.max_pending_global,
-        )  # fmt: skip
-        code = _s(out[0])
+        out = named(await self.store.scripts.run(
+            "submit_sample", [self.keys.op(opid), self.keys.tenant(tenant)], opid, digest, body,
+            self.ledger.clock(), tenant, sampler.ref.registration_id, s.max_pending_per_tenant,
+            s.max_pending_global, s.max_unacked_results_per_tenant, s.max_unacked_results,
+        ))  # fmt: skip
+        code = text(out["code"])
         if code == "not_found":
             raise errors.NotFound(f"no sampler {req.sampler_id!r}", field="sampler_id")
         if code == "conflict":
@@ -132,14 +123,11 @@ class Samplers:
                 field="seq_id", reason="PAYLOAD_CONFLICT",
             )  # fmt: skip
         if code == "backpressure":
-            raise errors.ResourceExhausted(
-                f"too many open operations ({_s(out[1])}); retry", retry_after=1.0,
-                reason="BACKPRESSURE",
-            )  # fmt: skip
+            raise backpressure(text(out["scope"]))
         seq_ids = [f"{opid}:{i}" for i in range(n)]
         if code == "created":
             self.spawn(opid)
-        return opid, int(out[1]), code == "duplicate", seq_ids
+        return opid, OpState(int(out["state"])), code == "duplicate", seq_ids
 
     def spawn(self, opid: str) -> None:
         task = asyncio.create_task(self._run(opid))
@@ -148,8 +136,8 @@ class Samplers:
 
     async def recover(self) -> None:
         """Re-run samples that were open when the previous controller stopped."""
-        for opid in await self.r.smembers(f"{self.p}open_samples"):
-            self.spawn(_s(opid))
+        for opid in await self.store.redis.smembers(self.keys.open_samples):
+            self.spawn(text(opid))
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -159,21 +147,25 @@ class Samplers:
                 await task
 
     async def _run(self, opid: str) -> None:
-        claim = await self.ledger.claim(opid) or await self.ledger.load_claim(opid)
+        """Claim and run one sample. Samples run on whichever controller admitted them (no
+        leader needed: they are not seq-ordered), so their writes are not fenced."""
+        claim = await self.ledger.claim(opid, fenced=False) or await self.ledger.load_claim(opid)
         if claim is None:
             return
         try:
             output = await self._sample(opid, claim)
         except errors.LorafleetError as exc:
-            await self.ledger.complete(opid, L.FAILED, error=exc)
+            await self.ledger.complete(opid, OpState.FAILED, error=exc, fenced=False)
         except Exception as exc:
             log.exception("sample %s failed", opid)
-            await self.ledger.complete(opid, L.FAILED, error=errors.Internal(str(exc)))
+            await self.ledger.complete(opid, OpState.FAILED, error=errors.Internal(str(exc)),
+                                       fenced=False)  # fmt: skip
         else:
             result = controller_pb2.OperationResult(sample=output)
-            await self.ledger.complete(opid, L.SUCCEEDED, result.SerializeToString())
+            await self.ledger.complete(opid, OpState.SUCCEEDED, result.SerializeToString(),
+                                       fenced=False)  # fmt: skip
 
-    async def _sample(self, opid: str, claim: L.Claim) -> common_pb2.SampleOutput:
+    async def _sample(self, opid: str, claim: Claim) -> common_pb2.SampleOutput:
         sampler_id = opid.rsplit("#s", 1)[0]
         tenant = claim.tenant
         sampler = await self.get(tenant, sampler_id)

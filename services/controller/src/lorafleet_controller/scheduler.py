@@ -21,61 +21,63 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
-
-import redis.asyncio as aioredis
 
 from lorafleet import errors
 from lorafleet.rpc.errors import exception_from_info
 from lorafleet.v1 import controller_pb2, trainer_pb2
-from lorafleet_controller import ledger as L
 from lorafleet_controller import metrics
 from lorafleet_controller.catalog import TRAINING, Catalog
-from lorafleet_controller.clients import Pool
+from lorafleet_controller.clients import Pool, TrainerClient
+from lorafleet_controller.ledger import Claim, Ledger, Outcome
 from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.registry import Registry
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import DATA_KINDS, Client, Keys, OpState, StaleEpoch, text
 
 log = logging.getLogger(__name__)
 
-K = controller_pb2
-DATA_KINDS = (K.OPERATION_KIND_FORWARD, K.OPERATION_KIND_FORWARD_BACKWARD)
 KIND_NAMES = {v.number: v.name.removeprefix("OPERATION_KIND_").lower()
-              for v in K.OperationKind.DESCRIPTOR.values}  # fmt: skip
+              for v in controller_pb2.OperationKind.DESCRIPTOR.values}  # fmt: skip
 
 Effects = list[tuple[str, str, Any]]
 CLAIM_BATCH = 64  # ready operations claimed per round trip
-PublishFn = Callable[[L.Claim, Any], Any]
+PublishFn = Callable[
+    [Claim, controller_pb2.SaveWeightsForSamplerPayload],
+    Awaitable[tuple[controller_pb2.OperationResult, Effects]],
+]
 
 
 class Scheduler:
     def __init__(
         self,
-        blocking: aioredis.Redis,
-        ledger: L.Ledger,
+        blocking: Client,
+        keys: Keys,
+        ledger: Ledger,
         registry: Registry,
         catalog: Catalog,
         pool: Pool,
         settings: ControllerSettings,
+        publish: PublishFn,
         gate: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.blocking = blocking
+        self.blocking = blocking  # its own client: BLPOP holds a connection
+        self.keys = keys
         self.gate = gate  # False once this controller may no longer dispatch (lease lost)
         self.ledger = ledger
         self.registry = registry
         self.catalog = catalog
         self.pool = pool
         self.settings = settings
-        self.p = settings.key_prefix
-        self.publish: PublishFn | None = None  # set by the controller (publish.Publisher)
-        self._queues: dict[str, asyncio.Queue[L.Claim]] = {}
+        self.publish = publish
+        self._queues: dict[str, asyncio.Queue[Claim]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- intake ---------------------------------------------------------------------------
     async def run(self) -> None:
-        ready = [f"{self.p}ready:ctl", f"{self.p}ready:data"]
+        ready = [self.keys.ready_ctl, self.keys.ready_data]
         while True:
             raise_if_stopped()
             try:
@@ -92,7 +94,12 @@ class Scheduler:
                 await self.blocking.lpush(popped[0], popped[1])
                 return
             # One round trip claims the popped id and whatever else is ready right now.
-            for claim in await self.ledger.claim_many([popped[1].decode()], CLAIM_BATCH):
+            try:
+                claims = await self.ledger.claim_many([text(popped[1])], CLAIM_BATCH)
+            except StaleEpoch as exc:  # deposed: the popped id is re-queued by the new leader
+                log.warning("scheduler stops: %s", exc)
+                return
+            for claim in claims:
                 self.dispatch(claim)
 
     async def recover(self) -> None:
@@ -102,14 +109,14 @@ class Scheduler:
             if (
                 claim is not None
                 and claim.registration_id
-                and claim.kind != K.OPERATION_KIND_SAMPLE
+                and claim.kind != controller_pb2.OPERATION_KIND_SAMPLE
             ):
                 log.info("re-dispatching %s claimed before a restart", opid)
                 self.dispatch(claim)
         for rid in await self.registry.all_ids():
             await self.ledger.repush(rid)
 
-    def dispatch(self, claim: L.Claim) -> None:
+    def dispatch(self, claim: Claim) -> None:
         if claim.kind in DATA_KINDS:
             queue = self._queues.get(claim.replica)
             if queue is None:
@@ -121,7 +128,7 @@ class Scheduler:
         else:
             self.spawn(self._run_control(claim))
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -137,7 +144,7 @@ class Scheduler:
                 await task
 
     # --- data operations ------------------------------------------------------------------
-    async def _data_worker(self, replica: str, queue: asyncio.Queue[L.Claim]) -> None:
+    async def _data_worker(self, replica: str, queue: asyncio.Queue[Claim]) -> None:
         while True:
             batch = [await queue.get()]
             if self.settings.coalesce_window_ms > 0:
@@ -150,7 +157,7 @@ class Scheduler:
                 log.exception("data batch on %s failed unexpectedly", replica)
             raise_if_stopped()
 
-    async def _run_batch(self, replica: str, batch: list[L.Claim]) -> None:
+    async def _run_batch(self, replica: str, batch: list[Claim]) -> None:
         if not self.gate():  # no longer the leader: the claims stay for the next one
             return
         rep = await self.registry.replica(replica)
@@ -162,10 +169,10 @@ class Scheduler:
             payload = controller_pb2.OperationPayload.FromString(claim.payload)
             fb = (
                 payload.forward
-                if claim.kind == K.OPERATION_KIND_FORWARD
+                if claim.kind == controller_pb2.OPERATION_KIND_FORWARD
                 else payload.forward_backward
             )
-            if claim.kind == K.OPERATION_KIND_FORWARD:
+            if claim.kind == controller_pb2.OPERATION_KIND_FORWARD:
                 fb.forward_only = True
             items.append(
                 trainer_pb2.ForwardBackwardItem(
@@ -181,17 +188,18 @@ class Scheduler:
         by_id = {r.operation_id: r for r in resp.results}
         await self._record(batch, [_outcome(c, by_id.get(c.operation_id)) for c in batch])
 
-    async def _fail_all(self, batch: Sequence[L.Claim], exc: errors.LorafleetError) -> None:
-        await self._record(batch, [L.Outcome(c.operation_id, L.FAILED, error=exc) for c in batch])
+    async def _fail_all(self, batch: Sequence[Claim], exc: errors.LorafleetError) -> None:
+        await self._record(batch, [Outcome(c.operation_id, OpState.FAILED, error=exc)
+                                   for c in batch])  # fmt: skip
 
-    async def _record(self, batch: Sequence[L.Claim], outcomes: list[L.Outcome]) -> None:
+    async def _record(self, batch: Sequence[Claim], outcomes: list[Outcome]) -> None:
         """Every outcome of a batch in one ledger call."""
         for claim, done in zip(batch, await self.ledger.complete_many(outcomes), strict=True):
             if done:
                 _observe(claim)
 
     # --- control operations ---------------------------------------------------------------
-    async def _run_control(self, claim: L.Claim) -> None:
+    async def _run_control(self, claim: Claim) -> None:
         if not self.gate():  # no longer the leader: the claim stays for the next one
             return
         try:
@@ -199,21 +207,21 @@ class Scheduler:
         except errors.LorafleetError as exc:
             if exc.category == "server" and not isinstance(exc, errors.Internal):
                 exc = _server_failure(exc, claim.replica)
-            await self._finish(claim, L.FAILED, error=exc)
+            await self._finish(claim, OpState.FAILED, error=exc)
         except Exception as exc:
             log.exception("control operation %s failed", claim.operation_id)
-            await self._finish(claim, L.FAILED, error=errors.Internal(str(exc)))
+            await self._finish(claim, OpState.FAILED, error=errors.Internal(str(exc)))
         else:
-            await self._finish(claim, L.SUCCEEDED, result, effects=effects)
+            await self._finish(claim, OpState.SUCCEEDED, result, effects=effects)
 
-    async def _control(self, claim: L.Claim) -> tuple[controller_pb2.OperationResult, Effects]:
+    async def _control(self, claim: Claim) -> tuple[controller_pb2.OperationResult, Effects]:
         payload = controller_pb2.OperationPayload.FromString(claim.payload)
         rep = await self.registry.replica(claim.replica)
         if rep is None or claim.slot < 0:
             raise errors.Unavailable(f"trainer replica {claim.replica!r} is gone")
         trainer = self.pool.trainer(rep.address)
         kind = claim.kind
-        if kind == K.OPERATION_KIND_OPTIM_STEP:
+        if kind == controller_pb2.OPERATION_KIND_OPTIM_STEP:
             out = await trainer.optim_step(
                 claim.operation_id, claim.slot, claim.registration_id, payload.optim_step
             )
@@ -221,27 +229,29 @@ class Scheduler:
             if out.applied:
                 effects.append(("incr", "optim_steps", 1))
             return controller_pb2.OperationResult(optim_step=out), effects
-        if kind in (K.OPERATION_KIND_SAVE_STATE, K.OPERATION_KIND_LOAD_STATE) and claim.dirty:
-            name = "save_state" if kind == K.OPERATION_KIND_SAVE_STATE else "load_state"
+        saving = kind == controller_pb2.OPERATION_KIND_SAVE_STATE
+        loading = kind == controller_pb2.OPERATION_KIND_LOAD_STATE
+        if (saving or loading) and claim.dirty:
+            name = "save_state" if saving else "load_state"
             raise errors.FailedPrecondition(
                 f"{name} is not allowed while gradients are pending: run optim_step first",
                 field="kind",
                 reason="GRADIENTS_PENDING",
             )
-        if kind == K.OPERATION_KIND_SAVE_STATE:
+        if saving:
             return await self._save_state(claim, payload.save_state, trainer)
-        if kind == K.OPERATION_KIND_LOAD_STATE:
+        if loading:
             return await self._load_state(claim, payload.load_state, trainer)
-        if kind == K.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER and self.publish is not None:
+        if kind == controller_pb2.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER:
             return await self.publish(claim, payload.save_weights_for_sampler)
         raise errors.InvalidArgument(f"unsupported operation kind {kind}", field="payload")
 
     async def _save_state(
-        self, claim: L.Claim, save: controller_pb2.SaveStatePayload, trainer: Any
+        self, claim: Claim, save: controller_pb2.SaveStatePayload, trainer: TrainerClient
     ) -> tuple[controller_pb2.OperationResult, Effects]:
         path = f"tinker://{claim.registration_id}/weights/{save.name}"
-        owner = await self.catalog.r.hget(f"{self.p}ckpt:{path}", "op")
-        if owner is not None and owner.decode() != claim.operation_id:
+        owner = await self.catalog.owner(path)
+        if owner is not None and owner != claim.operation_id:
             raise errors.AlreadyExists(
                 f"{path} already exists (named states are immutable)", field="name"
             )
@@ -253,16 +263,15 @@ class Scheduler:
         await self.catalog.add(
             tinker_path=path, tenant=claim.tenant, type=TRAINING, base_model=reg.base_model,
             lora=reg.lora, manifest=manifest, has_optimizer=True, ttl_seconds=save.ttl_seconds,
-            user_metadata=dict(save.user_metadata),
+            user_metadata=dict(save.user_metadata), operation_id=claim.operation_id,
         )  # fmt: skip
-        await self.catalog.r.hset(f"{self.p}ckpt:{path}", "op", claim.operation_id)
         result = controller_pb2.OperationResult(
             save_state=controller_pb2.SaveStateResult(path=path)
         )
         return result, [("set", "last_checkpoint", path)]
 
     async def _load_state(
-        self, claim: L.Claim, load: controller_pb2.LoadStatePayload, trainer: Any
+        self, claim: Claim, load: controller_pb2.LoadStatePayload, trainer: TrainerClient
     ) -> tuple[controller_pb2.OperationResult, Effects]:
         ckpt = await self.catalog.get(claim.tenant, load.path)
         if ckpt.type != TRAINING:
@@ -283,41 +292,42 @@ class Scheduler:
     # --- outcomes -------------------------------------------------------------------------
     async def _finish(
         self,
-        claim: L.Claim,
-        state: int,
+        claim: Claim,
+        state: OpState,
         result: controller_pb2.OperationResult | None = None,
         error: errors.LorafleetError | None = None,
-        effects: Effects = (),  # type: ignore[assignment]
+        effects: Sequence[tuple[str, str, Any]] = (),
     ) -> None:
         body = result.SerializeToString() if result is not None else b""
         if await self.ledger.complete(claim.operation_id, state, body, error, effects):
             _observe(claim)
 
 
-def _observe(claim: L.Claim) -> None:
+def _observe(claim: Claim) -> None:
     metrics.OPERATION_LATENCY.labels(kind=KIND_NAMES.get(claim.kind, "other")).observe(
         max(0.0, time.time() - claim.submitted_at)
     )
 
 
-def _outcome(claim: L.Claim, item: trainer_pb2.ForwardBackwardItemResult | None) -> L.Outcome:
+def _outcome(claim: Claim, item: trainer_pb2.ForwardBackwardItemResult | None) -> Outcome:
     """A data operation's outcome from its item of the trainer's batch answer."""
     opid = claim.operation_id
     if item is None:
-        return L.Outcome(opid, L.FAILED, error=errors.Internal("trainer returned no result"))
+        return Outcome(opid, OpState.FAILED, error=errors.Internal("trainer returned no result"))
     if item.WhichOneof("outcome") != "output":
-        return L.Outcome(opid, L.FAILED, error=exception_from_info(item.error))
+        return Outcome(opid, OpState.FAILED, error=exception_from_info(item.error))
     result = controller_pb2.OperationResult(forward_backward=item.output).SerializeToString()
-    effects: Effects = [] if claim.kind == K.OPERATION_KIND_FORWARD else [("set", "dirty", "1")]
-    return L.Outcome(opid, L.SUCCEEDED, result, effects=effects)
+    forward = claim.kind == controller_pb2.OPERATION_KIND_FORWARD
+    effects: Effects = [] if forward else [("set", "dirty", "1")]
+    return Outcome(opid, OpState.SUCCEEDED, result, effects=effects)
 
 
-def round_robin(batch: list[L.Claim]) -> list[L.Claim]:
+def round_robin(batch: list[Claim]) -> list[Claim]:
     """Interleave claims tenant by tenant, keeping each tenant's arrival order."""
-    by_tenant: OrderedDict[str, list[L.Claim]] = OrderedDict()
+    by_tenant: OrderedDict[str, list[Claim]] = OrderedDict()
     for claim in batch:
         by_tenant.setdefault(claim.tenant, []).append(claim)
-    out: list[L.Claim] = []
+    out: list[Claim] = []
     lanes = [list(v) for v in by_tenant.values()]
     while any(lanes):
         for lane in lanes:

@@ -8,7 +8,8 @@ the shared interceptor maps to status codes; nothing here calls `context.abort`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+
+import grpc
 
 from lorafleet import errors
 from lorafleet.rpc.errors import exception_from_info
@@ -17,158 +18,211 @@ from lorafleet_controller import convert
 from lorafleet_controller.controller import Controller
 from lorafleet_controller.registry import ROLLOUT, TRAINER
 
-K = controller_pb2
+pb = controller_pb2
+Context = grpc.aio.ServicerContext
 MAX_WAIT_SECONDS = 60.0
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     def __init__(self, controller: Controller) -> None:
-        self.c = controller
+        self.controller = controller
 
     # --- tenancy and sessions -------------------------------------------------------------
-    async def Authenticate(self, request: Any, context: Any) -> K.AuthenticateResponse:
-        tenant, key_id = await self.c.tenancy.authenticate(request.api_key)
-        return K.AuthenticateResponse(tenant=tenant, key_id=key_id)
+    async def Authenticate(
+        self, request: pb.AuthenticateRequest, context: Context
+    ) -> pb.AuthenticateResponse:
+        tenant, key_id = await self.controller.tenancy.authenticate(request.api_key)
+        return pb.AuthenticateResponse(tenant=tenant, key_id=key_id)
 
-    async def CreateApiKey(self, request: Any, context: Any) -> K.CreateApiKeyResponse:
-        api_key, key_id = await self.c.tenancy.create_key(request.tenant, request.label)
-        return K.CreateApiKeyResponse(api_key=api_key, key_id=key_id)
+    async def CreateApiKey(
+        self, request: pb.CreateApiKeyRequest, context: Context
+    ) -> pb.CreateApiKeyResponse:
+        api_key, key_id = await self.controller.tenancy.create_key(request.tenant, request.label)
+        return pb.CreateApiKeyResponse(api_key=api_key, key_id=key_id)
 
-    async def ListApiKeys(self, request: Any, context: Any) -> K.ListApiKeysResponse:
-        keys = await self.c.tenancy.list_keys(request.tenant)
-        return K.ListApiKeysResponse(
-            keys=[K.ApiKeyInfo(key_id=k.key_id, tenant=k.tenant, label=k.label,
+    async def ListApiKeys(
+        self, request: pb.ListApiKeysRequest, context: Context
+    ) -> pb.ListApiKeysResponse:
+        keys = await self.controller.tenancy.list_keys(request.tenant)
+        return pb.ListApiKeysResponse(
+            keys=[pb.ApiKeyInfo(key_id=k.key_id, tenant=k.tenant, label=k.label,
                                created_at=k.created_at, revoked=k.revoked) for k in keys]
         )  # fmt: skip
 
-    async def RevokeApiKey(self, request: Any, context: Any) -> K.RevokeApiKeyResponse:
-        await self.c.tenancy.revoke_key(request.key_id)
-        return K.RevokeApiKeyResponse()
+    async def RevokeApiKey(
+        self, request: pb.RevokeApiKeyRequest, context: Context
+    ) -> pb.RevokeApiKeyResponse:
+        await self.controller.tenancy.revoke_key(request.key_id)
+        return pb.RevokeApiKeyResponse()
 
-    async def CreateSession(self, request: Any, context: Any) -> K.CreateSessionResponse:
-        session_id = await self.c.tenancy.create_session(
+    async def CreateSession(
+        self, request: pb.CreateSessionRequest, context: Context
+    ) -> pb.CreateSessionResponse:
+        session_id = await self.controller.tenancy.create_session(
             request.tenant, list(request.tags), dict(request.user_metadata),
             request.sdk_version, request.project_id, request.display_name,
         )  # fmt: skip
-        return K.CreateSessionResponse(session_id=session_id)
+        return pb.CreateSessionResponse(session_id=session_id)
 
-    async def SessionHeartbeat(self, request: Any, context: Any) -> K.SessionHeartbeatResponse:
-        await self.c.tenancy.heartbeat(request.tenant, request.session_id)
-        return K.SessionHeartbeatResponse()
+    async def SessionHeartbeat(
+        self, request: pb.SessionHeartbeatRequest, context: Context
+    ) -> pb.SessionHeartbeatResponse:
+        await self.controller.tenancy.heartbeat(request.tenant, request.session_id)
+        return pb.SessionHeartbeatResponse()
 
-    async def FinishSession(self, request: Any, context: Any) -> K.FinishSessionResponse:
-        await self.c.finish_session(request.tenant, request.session_id, request.reason)
-        return K.FinishSessionResponse()
+    async def FinishSession(
+        self, request: pb.FinishSessionRequest, context: Context
+    ) -> pb.FinishSessionResponse:
+        await self.controller.finish_session(request.tenant, request.session_id, request.reason)
+        return pb.FinishSessionResponse()
 
-    async def GetSession(self, request: Any, context: Any) -> K.GetSessionResponse:
-        rec = await self.c.tenancy.get(request.tenant, request.session_id)
-        return K.GetSessionResponse(session=convert.session(rec))
+    async def GetSession(
+        self, request: pb.GetSessionRequest, context: Context
+    ) -> pb.GetSessionResponse:
+        rec = await self.controller.tenancy.get(request.tenant, request.session_id)
+        return pb.GetSessionResponse(session=convert.session(rec))
 
-    async def ListSessions(self, request: Any, context: Any) -> K.ListSessionsResponse:
-        ids, total = await self.c.tenancy.list(request.tenant, request.limit, request.offset)
-        return K.ListSessionsResponse(session_ids=ids, total=total)
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: Context
+    ) -> pb.ListSessionsResponse:
+        ids, total = await self.controller.tenancy.list(
+            request.tenant, request.limit, request.offset
+        )
+        return pb.ListSessionsResponse(session_ids=ids, total=total)
 
     # --- registry -------------------------------------------------------------------------
-    async def CreateRegistration(self, request: Any, context: Any) -> K.CreateRegistrationResponse:
-        rec, load_op = await self.c.create_registration(request)
-        return K.CreateRegistrationResponse(
+    async def CreateRegistration(
+        self, request: pb.CreateRegistrationRequest, context: Context
+    ) -> pb.CreateRegistrationResponse:
+        rec, load_op = await self.controller.create_registration(request)
+        return pb.CreateRegistrationResponse(
             registration=convert.registration(rec), load_operation_id=load_op
         )
 
-    async def GetRegistration(self, request: Any, context: Any) -> K.GetRegistrationResponse:
-        rec = await self.c.registry.get(request.tenant, request.registration_id)
-        return K.GetRegistrationResponse(registration=convert.registration(rec))
+    async def GetRegistration(
+        self, request: pb.GetRegistrationRequest, context: Context
+    ) -> pb.GetRegistrationResponse:
+        rec = await self.controller.registry.get(request.tenant, request.registration_id)
+        return pb.GetRegistrationResponse(registration=convert.registration(rec))
 
-    async def ListRegistrations(self, request: Any, context: Any) -> K.ListRegistrationsResponse:
-        recs, total = await self.c.registry.list(request.tenant, request.limit, request.offset)
-        return K.ListRegistrationsResponse(
+    async def ListRegistrations(
+        self, request: pb.ListRegistrationsRequest, context: Context
+    ) -> pb.ListRegistrationsResponse:
+        recs, total = await self.controller.registry.list(
+            request.tenant, request.limit, request.offset
+        )
+        return pb.ListRegistrationsResponse(
             registrations=[convert.registration(r) for r in recs], total=total
         )
 
-    async def DeleteRegistration(self, request: Any, context: Any) -> K.DeleteRegistrationResponse:
-        await self.c.delete_registration(request.tenant, request.registration_id)
-        return K.DeleteRegistrationResponse()
+    async def DeleteRegistration(
+        self, request: pb.DeleteRegistrationRequest, context: Context
+    ) -> pb.DeleteRegistrationResponse:
+        await self.controller.delete_registration(request.tenant, request.registration_id)
+        return pb.DeleteRegistrationResponse()
 
     # --- ledger ---------------------------------------------------------------------------
-    async def SubmitOperation(self, request: Any, context: Any) -> K.SubmitOperationResponse:
+    async def SubmitOperation(
+        self, request: pb.SubmitOperationRequest, context: Context
+    ) -> pb.SubmitOperationResponse:
         rejected = None
         if request.HasField("rejection"):
             rejected = exception_from_info(request.rejection, errors.InvalidArgument)
-        adm = await self.c.submit_operation(request, rejected)
-        return K.SubmitOperationResponse(
+        adm = await self.controller.submit_operation(request, rejected)
+        return pb.SubmitOperationResponse(
             operation_id=adm.operation_id,
-            state=adm.state,
-            duplicate=adm.duplicate,  # type: ignore[arg-type]
+            state=controller_pb2.OperationState.ValueType(adm.state),
+            duplicate=adm.duplicate,
         )
 
-    async def GetOperation(self, request: Any, context: Any) -> K.GetOperationResponse:
+    async def GetOperation(
+        self, request: pb.GetOperationRequest, context: Context
+    ) -> pb.GetOperationResponse:
         wait = min(max(request.wait_seconds, 0.0), MAX_WAIT_SECONDS)
-        rec = await self.c.ledger.wait(request.tenant, request.operation_id, wait)
-        return K.GetOperationResponse(operation=convert.operation(rec))
+        rec = await self.controller.ledger.wait(request.tenant, request.operation_id, wait)
+        return pb.GetOperationResponse(operation=convert.operation(rec))
 
-    async def AckOperation(self, request: Any, context: Any) -> K.AckOperationResponse:
-        await self.c.ledger.ack(request.tenant, request.operation_id)
-        return K.AckOperationResponse()
+    async def AckOperation(
+        self, request: pb.AckOperationRequest, context: Context
+    ) -> pb.AckOperationResponse:
+        await self.controller.ledger.ack(request.tenant, request.operation_id)
+        return pb.AckOperationResponse()
 
     # --- sampling -------------------------------------------------------------------------
-    async def CreateSampler(self, request: Any, context: Any) -> K.CreateSamplerResponse:
-        rec = await self.c.create_sampler(request)
-        return K.CreateSamplerResponse(sampler=convert.sampler(rec))
+    async def CreateSampler(
+        self, request: pb.CreateSamplerRequest, context: Context
+    ) -> pb.CreateSamplerResponse:
+        rec = await self.controller.create_sampler(request)
+        return pb.CreateSamplerResponse(sampler=convert.sampler(rec))
 
-    async def GetSampler(self, request: Any, context: Any) -> K.GetSamplerResponse:
-        rec = await self.c.samplers.get(request.tenant, request.sampler_id)
-        return K.GetSamplerResponse(sampler=convert.sampler(rec))
+    async def GetSampler(
+        self, request: pb.GetSamplerRequest, context: Context
+    ) -> pb.GetSamplerResponse:
+        rec = await self.controller.samplers.get(request.tenant, request.sampler_id)
+        return pb.GetSamplerResponse(sampler=convert.sampler(rec))
 
-    async def SubmitSample(self, request: Any, context: Any) -> K.SubmitOperationResponse:
-        opid, state, dup, seq_ids = await self.c.samplers.submit(request.tenant, request)
-        return K.SubmitOperationResponse(
+    async def SubmitSample(
+        self, request: pb.SubmitSampleRequest, context: Context
+    ) -> pb.SubmitOperationResponse:
+        opid, state, dup, seq_ids = await self.controller.samplers.submit(request.tenant, request)
+        return pb.SubmitOperationResponse(
             operation_id=opid,
-            state=state,
+            state=controller_pb2.OperationState.ValueType(state),
             duplicate=dup,
-            sequence_ids=seq_ids,  # type: ignore[arg-type]
+            sequence_ids=seq_ids,
         )
 
     # --- checkpoints ----------------------------------------------------------------------
-    async def ListCheckpoints(self, request: Any, context: Any) -> K.ListCheckpointsResponse:
-        recs, total = await self.c.catalog.list(
+    async def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: Context
+    ) -> pb.ListCheckpointsResponse:
+        recs, total = await self.controller.catalog.list(
             request.tenant, request.training_run_id, request.limit, request.offset
         )
-        return K.ListCheckpointsResponse(
+        return pb.ListCheckpointsResponse(
             checkpoints=[convert.checkpoint(r) for r in recs], total=total
         )
 
-    async def GetCheckpoint(self, request: Any, context: Any) -> K.GetCheckpointResponse:
-        rec = await self.c.catalog.get(request.tenant, request.tinker_path)
-        return K.GetCheckpointResponse(checkpoint=convert.checkpoint(rec))
+    async def GetCheckpoint(
+        self, request: pb.GetCheckpointRequest, context: Context
+    ) -> pb.GetCheckpointResponse:
+        rec = await self.controller.catalog.get(request.tenant, request.tinker_path)
+        return pb.GetCheckpointResponse(checkpoint=convert.checkpoint(rec))
 
-    async def DeleteCheckpoint(self, request: Any, context: Any) -> K.DeleteCheckpointResponse:
-        await self.c.catalog.delete(request.tenant, request.tinker_path)
-        return K.DeleteCheckpointResponse()
+    async def DeleteCheckpoint(
+        self, request: pb.DeleteCheckpointRequest, context: Context
+    ) -> pb.DeleteCheckpointResponse:
+        await self.controller.catalog.delete(request.tenant, request.tinker_path)
+        return pb.DeleteCheckpointResponse()
 
-    async def UpdateCheckpoint(self, request: Any, context: Any) -> K.UpdateCheckpointResponse:
-        rec = await self.c.catalog.update(
+    async def UpdateCheckpoint(
+        self, request: pb.UpdateCheckpointRequest, context: Context
+    ) -> pb.UpdateCheckpointResponse:
+        rec = await self.controller.catalog.update(
             request.tenant,
             request.tinker_path,
             request.public if request.HasField("public") else None,
             request.ttl_seconds if request.HasField("ttl_seconds") else None,
             request.clear_ttl,
         )
-        return K.UpdateCheckpointResponse(checkpoint=convert.checkpoint(rec))
+        return pb.UpdateCheckpointResponse(checkpoint=convert.checkpoint(rec))
 
     async def DownloadCheckpoint(
-        self, request: Any, context: Any
+        self, request: pb.DownloadCheckpointRequest, context: Context
     ) -> AsyncIterator[common_pb2.FileChunk]:
-        rec = await self.c.catalog.get(request.tenant, request.tinker_path)
-        for chunk in self.c.catalog.chunks(rec):
+        rec = await self.controller.catalog.get(request.tenant, request.tinker_path)
+        for chunk in await self.controller.catalog.chunks(rec):
             yield chunk
 
     # --- fleet ----------------------------------------------------------------------------
-    async def GetCapabilities(self, request: Any, context: Any) -> K.GetCapabilitiesResponse:
-        models: dict[str, K.BaseModelInfo] = {}
-        for rep in await self.c.registry.replicas():
+    async def GetCapabilities(
+        self, request: pb.GetCapabilitiesRequest, context: Context
+    ) -> pb.GetCapabilitiesResponse:
+        models: dict[str, pb.BaseModelInfo] = {}
+        for rep in await self.controller.registry.replicas():
             if not rep.healthy:
                 continue
-            info = models.setdefault(rep.base_model, K.BaseModelInfo(name=rep.base_model))
+            info = models.setdefault(rep.base_model, pb.BaseModelInfo(name=rep.base_model))
             info.tokenizer_id = info.tokenizer_id or rep.tokenizer_id
             if rep.kind == TRAINER or not info.arch:  # rollouts report their engine here
                 info.arch = rep.arch if rep.kind == TRAINER else info.arch or rep.arch
@@ -181,42 +235,48 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
                         info.loss_fns.append(loss)
             elif rep.kind == ROLLOUT:
                 info.sampleable = True
-        return K.GetCapabilitiesResponse(models=[models[k] for k in sorted(models)])
+        return pb.GetCapabilitiesResponse(models=[models[k] for k in sorted(models)])
 
-    async def RegisterReplica(self, request: Any, context: Any) -> K.RegisterReplicaResponse:
-        await self.c.register_replica(request)
-        return K.RegisterReplicaResponse(
-            heartbeat_interval_seconds=self.c.settings.heartbeat_interval_seconds
+    async def RegisterReplica(
+        self, request: pb.RegisterReplicaRequest, context: Context
+    ) -> pb.RegisterReplicaResponse:
+        await self.controller.register_replica(request)
+        return pb.RegisterReplicaResponse(
+            heartbeat_interval_seconds=self.controller.settings.heartbeat_interval_seconds
         )
 
-    async def GetFleetStatus(self, request: Any, context: Any) -> K.GetFleetStatusResponse:
-        resp = K.GetFleetStatusResponse(ledger_depth=await self.c.ledger.depth())
+    async def GetFleetStatus(
+        self, request: pb.GetFleetStatusRequest, context: Context
+    ) -> pb.GetFleetStatusResponse:
+        resp = pb.GetFleetStatusResponse(ledger_depth=await self.controller.ledger.depth())
         queued_ids: list[str] = []
-        for rep in await self.c.registry.replicas():
-            status = K.ReplicaStatus(
-                kind=K.REPLICA_KIND_TRAINER if rep.kind == TRAINER else K.REPLICA_KIND_ROLLOUT,
+        for rep in await self.controller.registry.replicas():
+            status = pb.ReplicaStatus(
+                kind=pb.REPLICA_KIND_TRAINER if rep.kind == TRAINER else pb.REPLICA_KIND_ROLLOUT,
                 replica_id=rep.replica_id, address=rep.address, base_model=rep.base_model,
                 healthy=rep.healthy, last_seen=rep.last_seen, num_slots=rep.num_slots,
             )  # fmt: skip
             if rep.kind == TRAINER:
-                for _, rid in sorted((await self.c.registry.slot_table(rep.replica_id)).items()):
-                    reg = await self.c.registry.get_any(rid)
+                for _, rid in sorted(
+                    (await self.controller.registry.slot_table(rep.replica_id)).items()
+                ):
+                    reg = await self.controller.registry.get_any(rid)
                     if reg is not None:
                         status.slots.append(convert.registration(reg))
-                for rid in await self.c.registry.queued(rep.base_model):
+                for rid in await self.controller.registry.queued(rep.base_model):
                     if rid not in queued_ids:
                         queued_ids.append(rid)
             else:
                 status.adapters.extend(await self._resident(rep.address))
             resp.replicas.append(status)
         for rid in queued_ids:
-            reg = await self.c.registry.get_any(rid)
+            reg = await self.controller.registry.get_any(rid)
             if reg is not None:
                 resp.queued_registrations.append(convert.registration(reg))
         return resp
 
     async def _resident(self, address: str) -> list[str]:
-        rollout = self.c.pool.rollout(address)
+        rollout = self.controller.pool.rollout(address)
         try:
             return [a.adapter_id for a in await rollout.list_adapters(retry=False)]
         except errors.LorafleetError:

@@ -18,8 +18,15 @@ PREFIX = "LORAFLEET_CONTROLLER_"
 @dataclass(frozen=True)
 class ControllerSettings:
     redis_url: str = setting("redis://127.0.0.1:6379/0", doc="Redis holding all durable state.")
+    redis_cluster: bool = setting(
+        False,
+        doc="REDIS_URL names a node of a Redis Cluster (the fleet's keys share one hash tag, "
+        "so one master holds them; several fleets spread over the masters).",
+    )
     key_prefix: str = setting(
-        "lf:", doc="Prefix of every Redis key (several fleets may share one Redis)."
+        "lf:",
+        doc="Prefix of every Redis key (several fleets may share one Redis); it becomes the "
+        "keys' hash tag, so letters, digits and _.:- only.",
     )
     storage_root: Path = setting(
         Path(".cache/controller-storage"),
@@ -47,10 +54,28 @@ class ControllerSettings:
         256, doc="Open operations per registration (also the seq_id window).", min=1, max=100_000
     )
     max_unacked_results: int = setting(
-        4096, doc="Terminal, unacknowledged results across the ledger.", min=1, max=10_000_000
+        65536,
+        doc="Terminal, unacknowledged results across every tenant: the ceiling that protects "
+        "Redis's memory.",
+        min=1,
+        max=10_000_000,
+    )
+    max_unacked_results_per_tenant: int = setting(
+        4096,
+        doc="Terminal, unacknowledged results of one tenant: a tenant that never retrieves its "
+        "results is refused, not everyone.",
+        min=1,
+        max=10_000_000,
     )
     max_pending_global: int = setting(
-        65536, doc="Open operations across every registration.", min=1, max=10_000_000
+        65536, doc="Open operations across every tenant (the fleet's ceiling).", min=1,
+        max=10_000_000,
+    )  # fmt: skip
+    max_pending_per_tenant: int = setting(
+        4096, doc="Open operations of one tenant.", min=1, max=10_000_000
+    )
+    max_registrations_per_tenant: int = setting(
+        1024, doc="Live (not retired) registrations of one tenant.", min=1, max=1_000_000
     )
     pipeline_submits: bool = setting(
         True,

@@ -16,15 +16,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from lorafleet import errors
+from lorafleet_controller.store import Store, text
 
 KEY_PREFIX = "tml-"
-
-
-def _s(value: bytes | None, default: str = "") -> str:
-    return value.decode() if value is not None else default
 
 
 def hash_key(api_key: str) -> str:
@@ -54,11 +49,9 @@ class Session:
 
 
 class Tenancy:
-    def __init__(
-        self, client: aioredis.Redis, prefix: str, clock: Callable[[], float] = time.time
-    ) -> None:
-        self.r = client
-        self.p = prefix
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.keys = store.keys
         self.clock = clock
 
     # --- API keys -------------------------------------------------------------------------
@@ -69,14 +62,14 @@ class Tenancy:
         api_key = KEY_PREFIX + secrets.token_urlsafe(32)
         key_id = "key-" + secrets.token_hex(8)
         digest = hash_key(api_key)
-        async with self.r.pipeline(transaction=True) as pipe:
+        async with self.store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(
-                f"{self.p}key:{key_id}",
+                self.keys.api_key(key_id),
                 mapping={"tenant": tenant, "label": label, "created_at": self.clock(),
                          "revoked": "0", "hash": digest},
             )  # fmt: skip
-            pipe.set(f"{self.p}apikey:{digest}", key_id)
-            pipe.sadd(f"{self.p}keys:{tenant}", key_id)
+            pipe.set(self.keys.key_hash(digest), key_id)
+            pipe.sadd(self.keys.tenant_keys(tenant), key_id)
             await pipe.execute()
         return api_key, key_id
 
@@ -86,33 +79,35 @@ class Tenancy:
         if not api_key.startswith(KEY_PREFIX):
             raise denied
         digest = hash_key(api_key)
-        key_id = await self.r.get(f"{self.p}apikey:{digest}")
+        key_id = await self.store.redis.get(self.keys.key_hash(digest))
         if key_id is None:
             raise denied
-        tenant, revoked, stored = await self.r.hmget(
-            f"{self.p}key:{_s(key_id)}", "tenant", "revoked", "hash"
+        tenant, revoked, stored = await self.store.redis.hmget(
+            self.keys.api_key(text(key_id)), "tenant", "revoked", "hash"
         )
-        if stored is None or not hmac.compare_digest(_s(stored), digest) or revoked == b"1":
+        if stored is None or not hmac.compare_digest(text(stored), digest) or revoked == b"1":
             raise denied
-        return _s(tenant), _s(key_id)
+        return text(tenant), text(key_id)
 
     async def list_keys(self, tenant: str) -> list[ApiKey]:
-        ids = sorted(_s(i) for i in await self.r.smembers(f"{self.p}keys:{tenant}"))
+        ids = sorted(
+            text(i) for i in await self.store.redis.smembers(self.keys.tenant_keys(tenant))
+        )
         out = []
         for key_id in ids:
-            raw = await self.r.hgetall(f"{self.p}key:{key_id}")
+            raw = await self.store.redis.hgetall(self.keys.api_key(key_id))
             if raw:
                 out.append(
-                    ApiKey(key_id, _s(raw[b"tenant"]), _s(raw.get(b"label")),
+                    ApiKey(key_id, text(raw[b"tenant"]), text(raw.get(b"label")),
                            float(raw[b"created_at"]), raw.get(b"revoked") == b"1")
                 )  # fmt: skip
         return out
 
     async def revoke_key(self, key_id: str) -> None:
-        key = f"{self.p}key:{key_id}"
-        if not await self.r.exists(key):
+        key = self.keys.api_key(key_id)
+        if not await self.store.redis.exists(key):
             raise errors.NotFound(f"no API key {key_id!r}", field="key_id")
-        await self.r.hset(key, "revoked", "1")
+        await self.store.redis.hset(key, "revoked", "1")
 
     # --- sessions -------------------------------------------------------------------------
     async def create_session(
@@ -128,9 +123,9 @@ class Tenancy:
             raise errors.InvalidArgument("tenant is required", field="tenant")
         session_id = f"session-{uuid.uuid4().hex}"
         now = self.clock()
-        async with self.r.pipeline(transaction=True) as pipe:
+        async with self.store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(
-                f"{self.p}sess:{session_id}",
+                self.keys.session(session_id),
                 mapping={
                     "tenant": tenant, "tags": json.dumps(tags),
                     "metadata": json.dumps(user_metadata, sort_keys=True),
@@ -139,58 +134,65 @@ class Tenancy:
                     "last_heartbeat": now,
                 },
             )  # fmt: skip
-            pipe.zadd(f"{self.p}sessions:{tenant}", {session_id: now})
-            pipe.zadd(f"{self.p}sessions_live", {session_id: now})
+            pipe.zadd(self.keys.tenant_sessions(tenant), {session_id: now})
+            pipe.zadd(self.keys.sessions_live, {session_id: now})
             await pipe.execute()
         return session_id
 
     async def check_session(self, tenant: str, session_id: str) -> None:
-        owner = await self.r.hget(f"{self.p}sess:{session_id}", "tenant")
-        if owner is None or _s(owner) != tenant:
+        owner = await self.store.redis.hget(self.keys.session(session_id), "tenant")
+        if owner is None or text(owner) != tenant:
             raise errors.NotFound(f"no session {session_id!r}", field="session_id")
 
     async def heartbeat(self, tenant: str, session_id: str) -> None:
         await self.check_session(tenant, session_id)
-        if await self.r.hget(f"{self.p}sess:{session_id}", "finished") == b"1":
+        if await self.store.redis.hget(self.keys.session(session_id), "finished") == b"1":
             raise errors.Expired(f"session {session_id} is finished", field="session_id")
         now = self.clock()
-        await self.r.hset(f"{self.p}sess:{session_id}", "last_heartbeat", now)
-        await self.r.zadd(f"{self.p}sessions_live", {session_id: now}, xx=True)
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.session(session_id), "last_heartbeat", now)
+            pipe.zadd(self.keys.sessions_live, {session_id: now}, xx=True)
+            await pipe.execute()
 
     async def silent_sessions(self, idle_seconds: float) -> list[tuple[str, str]]:
         """(tenant, session_id) of live sessions with no heartbeat for `idle_seconds`."""
         cutoff = self.clock() - idle_seconds
-        ids = await self.r.zrangebyscore(f"{self.p}sessions_live", "-inf", cutoff)
-        out = []
-        for raw in ids:
-            session_id = _s(raw)
-            tenant = await self.r.hget(f"{self.p}sess:{session_id}", "tenant")
-            out.append((_s(tenant), session_id))
-        return out
+        ids = [
+            text(raw)
+            for raw in await self.store.redis.zrangebyscore(self.keys.sessions_live, "-inf", cutoff)
+        ]
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for session_id in ids:
+                pipe.hget(self.keys.session(session_id), "tenant")
+            tenants = await pipe.execute()
+        return [(text(t), session_id) for t, session_id in zip(tenants, ids, strict=True)]
 
     async def finish(self, tenant: str, session_id: str, reason: str) -> None:
         await self.check_session(tenant, session_id)
-        await self.r.hset(
-            f"{self.p}sess:{session_id}", mapping={"finished": "1", "finish_reason": reason}
-        )
-        await self.r.zrem(f"{self.p}sessions_live", session_id)
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.session(session_id),
+                      mapping={"finished": "1", "finish_reason": reason})  # fmt: skip
+            pipe.zrem(self.keys.sessions_live, session_id)
+            await pipe.execute()
 
     async def training_runs(self, session_id: str) -> list[str]:
-        return sorted(_s(x) for x in await self.r.smembers(f"{self.p}session_runs:{session_id}"))
+        return sorted(
+            text(x) for x in await self.store.redis.smembers(self.keys.session_runs(session_id))
+        )
 
     async def get(self, tenant: str, session_id: str) -> Session:
         await self.check_session(tenant, session_id)
-        raw = await self.r.hgetall(f"{self.p}sess:{session_id}")
+        raw = await self.store.redis.hgetall(self.keys.session(session_id))
         runs = await self.training_runs(session_id)
         samplers = sorted(
-            _s(x) for x in await self.r.smembers(f"{self.p}session_samplers:{session_id}")
+            text(x) for x in await self.store.redis.smembers(self.keys.session_samplers(session_id))
         )
         return Session(
             session_id=session_id,
             tenant=tenant,
             user_metadata=json.loads(raw.get(b"metadata", b"{}")),
             tags=json.loads(raw.get(b"tags", b"[]")),
-            display_name=_s(raw.get(b"display_name")),
+            display_name=text(raw.get(b"display_name")),
             finished=raw.get(b"finished") == b"1",
             created_at=float(raw.get(b"created_at", b"0")),
             training_run_ids=runs,
@@ -198,7 +200,7 @@ class Tenancy:
         )
 
     async def list(self, tenant: str, limit: int, offset: int) -> tuple[list[str], int]:
-        key = f"{self.p}sessions:{tenant}"
-        total = int(await self.r.zcard(key))
+        key = self.keys.tenant_sessions(tenant)
+        total = int(await self.store.redis.zcard(key))
         stop = offset + (limit if limit > 0 else 100) - 1
-        return [_s(x) for x in await self.r.zrevrange(key, offset, stop)], total
+        return [text(x) for x in await self.store.redis.zrevrange(key, offset, stop)], total

@@ -1,0 +1,88 @@
+"""The controller's Redis store: every key name, codec, stored enum and Lua outcome.
+
+Ledger, registry, catalog, samplers, tenancy and publishing reach Redis only through a
+`Store`: key names come from `store.keys`, transitions are `store.scripts` (one Lua script
+each, results read by name), stored states are `OpState` / `RegState`, and bytes become
+text through `text`. `connect` builds the client for one Redis or a Redis Cluster
+(`LORAFLEET_CONTROLLER_REDIS_CLUSTER`); see `keys.py` for why the fleet shares one hash tag.
+
+Fencing: a controller that starts dispatching takes a new epoch (`take_epoch`, an INCR of
+the fleet's epoch counter) and passes it with every dispatch write (claims, outcomes,
+sweeps, placements, replica losses); the scripts refuse an epoch that is no longer the
+newest (`StaleEpoch`). A deposed leader therefore cannot change the ledger even in the
+moments it still believes it leads; requests any replica serves (submit, ack, create) are
+not fenced, since every replica may take them.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from lorafleet_controller.store.keys import Keys
+from lorafleet_controller.store.scripts import Client, Scripts, StaleEpoch, named, text
+from lorafleet_controller.store.states import DATA_KINDS, OPEN, TERMINAL, OpState, RegState
+
+__all__ = [
+    "DATA_KINDS",
+    "OPEN",
+    "TERMINAL",
+    "Client",
+    "Keys",
+    "OpState",
+    "RegState",
+    "Scripts",
+    "StaleEpoch",
+    "Store",
+    "connect",
+    "named",
+    "text",
+]
+
+
+def connect(url: str, *, cluster: bool = False) -> Client:
+    """A client that reconnects and retries across a Redis restart (or a Cluster failover).
+
+    Retrying is safe: every script is idempotent (a replayed submit is a duplicate, a
+    replayed claim or completion finds the state already moved and does nothing).
+    """
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=20)
+    if cluster:
+        return RedisCluster.from_url(
+            url, retry=retry, socket_connect_timeout=2, health_check_interval=5,
+        )  # fmt: skip
+    return aioredis.from_url(
+        url,
+        retry=retry,
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=5,
+        socket_connect_timeout=2,
+    )
+
+
+class Store:
+    """One fleet's view of Redis: its client, key names, scripts and fencing epoch."""
+
+    def __init__(self, client: Client, prefix: str) -> None:
+        self.redis = client
+        self.keys = Keys(prefix)
+        self.scripts = Scripts(client, self.keys)
+        self.epoch: int | None = None  # set while this controller dispatches
+
+    async def take_epoch(self) -> int:
+        """Become the newest dispatcher: every older epoch's writes are refused from now."""
+        self.epoch = int(await self.redis.incr(self.keys.epoch))
+        return self.epoch
+
+    def drop_epoch(self) -> None:
+        self.epoch = None
+
+    def leader_epoch(self) -> int:
+        """The epoch dispatch writes carry; StaleEpoch when this controller is not leading."""
+        if self.epoch is None:
+            raise StaleEpoch("this controller is not dispatching", reason="STALE_EPOCH")
+        return self.epoch

@@ -1,0 +1,162 @@
+-- Helpers shared by every script (prepended by store/scripts.py after the generated `OP`,
+-- `REG`, `DATA_KINDS` constants and the `keys` table). ARGV[1] is the fleet's key base,
+-- ARGV[2] the caller's fencing epoch ('' when the caller is not the dispatching leader),
+-- and the script's own arguments are ARGS[1..] (ARGV[3..]).
+
+-- Operations this script made terminal: announced with one PUBLISH when it ends.
+local DONE = {}
+
+local function publish_done()
+  if #DONE > 0 then redis.call('PUBLISH', keys.done, table.concat(DONE, '\n')) end
+end
+
+-- A deposed leader's writes are refused: the epoch it was given must still be the newest.
+local function check_epoch()
+  if ARGV[2] == '' then return end
+  local current = tonumber(redis.call('GET', keys.epoch) or '0')
+  if tonumber(ARGV[2]) ~= current then
+    return redis.error_reply('STALE_EPOCH epoch ' .. ARGV[2] .. ' was superseded by ' .. current)
+  end
+end
+
+-- A named result: {'name', value, 'name', value, ...}, read by name in Python.
+local function result(...) return { ... } end
+
+local function opid_of(rid, seq) return rid .. '#' .. seq end
+
+local function op_state(opid)
+  return tonumber(redis.call('HGET', keys.op(opid), 'state') or '0')
+end
+
+local function depth(state, delta)
+  redis.call('HINCRBY', keys.depth, tostring(state), delta)
+end
+
+-- Open operations and unacknowledged results, per tenant and for the fleet.
+local function count(tenant, field, delta)
+  redis.call('INCRBY', keys[field], delta)
+  redis.call('HINCRBY', keys.tenant(tenant), field, delta)
+end
+
+local function error_json(category, field, message, reason)
+  return cjson.encode({ category = category, field = field, message = message, reason = reason })
+end
+
+-- Queue the registration's head operation for the scheduler when it can run now.
+local function push_head(rid)
+  local rk = keys.reg(rid)
+  if redis.call('HGET', rk, 'state') ~= REG.READY then return end
+  local id = opid_of(rid, redis.call('HGET', rk, 'head'))
+  local ok = keys.op(id)
+  if tonumber(redis.call('HGET', ok, 'state') or '0') ~= OP.QUEUED then return end
+  if redis.call('HGET', ok, 'pushed') == '1' then return end
+  redis.call('HSET', ok, 'pushed', '1')
+  if DATA_KINDS[redis.call('HGET', ok, 'kind')] then
+    redis.call('RPUSH', keys.ready_data, id)
+  else
+    redis.call('RPUSH', keys.ready_ctl, id)
+  end
+end
+
+-- Move the head past terminal operations, track a gap stall, and queue the new head.
+local function advance(rid, now)
+  local rk = keys.reg(rid)
+  local head = tonumber(redis.call('HGET', rk, 'head'))
+  while true do
+    local st = op_state(opid_of(rid, head))
+    if st == 0 or st == OP.QUEUED or st == OP.CLAIMED then break end
+    head = head + 1
+  end
+  redis.call('HSET', rk, 'head', head)
+  local max_seq = tonumber(redis.call('HGET', rk, 'max_seq'))
+  if op_state(opid_of(rid, head)) == 0 and max_seq > head then
+    if tonumber(redis.call('HGET', rk, 'gap_seq') or '-1') ~= head then
+      redis.call('HSET', rk, 'gap_seq', head)
+      redis.call('ZADD', keys.gaps, now, rid)
+    end
+  else
+    redis.call('HDEL', rk, 'gap_seq')
+    redis.call('ZREM', keys.gaps, rid)
+  end
+  push_head(rid)
+end
+
+-- Make an open (QUEUED or CLAIMED) operation terminal. False when it was not open.
+local function finish(opid, state, result_body, err, now)
+  local ok = keys.op(opid)
+  local f = redis.call('HMGET', ok, 'state', 'tenant', 'ordered', 'rid')
+  local st = tonumber(f[1] or '0')
+  if st ~= OP.QUEUED and st ~= OP.CLAIMED then return false end
+  redis.call('HSET', ok, 'state', state, 'finished_at', now)
+  if result_body ~= '' then redis.call('HSET', ok, 'result', result_body) end
+  if err ~= '' then redis.call('HSET', ok, 'error', err) end
+  redis.call('HDEL', ok, 'payload', 'pushed')
+  redis.call('ZREM', keys.claimed, opid)
+  redis.call('SREM', keys.open_samples, opid)
+  redis.call('ZADD', keys.results, now, opid)
+  if f[3] == '1' then redis.call('HINCRBY', keys.reg(f[4]), 'pending', -1) end
+  count(f[2], 'pending', -1)
+  count(f[2], 'unacked', 1)
+  depth(st, -1)
+  depth(state, 1)
+  table.insert(DONE, opid)
+  return true
+end
+
+-- Release a terminal result: payload and result go, the seq_id stays reserved.
+local function expire(opid)
+  local ok = keys.op(opid)
+  local f = redis.call('HMGET', ok, 'state', 'tenant')
+  local st = tonumber(f[1] or '0')
+  if st ~= OP.SUCCEEDED and st ~= OP.FAILED and st ~= OP.CANCELLED then return false end
+  redis.call('HSET', ok, 'state', OP.EXPIRED)
+  redis.call('HDEL', ok, 'result', 'error', 'payload')
+  redis.call('ZREM', keys.results, opid)
+  count(f[2], 'unacked', -1)
+  depth(st, -1)
+  depth(OP.EXPIRED, 1)
+  return true
+end
+
+-- Fail every open operation of a registration (fencing, lost replica).
+local function fail_open(rid, err, now)
+  local rk = keys.reg(rid)
+  local head = tonumber(redis.call('HGET', rk, 'head'))
+  local max_seq = tonumber(redis.call('HGET', rk, 'max_seq'))
+  local n = 0
+  for seq = head, max_seq do
+    if finish(opid_of(rid, seq), OP.FAILED, '', err, now) then n = n + 1 end
+  end
+  return n
+end
+
+-- A registration leaves the tenant's count of live registrations once, when it retires.
+local function retire_state(rid, tenant)
+  local rk = keys.reg(rid)
+  if redis.call('HGET', rk, 'state') == REG.RETIRED then return end
+  redis.call('HSET', rk, 'state', REG.RETIRED)
+  redis.call('HINCRBY', keys.tenant(tenant), 'registrations', -1)
+end
+
+-- Claim a queued operation for dispatch. Ordered operations are claimable only at their
+-- registration's head while it is bound. Returns false, or the claim as a named result.
+local function claim_op(id, now)
+  local ok = keys.op(id)
+  local f = redis.call('HMGET', ok, 'state', 'rid', 'seq', 'kind', 'payload', 'ordered',
+    'tenant', 'submitted_at')
+  if tonumber(f[1] or '0') ~= OP.QUEUED then return false end
+  local r = redis.call('HMGET', keys.reg(f[2] or ''), 'state', 'head', 'replica', 'slot', 'dirty',
+    'base_model')
+  if f[6] == '1' and (r[1] ~= REG.READY or tonumber(r[2]) ~= tonumber(f[3])) then
+    redis.call('HDEL', ok, 'pushed')
+    return false
+  end
+  redis.call('HSET', ok, 'state', OP.CLAIMED, 'claimed_at', now)
+  redis.call('HDEL', ok, 'pushed')
+  redis.call('ZADD', keys.claimed, now, id)
+  depth(OP.QUEUED, -1)
+  depth(OP.CLAIMED, 1)
+  return result('operation_id', id, 'registration_id', f[2], 'seq_id', f[3], 'kind', f[4],
+    'payload', f[5] or '', 'replica', r[3] or '', 'slot', r[4] or '', 'dirty', r[5] or '0',
+    'base_model', r[6] or '', 'tenant', f[7], 'submitted_at', f[8])
+end

@@ -1,0 +1,32 @@
+-- Record the outcomes of one or more operations. ARGS: now, then per operation: opid, state,
+-- result, error, from ('claimed' or 'open'), n, and n triples (op, field, value) applied to
+-- the registration hash in the same transaction (op: 'set' or 'incr'), for example
+-- optim_steps or the published version. Result: per operation 1 when recorded, 0 when it
+-- was no longer open (a fence or the sweeper won).
+local now = tonumber(ARGS[1])
+local out = {}
+local i = 2
+while i <= #ARGS do
+  local id, state, body, err, from = ARGS[i], tonumber(ARGS[i + 1]), ARGS[i + 2], ARGS[i + 3],
+    ARGS[i + 4]
+  local n = tonumber(ARGS[i + 5])
+  local effects = i + 6
+  i = effects + 3 * n
+  local recorded = 0
+  if (from ~= 'claimed' or op_state(id) == OP.CLAIMED) and finish(id, state, body, err, now) then
+    recorded = 1
+    local ok = keys.op(id)
+    local rid = redis.call('HGET', ok, 'rid')
+    local rk = keys.reg(rid)
+    for e = effects, i - 1, 3 do
+      if ARGS[e] == 'set' then
+        redis.call('HSET', rk, ARGS[e + 1], ARGS[e + 2])
+      elseif ARGS[e] == 'incr' then
+        redis.call('HINCRBY', rk, ARGS[e + 1], tonumber(ARGS[e + 2]))
+      end
+    end
+    if redis.call('HGET', ok, 'ordered') == '1' then advance(rid, now) end
+  end
+  table.insert(out, recorded)
+end
+return out

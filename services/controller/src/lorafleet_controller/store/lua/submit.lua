@@ -1,0 +1,63 @@
+-- Admit an operation at (rid, seq). ARGS: rid, seq, digest, kind, payload, now, tenant,
+-- limits (per registration, per tenant, fleet; unacked per tenant, fleet), born_error (JSON,
+-- '' = none), window. Limits and the window are checked before anything is written, so a
+-- refused seq_id stays free; a hole-filling seq_id is always admitted; a born-FAILED record
+-- (a rejected payload) only needs room for its result.
+-- Result: code = created | duplicate | conflict | not_found | retired | window | unavailable
+-- | backpressure, with operation_id, state, head, reason, scope as they apply.
+local rid, seq, digest, kind, payload = ARGS[1], tonumber(ARGS[2]), ARGS[3], ARGS[4], ARGS[5]
+local now, tenant = tonumber(ARGS[6]), ARGS[7]
+local max_reg, max_tenant, max_fleet = tonumber(ARGS[8]), tonumber(ARGS[9]), tonumber(ARGS[10])
+local max_unacked_tenant, max_unacked_fleet = tonumber(ARGS[11]), tonumber(ARGS[12])
+local born_error, window = ARGS[13], tonumber(ARGS[14])
+local rk = keys.reg(rid)
+local reg = redis.call('HMGET', rk, 'tenant', 'state', 'head', 'max_seq', 'pending',
+  'unavailable_reason')
+if not reg[1] or reg[1] ~= tenant then return result('code', 'not_found') end
+local id = opid_of(rid, seq)
+local ok = keys.op(id)
+local existing = redis.call('HMGET', ok, 'digest', 'state')
+if existing[2] then
+  local code = existing[1] == digest and 'duplicate' or 'conflict'
+  return result('code', code, 'operation_id', id, 'state', existing[2])
+end
+if reg[2] == REG.RETIRED then return result('code', 'retired') end
+local head, max_seq = tonumber(reg[3]), tonumber(reg[4])
+if seq < head or seq >= head + window then return result('code', 'window', 'head', head) end
+if reg[2] == REG.UNAVAILABLE then return result('code', 'unavailable', 'reason', reg[6] or '') end
+if seq > max_seq then
+  local t = redis.call('HMGET', keys.tenant(tenant), 'pending', 'unacked')
+  local refuse = nil
+  if tonumber(t[2] or '0') >= max_unacked_tenant then
+    refuse = 'tenant_results'
+  elseif tonumber(redis.call('GET', keys.unacked) or '0') >= max_unacked_fleet then
+    refuse = 'results'
+  elseif born_error == '' then
+    if tonumber(reg[5]) >= max_reg then
+      refuse = 'registration'
+    elseif tonumber(t[1] or '0') >= max_tenant then
+      refuse = 'tenant'
+    elseif tonumber(redis.call('GET', keys.pending) or '0') >= max_fleet then
+      refuse = 'global'
+    end
+  end
+  if refuse then return result('code', 'backpressure', 'scope', refuse) end
+end
+redis.call('HSET', ok, 'rid', rid, 'tenant', tenant, 'seq', seq, 'kind', kind, 'digest', digest,
+  'submitted_at', now, 'ordered', '1')
+local state = OP.QUEUED
+if born_error ~= '' then
+  state = OP.FAILED
+  redis.call('HSET', ok, 'state', OP.FAILED, 'error', born_error, 'finished_at', now)
+  count(tenant, 'unacked', 1)
+  redis.call('ZADD', keys.results, now, id)
+else
+  redis.call('HSET', ok, 'state', OP.QUEUED, 'payload', payload)
+  redis.call('HINCRBY', rk, 'pending', 1)
+  count(tenant, 'pending', 1)
+end
+depth(state, 1)
+if seq > max_seq then redis.call('HSET', rk, 'max_seq', seq) end
+redis.call('HSET', rk, 'last_request_time', now)
+advance(rid, now)
+return result('code', 'created', 'operation_id', id, 'state', state)
