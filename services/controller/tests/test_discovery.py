@@ -19,7 +19,8 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from kubernetes import client
 
-from lorafleet.errors import InvalidArgument
+from lorafleet.errors import InvalidArgument, LorafleetError
+from lorafleet.v1 import common_pb2
 from lorafleet_controller.discovery import (
     Endpoint,
     KubernetesDiscovery,
@@ -27,6 +28,11 @@ from lorafleet_controller.discovery import (
     StaticDiscovery,
     parse_static,
 )
+from lorafleet_controller.ledger import Ledger
+from lorafleet_controller.notify import Notifier
+from lorafleet_controller.registry import Registry, Replica
+from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import OpState, StaleEpoch, Store, connect
 
 RECORDED = Path(__file__).parent / "recorded"
 NS = "ml"
@@ -316,62 +322,145 @@ def elector(server: FakeApiServer, who: str, log: list, **kwargs) -> LeaderElect
 
 
 async def watch_leaders(electors: list[LeaderElector], seconds: float) -> set[str]:
-    """Sample is_leader every 5 ms; fail on any instant with two leaders."""
+    """Who believed it led at some instant of `seconds` (sampled every 5 ms). Beliefs may
+    overlap on a starved machine (a thread that has not yet noticed its lease ran out):
+    safety is what the store accepts, checked through `Actor`, not what electors believe."""
     leaders: set[str] = set()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        now = [e.identity for e in electors if e.is_leader]
-        assert len(now) <= 1, f"two leaders at once: {now}"
-        leaders.update(now)
+        leaders.update(e.identity for e in electors if e.is_leader)
         await asyncio.sleep(0.005)
     return leaders
 
 
-def no_overlap(log: list) -> None:
-    """Leadership intervals from the callbacks never overlap."""
-    holder = None
-    for _, who, what in sorted(log):
-        if what == "start":
-            assert holder is None, f"{who} started while {holder} leads"
-            holder = who
-        else:
-            assert holder == who
-            holder = None
+class Actor:
+    """One controller's dispatch while its elector says it leads: it takes a leader epoch
+    when it starts leading, then keeps submitting, claiming and completing operations of one
+    registration, each result naming (who, epoch). Writes of a superseded epoch are refused
+    by the store, so the recorded results show who actually acted, in order."""
+
+    def __init__(self, who: str, store: Store, settings: ControllerSettings, rid: str) -> None:
+        self.who, self.store, self.rid = who, store, rid
+        self.ledger = Ledger(store, settings, Notifier(store.redis, store.keys.done))
+        self.elector: LeaderElector | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.refused = 0
+
+    async def started(self) -> None:
+        await self.store.take_epoch()
+        self.task = asyncio.create_task(self._act())
+
+    async def stopped(self) -> None:
+        self.store.drop_epoch()
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def _act(self) -> None:
+        result = f"{self.who}:{self.store.epoch}".encode()
+        keys = self.store.keys
+        while self.elector is not None and self.elector.is_leader:
+            try:
+                for opid in await self.ledger.claimed_ids():  # left by a deposed leader
+                    if await self.ledger.load_claim(opid) is not None:
+                        await self.ledger.complete(opid, OpState.SUCCEEDED, result)
+                seq = int(await self.store.redis.hget(keys.reg(self.rid), "max_seq") or 0) + 1
+                await self.ledger.submit("t", self.rid, seq, 3, b"x", f"d{seq}")
+                for claim in await self.ledger.claim_many([], 4):
+                    await self.ledger.complete(claim.operation_id, OpState.SUCCEEDED, result)
+            except StaleEpoch:
+                self.refused += 1
+            except LorafleetError:  # a seq_id raced by the other controller: go on
+                pass
+            await asyncio.sleep(0.002)
 
 
-async def test_two_electors_never_both_lead(apiserver):
+async def acted(store: Store, rid: str) -> list[tuple[str, int]]:
+    """(who, epoch) of every completed operation, in seq order (= execution order)."""
+    max_seq = int(await store.redis.hget(store.keys.reg(rid), "max_seq") or 0)
+    out = []
+    for seq in range(1, max_seq + 1):
+        result = await store.redis.hget(store.keys.op(f"{rid}#{seq}"), "result")
+        if result:
+            who, epoch = result.decode().split(":")
+            out.append((who, int(epoch)))
+    return out
+
+
+async def ready_registration(store: Store, settings: ControllerSettings) -> str:
+    registry = Registry(store, settings)
+    await registry.register_replica(Replica("trainer", "tr", "127.0.0.1:1", "m", 4, "i", 0, True))
+    rec, _ = await registry.create(
+        "t", "s", 0, "m", common_pb2.LoraConfig(rank=4), {}, "adamw", False
+    )
+    placement = await registry.place(rec.registration_id)
+    assert await registry.bound(rec.registration_id, placement.replica, placement.slot)
+    return rec.registration_id
+
+
+async def test_two_electors_never_both_lead(apiserver, redis_server):
+    """Safety under starvation: never two leaders *acting*. Each elector drives a real ledger
+    (fenced by the leader epoch); the store's record of who completed each operation must
+    show leadership terms one after the other, never interleaved."""
+    settings = ControllerSettings(
+        redis_url=redis_server.url, max_pending_per_registration=100_000,
+        max_unacked_results_per_tenant=1_000_000, max_pending_per_tenant=1_000_000,
+    )  # fmt: skip
+    client = connect(redis_server.url)
+    setup = Store(client, settings.key_prefix)
+    rid = await ready_registration(setup, settings)
     log: list = []
-    a, b = elector(apiserver, "a", log), elector(apiserver, "b", log)
-    tasks = [asyncio.create_task(e.run()) for e in (a, b)]
+    actors = {who: Actor(who, Store(client, settings.key_prefix), settings, rid)
+              for who in ("a", "b")}  # fmt: skip
+    electors = []
+    for who, actor in actors.items():
+
+        async def started(who: str = who, actor: Actor = actor) -> None:
+            log.append((time.monotonic(), who, "start"))
+            await actor.started()
+
+        async def stopped(who: str = who, actor: Actor = actor) -> None:
+            log.append((time.monotonic(), who, "stop"))
+            await actor.stopped()
+
+        actor.elector = LeaderElector(
+            apiserver.api_client(who), NS, LEASE, who, on_started_leading=started,
+            on_stopped_leading=stopped, **FAST,
+        )  # fmt: skip
+        electors.append(actor.elector)
+    tasks = [asyncio.create_task(e.run()) for e in electors]
     try:
-        assert len(await watch_leaders([a, b], 1.5)) == 1
-        first = a if a.is_leader else b
-        other = b if first is a else a
-        # Partition the leader from the API server: it must step down by its renew
-        # deadline, and the other may take over only after the lease duration.
+        await wait_until(lambda: any(e.is_leader for e in electors), within=30)
+        first = next(e for e in electors if e.is_leader)
+        other = next(e for e in electors if e is not first)
+        await asyncio.sleep(0.3)  # the first leader acts for a while
+        # Partition the leader from the API server: the other may take over only after the
+        # lease duration, and from then on the partitioned one's writes are refused.
         apiserver.blocked.add(first.identity)
         cut = time.monotonic()
-        assert await watch_leaders([a, b], 2.5) >= {other.identity}
-        assert other.is_leader and not first.is_leader
-        stop = next(t for t, who, what in log if who == first.identity and what == "stop")
+        await wait_until(lambda: other.is_leader, within=30)
         start = next(t for t, who, what in log if who == other.identity and what == "start")
         # The old leader's last accepted write was at most one retry period before the cut.
         assert start - cut >= FAST["lease_duration"] - 2 * FAST["retry_period"]
-        assert stop < start and stop - cut <= FAST["renew_deadline"] + 0.3
-        # The old leader comes back. Safety must still hold (watch_leaders fails on any
-        # instant with two leaders, no_overlap below on any overlapping terms); who leads
-        # next depends on renewals that a starved CI machine may miss, so only liveness —
-        # somebody leads — is asserted here.
+        await asyncio.sleep(0.3)  # the new leader acts for a while
+        # The old leader comes back: terms may change again, never overlap in the store.
         apiserver.blocked.clear()
-        assert await watch_leaders([a, b], 1.0)
+        await watch_leaders(electors, 1.0)
+        await wait_until(lambda: any(e.is_leader for e in electors), within=30)
     finally:
         apiserver.blocked.clear()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    no_overlap(log)
-    holders = {holder for _, holder in apiserver.lease_writes}
-    assert holders >= {"a", "b"}
+    history = await acted(setup, rid)
+    await client.aclose()
+    assert {who for who, _ in history} >= {first.identity, other.identity}
+    terms = [epoch for _, epoch in history]
+    assert terms == sorted(terms), "a superseded leader's write landed after a newer one's"
+    owners: dict[int, str] = {}
+    for who, epoch in history:
+        assert owners.setdefault(epoch, who) == who, f"epoch {epoch} used by two controllers"
+    assert {holder for _, holder in apiserver.lease_writes} >= {"a", "b"}
     assert apiserver.lease["spec"]["leaseTransitions"] >= 1
 
 
