@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from lorafleet_controller.discovery.types import Discovery
 
 SERVICE = "lorafleet.v1.ControllerService"
+JOB_SERVICE = "lorafleet.v1.JobService"
 log = logging.getLogger("lorafleet_controller")
 
 
@@ -69,9 +70,10 @@ async def run(
     from prometheus_client import start_http_server
 
     from lorafleet.rpc.server import ServiceSpec, start_server
-    from lorafleet.v1 import controller_pb2_grpc
+    from lorafleet.v1 import controller_pb2_grpc, jobs_pb2_grpc
     from lorafleet_controller import cluster
     from lorafleet_controller.controller import Controller
+    from lorafleet_controller.jobs_servicer import JobServicer
     from lorafleet_controller.servicer import ControllerServicer
 
     stop = asyncio.Event()
@@ -94,9 +96,14 @@ async def run(
         add_fn=controller_pb2_grpc.add_ControllerServiceServicer_to_server,
         full_name=SERVICE,
     )
+    jobs = ServiceSpec(
+        servicer=JobServicer(controller.jobs),
+        add_fn=jobs_pb2_grpc.add_JobServiceServicer_to_server,
+        full_name=JOB_SERVICE,
+    )
     running = await start_server(
         server,
-        [spec],
+        [spec, jobs],
         lambda: controller.start(lead=not settings.leader_election),
         # NOT_SERVING until the lease is ours
         standby=(SERVICE,) if settings.leader_election else (),

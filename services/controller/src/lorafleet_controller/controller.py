@@ -21,6 +21,8 @@ from lorafleet_controller import metrics, validate
 from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.discovery.types import Discovery
+from lorafleet_controller.fleet import Fleet
+from lorafleet_controller.jobs.runner import JobRunner
 from lorafleet_controller.ledger import Admission, Ledger
 from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.membership import Membership
@@ -83,12 +85,14 @@ class Controller:
             self.blocking, self.store.keys, self.ledger, self.registry, self.catalog, self.pool,
             settings, self.publisher.publish, gate=is_leader,
         )  # fmt: skip
+        self.fleet = Fleet(self.registry, self.ledger, self.pool)
         self.membership: Membership | None = None
         if discovery is not None:
             self.membership = Membership(
                 discovery, self.registry, self.pool, self.admit_replica, self.lose_replica,
                 probe_interval=settings.heartbeat_interval_seconds,
             )  # fmt: skip
+        self.jobs = JobRunner(self)  # managed training jobs (issue 13); run by the leader
         self._loops: list[asyncio.Task[None]] = []
         self._side: set[asyncio.Task[None]] = set()
         self._leading = asyncio.Lock()
@@ -116,6 +120,7 @@ class Controller:
             if self.membership is not None:
                 self._loops.append(asyncio.create_task(self.membership.run(), name="membership"))
         self._background(self._fill_all())
+        await self.jobs.resume()
 
     async def _fill_all(self) -> None:
         """Place what queued up while no leader acted on it (e.g. a trainer came back)."""
@@ -129,6 +134,7 @@ class Controller:
         repeated id with its first result, so nothing runs twice.
         """
         async with self._leading:
+            await self.jobs.stop()  # jobs resume from their cursors under the next leader
             tasks = [*self._loops, *self._side]
             self._loops = []
             for task in tasks:

@@ -1,0 +1,421 @@
+"""The durable job runner: jobs as ledger operations on their run, resumed by the leader.
+
+`JobRunner.create` validates a request whole (parameters, data, run, chat template, units)
+before it writes anything, then records the job and queues it on its run. The leader runs
+one worker per run with unfinished jobs, one job at a time (they share the run's seq_ids).
+A job starts at the run's next seq_id (stored in its cursor) and submits every operation
+through `Controller.submit_operation`, exactly as the gateway does for an SDK client, then
+waits on the ledger for its result.
+
+Durability: the cursor is written at every pass boundary (`loop.Cursor`), and results are
+acknowledged only after the cursor that no longer needs them is durable. A controller that
+dies mid-pass is replaced by a leader that re-runs the pass from its cursor: every
+operation it submits again is a duplicate the ledger answers with the stored result
+(or waits for, if it had not run yet), so nothing runs twice and the adapter ends as it
+would have without the crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lorafleet import errors
+from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet_controller.jobs import data, loop, params, tokenizer, units
+from lorafleet_controller.jobs.params import JobKind, JobParams
+from lorafleet_controller.jobs.records import JobRecord, JobState, Records
+from lorafleet_controller.registry import TRAINER, RegRecord
+from lorafleet_controller.store import OpState, RegState
+
+if TYPE_CHECKING:
+    from lorafleet_controller.controller import Controller
+
+log = logging.getLogger(__name__)
+pb = controller_pb2
+WAIT_SECONDS = 30.0
+HEARTBEAT_SECONDS = 60.0
+JOBS_TAG = "lorafleet-jobs"
+
+
+class JobCancelled(Exception):
+    """Raised between two operations of a job whose cancellation was requested."""
+
+
+def job_error(exc: errors.LorafleetError) -> dict[str, str]:
+    return {"category": exc.category, "field": exc.field, "message": exc.message,
+            "reason": exc.reason or type(exc).__name__}  # fmt: skip
+
+
+def _tensor(fmt: str, dtype: int, values: Sequence[float]) -> common_pb2.Tensor:
+    return common_pb2.Tensor(
+        dtype=dtype, shape=[len(values)], data=struct.pack(f"<{len(values)}{fmt}", *values)
+    )
+
+
+def datum(chunk: units.Chunk, weight: float) -> common_pb2.Datum:
+    """A chunk as a cross-entropy datum: weight on trained targets, 0 elsewhere.
+
+    A window's context (its document's earlier tokens) is prepended with weight 0: the
+    window's targets are predicted after the whole document so far.
+    """
+    ctx = list(chunk.context)
+    tokens = ctx + list(chunk.tokens)
+    targets = ctx[1:] + ([chunk.tokens[0]] if ctx else []) + list(chunk.targets)
+    weights = [0.0] * len(ctx) + [m * weight for m in chunk.mask]
+    return common_pb2.Datum(
+        tokens=tokens,
+        loss_fn_inputs={
+            "target_tokens": _tensor("q", common_pb2.DTYPE_INT64, targets),
+            "weights": _tensor("f", common_pb2.DTYPE_FLOAT32, weights),
+        },
+    )
+
+
+def stored_params(kind: JobKind, p: JobParams) -> dict[str, str]:
+    """The parameters a job stores: every one its kind accepts, defaults filled in."""
+    return {k: v for k, v in p.to_text().items() if k in params.ACCEPTED[kind] and v != ""}
+
+
+class LedgerExecutor:
+    """`loop.Executor` over the ledger: operation k of the job is seq_id `seq + k`."""
+
+    def __init__(self, runner: JobRunner, rec: JobRecord, seq: int) -> None:
+        self.runner = runner
+        self.controller = runner.controller
+        self.rec = rec
+        self.seq = seq
+        self.unacked: list[str] = []
+        self.live: list[dict[str, Any]] = []  # curve points since the last pass boundary
+        self._beat = 0.0
+
+    async def _op(self, payload: pb.OperationPayload) -> pb.OperationResult:
+        if await self.runner.records.cancel_requested(self.rec.job_id):
+            raise JobCancelled
+        req = pb.SubmitOperationRequest(tenant=self.rec.tenant,
+                                        registration_id=self.rec.registration_id,
+                                        seq_id=self.seq, payload=payload)  # fmt: skip
+        while True:
+            try:
+                adm = await self.controller.submit_operation(req)
+                break
+            except errors.ResourceExhausted as exc:  # backpressure: nothing was admitted
+                await asyncio.sleep(exc.retry_after or 1.0)
+        self.seq += 1
+        self.unacked.append(adm.operation_id)
+        while True:
+            op = await self.controller.ledger.wait(self.rec.tenant, adm.operation_id,
+                                                   WAIT_SECONDS)  # fmt: skip
+            await self._heartbeat()
+            if op.terminal:
+                break
+        if op.state != OpState.SUCCEEDED:
+            err = op.error or {}
+            raise errors.FailedPrecondition(
+                f"operation {adm.operation_id} ended {op.state.label}: "
+                f"{err.get('message', 'no result')}",
+                field=err.get("field", ""), reason=err.get("reason", "OPERATION_FAILED"),
+            )  # fmt: skip
+        return pb.OperationResult.FromString(op.result)
+
+    async def _heartbeat(self) -> None:
+        """Keep the run's session alive while its job runs (sessions time out when silent)."""
+        now = time.monotonic()
+        if now - self._beat < HEARTBEAT_SECONDS:
+            return
+        self._beat = now
+        session = self.rec.registration_id.split(":train:")[0]
+        with contextlib.suppress(errors.LorafleetError):
+            await self.controller.tenancy.heartbeat(self.rec.tenant, session)
+
+    async def forward_backward(
+        self, chunks: Sequence[units.Chunk], weight: float, forward_only: bool
+    ) -> float:
+        fb = common_pb2.ForwardBackwardInput(
+            data=[datum(c, weight) for c in chunks], loss_fn="cross_entropy",
+            forward_only=forward_only,
+        )  # fmt: skip
+        payload = pb.OperationPayload(forward=fb) if forward_only else \
+            pb.OperationPayload(forward_backward=fb)  # fmt: skip
+        out = await self._op(payload)
+        return float(out.forward_backward.metrics["loss:sum"])
+
+    async def optim_step(self, lr: float, p: JobParams) -> None:
+        adam = common_pb2.AdamParams(
+            learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=p.weight_decay,
+            grad_clip_norm=p.max_grad_norm,
+        )  # fmt: skip
+        await self._op(pb.OperationPayload(optim_step=adam))
+
+    async def save_state(self, name: str) -> str:
+        out = await self._op(pb.OperationPayload(save_state=pb.SaveStatePayload(name=name)))
+        return out.save_state.path
+
+    async def load_state(self, path: str) -> None:
+        await self._op(pb.OperationPayload(load_state=pb.LoadStatePayload(path=path)))
+
+    async def checkpoint(self, cursor: loop.Cursor) -> None:
+        cursor.seq = self.seq
+        self.live = []
+        await self.runner.records.update(self.rec.job_id, cursor=cursor.to_dict(), live=[])
+        await self.ack()
+
+    async def ack(self) -> None:
+        """Release results the durable cursor no longer needs."""
+        for opid in self.unacked:
+            with contextlib.suppress(errors.LorafleetError):
+                await self.controller.ledger.ack(self.rec.tenant, opid)
+        self.unacked = []
+
+    async def report(self, point: dict[str, Any]) -> None:
+        self.live.append(point)
+        await self.runner.records.update(self.rec.job_id, live=self.live)
+
+
+class JobRunner:
+    """Creates, runs, resumes and cancels jobs; `resume`/`stop` follow the leadership."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.records = Records(controller.store, controller.notifier)
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._running = False
+
+    # --- requests ---------------------------------------------------------------------------
+    async def create(
+        self, tenant: str, kind: JobKind, rid: str, base_model: str, raw: dict[str, str],
+        pairs: Sequence[data.Pair], documents: Sequence[str],
+    ) -> JobRecord:  # fmt: skip
+        """Validate the whole request, then record and queue the job."""
+        p = params.parse(kind, raw)
+        if kind == JobKind.QA:
+            data.check_pairs(pairs)
+        elif kind == JobKind.TEXT:
+            data.check_documents(documents)
+        reg: RegRecord | None = None
+        if rid:
+            reg = await self.controller.registry.get(tenant, rid)
+            if reg.state == RegState.RETIRED:
+                raise errors.FailedPrecondition(
+                    f"run {rid} was retired", field="registration_id", reason="RETIRED"
+                )
+            if base_model and base_model != reg.base_model:
+                raise errors.InvalidArgument(
+                    f"run {rid} trains {reg.base_model!r}", field="base_model"
+                )
+            self._check_shape(reg, p, raw)
+        else:
+            reg = await self._live_default(tenant)
+            if reg is not None:
+                self._check_shape(reg, p, raw)
+        base = reg.base_model if reg is not None else await self._default_base(base_model)
+        stored = {"pairs": [[x.question, x.answer] for x in pairs], "documents": list(documents)}
+        plan = await self._plan(kind, base, p, stored)
+        # Everything is valid: from here on, things are written.
+        if reg is None:
+            reg = await self._create_default(tenant, base, p)
+        job_id = f"job-{uuid.uuid4().hex[:20]}"
+        max_updates = 0 if plan is None else \
+            p.max_iters * plan.updates_per_pass(p.gradient_accumulation)  # fmt: skip
+        rec = await self.records.create(job_id, tenant, kind.value, reg.registration_id,
+                                        reg.base_model, stored_params(kind, p), stored,
+                                        max_updates)  # fmt: skip
+        self._kick(reg.registration_id)
+        return rec
+
+    async def cancel(self, tenant: str, job_id: str) -> JobRecord:
+        rec = await self.records.get(tenant, job_id)
+        if not rec.finished:
+            await self.records.request_cancel(job_id)
+        return await self.records.get(tenant, job_id)
+
+    async def reset_default(self, tenant: str) -> str:
+        """Retire the tenant's default run; the next job without a run starts afresh."""
+        default = await self.records.default_run(tenant)
+        rid = default.get("rid", "")
+        if rid:
+            with contextlib.suppress(errors.NotFound):
+                await self.controller.delete_registration(tenant, rid)
+        await self.records.clear_default_run(tenant)
+        return rid
+
+    # --- validation helpers ---------------------------------------------------------------
+    @staticmethod
+    def _check_shape(reg: RegRecord, p: JobParams, raw: dict[str, str]) -> None:
+        """A job on an existing run may not ask for a different adapter shape."""
+        have = {"rank": reg.lora.rank, "alpha": reg.lora.alpha or None,
+                "dropout": round(reg.lora.dropout, 6),
+                "lora_plus_ratio": reg.lora.lora_plus_ratio or 1.0,
+                "targets": tuple(reg.lora.target_modules)}  # fmt: skip
+        want = {"rank": p.rank, "alpha": p.alpha, "dropout": round(p.dropout, 6),
+                "lora_plus_ratio": p.lora_plus_ratio,
+                "targets": tuple(p.lora_targets)}  # fmt: skip
+        for name in params.LORA_SHAPE:
+            if name in raw and have[name] is not None and have[name] != want[name]:
+                raise errors.InvalidArgument(
+                    f"run {reg.registration_id} has {name} {have[name]!r}; a job cannot "
+                    "change an existing adapter's shape (POST /v1/lora/reset for a new one)",
+                    field=name,
+                )
+
+    async def _live_default(self, tenant: str) -> RegRecord | None:
+        rid = (await self.records.default_run(tenant)).get("rid", "")
+        if not rid:
+            return None
+        reg = await self.controller.registry.get_any(rid)
+        return None if reg is None or reg.state == RegState.RETIRED else reg
+
+    async def _default_base(self, requested: str) -> str:
+        served = sorted({r.base_model for r in await self.controller.registry.replicas(TRAINER)})
+        if requested:
+            if requested not in served:
+                raise errors.InvalidArgument(
+                    f"no trainer serves {requested!r} (served: {served})", field="base_model"
+                )
+            return requested
+        if len(served) == 1:
+            return served[0]
+        if not served:
+            raise errors.Unavailable("no trainer is registered yet", field="base_model")
+        raise errors.InvalidArgument(
+            f"several base models are served ({served}); name one", field="base_model"
+        )
+
+    async def _codec(self, base_model: str) -> tokenizer.HfCodec:
+        trainers = await self.controller.registry.replicas(TRAINER, base_model)
+        ids = sorted({r.tokenizer_id for r in trainers if r.tokenizer_id})
+        if not ids:
+            raise errors.Unavailable(
+                f"no trainer of {base_model!r} announced a tokenizer", field="base_model"
+            )
+        return await asyncio.to_thread(tokenizer.load, ids[0])
+
+    async def _plan(
+        self, kind: JobKind, base_model: str, p: JobParams, stored: dict[str, Any]
+    ) -> units.Plan | None:
+        if kind == JobKind.SAVE:
+            return None
+        codec = await self._codec(base_model)
+        if kind == JobKind.QA:
+            pairs = [data.Pair(q, a) for q, a in stored["pairs"]]
+            return await asyncio.to_thread(units.qa_plan, codec, pairs, p.validation_split,
+                                           p.seed, p.max_train_tokens)  # fmt: skip
+        return await asyncio.to_thread(units.text_plan, codec, stored["documents"],
+                                       p.chunk_tokens, p.validation_split, p.seed,
+                                       p.max_train_tokens)  # fmt: skip
+
+    async def _create_default(self, tenant: str, base_model: str, p: JobParams) -> RegRecord:
+        """The tenant's default run: a fresh adapter of the job's shape, or, when the last
+        default run was retired (its session timed out), one resumed from its final state."""
+        previous = await self.records.default_run(tenant)
+        session = await self.controller.tenancy.create_session(
+            tenant, [JOBS_TAG], {}, "", "", "managed training jobs"
+        )
+        lora = common_pb2.LoraConfig(
+            rank=p.rank, alpha=p.alpha, dropout=p.dropout, seed=p.seed,
+            target_modules=p.lora_targets, lora_plus_ratio=p.lora_plus_ratio,
+            a_only_weight_decay=True,
+        )  # fmt: skip
+        req = pb.CreateRegistrationRequest(
+            tenant=tenant, session_id=session, model_seq_id=0, base_model=base_model,
+            lora_config=lora, initial_checkpoint=previous.get("checkpoint", ""),
+        )  # fmt: skip
+        reg, _ = await self.controller.create_registration(req)
+        await self.records.set_default_run(tenant, rid=reg.registration_id, checkpoint="")
+        return reg
+
+    # --- execution (leader only) ----------------------------------------------------------
+    async def resume(self) -> None:
+        """Start a worker for every run with unfinished jobs (after a restart or failover)."""
+        self._running = True
+        for job_id in await self.records.open_ids():
+            with contextlib.suppress(errors.NotFound):
+                rec = await self.records.get_any(job_id)
+                self._kick(rec.registration_id)
+
+    async def stop(self) -> None:
+        self._running = False
+        workers = list(self._workers.values())
+        self._workers.clear()
+        for task in workers:
+            task.cancel()
+        for task in workers:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _kick(self, rid: str) -> None:
+        if not self._running or not self.controller.leading:
+            return
+        task = self._workers.get(rid)
+        if task is None or task.done():
+            self._workers[rid] = asyncio.create_task(self._work(rid), name=f"jobs:{rid}")
+
+    async def _work(self, rid: str) -> None:
+        while True:
+            queue = await self.records.run_queue(rid)
+            if not queue:
+                return
+            try:
+                rec = await self.records.get_any(queue[0])
+            except errors.NotFound:
+                await self.controller.store.redis.lrem(self.records.keys.run_jobs(rid), 0,
+                                                       queue[0])  # fmt: skip
+                continue
+            try:
+                await self._execute(rec)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug must fail the job, not wedge the run's queue
+                log.exception("job %s failed", rec.job_id)
+                await self.records.finish(rec, JobState.FAILED,
+                                          error=job_error(errors.Internal(str(exc))))  # fmt: skip
+
+    async def _execute(self, rec: JobRecord) -> None:
+        kind = JobKind(rec.kind)
+        if rec.finished:
+            await self.records.finish(rec, rec.state)
+            return
+        if rec.cancel_requested and rec.state == JobState.QUEUED:
+            await self.records.finish(rec, JobState.CANCELLED)
+            return
+        if rec.cursor is None:
+            reg = await self.controller.registry.get_any(rec.registration_id)
+            if reg is None:
+                raise errors.NotFound(f"no run {rec.registration_id}", field="registration_id")
+            cursor = loop.Cursor(seq=reg.max_seq + 1)
+            await self.records.update(rec.job_id, state=JobState.RUNNING.value,
+                                      started_at=time.time(), cursor=cursor.to_dict())  # fmt: skip
+        else:
+            cursor = loop.Cursor.from_dict(rec.cursor)
+        p = params.parse(kind, rec.params)
+        ex = LedgerExecutor(self, rec, cursor.seq)
+        try:
+            if kind == JobKind.SAVE:
+                path = await ex.save_state(p.name or f"{rec.job_id}-save")
+                result: dict[str, Any] = {"checkpoint": path}
+            else:
+                plan = await self._plan(kind, rec.base_model, p, rec.data)
+                assert plan is not None
+                cursor = await loop.run(rec.job_id, plan, p, ex, cursor)
+                path = await ex.save_state(f"{rec.job_id}-final")
+                result = loop.result(kind, plan, cursor, path)
+        except JobCancelled:
+            await ex.ack()
+            await self.records.finish(rec, JobState.CANCELLED, cursor=cursor.to_dict())
+            return
+        except errors.LorafleetError as exc:
+            await ex.ack()
+            await self.records.finish(rec, JobState.FAILED, error=job_error(exc))
+            return
+        await ex.ack()
+        await self.records.finish(rec, JobState.SUCCEEDED, result=result,
+                                  cursor=cursor.to_dict())  # fmt: skip
+        default = await self.records.default_run(rec.tenant)
+        if default.get("rid") == rec.registration_id:
+            await self.records.set_default_run(rec.tenant, checkpoint=path)
