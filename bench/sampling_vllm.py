@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -191,6 +193,7 @@ async def compare(
             entry["greedy_sequences_identical"] = f"{same}/{total}"
         report[load.name] = entry
         report[f"_{load.name}_seconds"] = seconds
+        print(f"({load.name}) {json.dumps(entry)}", file=sys.stderr, flush=True)
     return report
 
 

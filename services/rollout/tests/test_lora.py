@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from rollout_helpers import load_base, make_adapter, reference_model
 
 from lorafleet.errors import InvalidArgument
-from lorafleet_rollout.decoder import Decoder, SlotCache
+from lorafleet_rollout.decoder import Decoder, Segment, SlotCache
 from lorafleet_rollout.lora import AdapterWeights, adapter_weights, make_route
 from lorafleet_rollout.peft_io import WEIGHTS_FILE, check_fits, linear_shapes, read_peft_dir
 
@@ -53,32 +53,49 @@ def install(dec: Decoder, linears: dict[str, tuple[int, int]], name: str, folder
     dec.install(name, weights)
 
 
-def mixed_logprobs(dec: Decoder, rows: list[str | None], ids: torch.Tensor) -> torch.Tensor:
+def mixed_logprobs(
+    dec: Decoder, rows: list[str | None], ids: torch.Tensor, shared: int = 0
+) -> torch.Tensor:
     """Log-softmax [R, T, V] of every position: each row prefilled alone through its adapter
-    (all but the last token), then one routed decode step over all rows together."""
+    (all but the last token), then one routed decode step over all rows together. With
+    `shared`, rows 0 and 1 attend to one `Segment` holding row 0's first `shared` positions
+    and keep only the rest in their slots."""
     count, length = ids.shape
     prefilled = []
     dec.cache.reserve(count, length)
+    segment = None
     for r, name in enumerate(rows):
         shape = (dec.kv_heads, length - 1, dec.head_dim)
         keys = [torch.zeros(shape) for _ in dec.layers]
         values = [torch.zeros(shape) for _ in dec.layers]
         hidden = dec.prefill(ids[r, :-1], 0, keys, values, dec.slot(name))
         prefilled.append(dec.logits(hidden))
-        dec.cache.fill(slice(r, r + 1), keys, values)
+        base = shared if r < 2 else 0
+        if r == 0 and shared:
+            segment = Segment([k[:, :shared] for k in keys], [v[:, :shared] for v in values])
+        dec.cache.fill(slice(r, r + 1), [k[:, base:] for k in keys], [v[:, base:] for v in values])
     route = make_route([dec.slot(name) for name in rows])
-    last = dec.decode(ids[:, -1], torch.full((count,), length - 1), length, route)
+    pos = torch.full((count,), length - 1)
+    cols = pos - torch.tensor([shared if r < 2 else 0 for r in range(count)])
+    groups = [] if segment is None else [(segment, torch.tensor([0, 1]))]
+    last = dec.decode(ids[:, -1], pos, cols, int(cols.max()) + 1, route, groups)
     dec.cache.clear()
     return torch.log_softmax(torch.cat([torch.stack(prefilled), last[:, None]], dim=1), dim=-1)
 
 
 def check_rows(
-    dec: Decoder, model_dir: Path, folders: dict[str, Path], rows: list[str | None]
+    dec: Decoder,
+    model_dir: Path,
+    folders: dict[str, Path],
+    rows: list[str | None],
+    shared: int = 0,
 ) -> None:
     """Prefill and a mixed decode step equal, row by row, PEFT with that row's adapter alone."""
     ids = torch.randint(3, 300, (len(rows), 7), generator=torch.Generator().manual_seed(0))
+    if shared:
+        ids[1, :shared] = ids[0, :shared]
     with torch.inference_mode():
-        mixed = mixed_logprobs(dec, rows, ids)
+        mixed = mixed_logprobs(dec, rows, ids, shared)
         for i, name in enumerate(rows):
             ref = reference_model(model_dir, None if name is None else folders[name])
             alone = torch.log_softmax(ref(input_ids=ids[i : i + 1]).logits[0], dim=-1)
@@ -97,6 +114,8 @@ def test_mixed_ranks_targets_and_scalings_match_peft(
     # Uneven groups: "a" spans two chunks, the others are padded, one row is the base model.
     check_rows(dec, model_dir, folders, ["a", "b", "a", None, "c", "a"])
     check_rows(dec, model_dir, folders, ["c"])
+    # Rows 0 and 1 read their first 4 positions from one shared segment (cascade attention).
+    check_rows(dec, model_dir, folders, ["a", "a", "c", None], shared=4)
 
     with torch.inference_mode():
         dec.remove("b")  # the largest rank leaves: stacks shrink back to rank 4

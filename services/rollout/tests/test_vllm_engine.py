@@ -73,6 +73,10 @@ async def test_peft_adapter_loads_and_matches_torch_engine(
             assert (
                 max(abs(a - b) for a, b in zip(theirs.logprobs, ours.logprobs, strict=True)) < 1e-3
             )
+        # Greedy with num_samples > 1 (vLLM itself refuses n > 1 without sampling).
+        three = await engine.sample(SampleRequest("reg-v@1", prompt, greedy, num_samples=3))
+        ours = await torch_engine.sample(SampleRequest("reg-v@1", prompt, greedy, num_samples=3))
+        assert [s.tokens for s in three.sequences] == [s.tokens for s in ours.sequences]
         adapted = await engine.sample(SampleRequest("reg-v@1", prompt, greedy))
         base = await engine.sample(SampleRequest(None, prompt, greedy))
         assert adapted.sequences[0].tokens != base.sequences[0].tokens

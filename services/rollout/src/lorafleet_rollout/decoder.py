@@ -8,7 +8,7 @@ once into [in, out] layout, q/k/v and gate/up are fused into one matmul each, th
 tables are precomputed, and the KV cache is a set of per-sequence slots written in place
 (`SlotCache`): a decode step is a fixed, short list of torch ops per layer.
 
-The arithmetic is transformers' (RMSNorm in float32, rotate-half rotary from the model's own
+The arithmetic is transformers' (the same RMSNorm, rotate-half rotary from the model's own
 rotary module, so rope scaling variants match, scaled-dot-product attention with the same
 scaling); tests hold logprobs to 1e-4 of transformers + PEFT. Llama, Mistral (no sliding
 window), Qwen2 and Qwen3 checkpoints load; others are refused at start-up, naming the type.
@@ -16,6 +16,7 @@ window), Qwen2 and Qwen3 checkpoints load; others are refused at start-up, namin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,17 @@ class SlotCache:
 
     def clear(self) -> None:
         self.keys, self.values, self.slots, self.capacity = [], [], 0, 0
+
+
+class Segment:
+    """Keys/values of a prompt prefix shared by several decoding rows (the samples of one
+    request, or requests whose prompts share a cached prefix); per layer [kv_heads, length,
+    dim]. Rows attend to it through `Decoder._cascade`, their slots hold only what follows."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.layers = list(zip(keys, values, strict=True))
+        self.length = keys[0].shape[1]
+        self.users = 0
 
 
 class Decoder:
@@ -232,12 +244,20 @@ class Decoder:
 
     # ------------------------------------------------------------------ forward
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return F.rms_norm(x, weight.shape, weight, self.eps)
+
+    def _rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [M, 1, dim] for positions pos [M], looked up once per forward."""
+        return self.cos[pos][:, None], self.sin[pos][:, None]
 
     def _qkv(
-        self, layer: Layer, x: torch.Tensor, adapter: int | Route | None, pos: torch.Tensor
+        self,
+        layer: Layer,
+        x: torch.Tensor,
+        adapter: int | Route | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [M, heads, dim], k and v [M, kv_heads, dim] for rows x at positions pos [M]."""
+        """q [M, heads, dim], k and v [M, kv_heads, dim] for rows x (rotary from `_rotary`)."""
         qkv = layer.qkv(self._rms(x, layer.ln1), adapter)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q = qkv[:, :q_size].view(-1, self.heads, self.head_dim)
@@ -245,7 +265,7 @@ class Decoder:
         v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        cos, sin = rotary
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def _rest(
@@ -276,8 +296,9 @@ class Decoder:
         mask = torch.arange(end)[None, :] <= pos[:, None]  # [T, end]
         group = self.heads // self.kv_heads
         x = self.embed[tokens]
+        rotary = self._rotary(pos)
         for layer, k_store, v_store in zip(self.layers, keys, values, strict=True):
-            q, k, v = self._qkv(layer, x, adapter, pos)
+            q, k, v = self._qkv(layer, x, adapter, rotary)
             k_store[:, start:end] = k.transpose(0, 1)
             v_store[:, start:end] = v.transpose(0, 1)
             # [kv_heads, group * T, dim]: the query heads sharing a kv head, one after another.
@@ -294,30 +315,73 @@ class Decoder:
         return x
 
     def decode(
-        self, tokens: torch.Tensor, pos: torch.Tensor, length: int, route: Route | None
+        self,
+        tokens: torch.Tensor,
+        pos: torch.Tensor,
+        cols: torch.Tensor,
+        length: int,
+        route: Route | None,
+        shared: list[tuple[Segment, torch.Tensor]],
     ) -> torch.Tensor:
-        """One step for the rows of the slot cache: tokens [B] at positions pos [B]; `length`
-        = max(pos) + 1. Returns logits [B, vocab]."""
+        """One step for the rows of the slot cache: tokens [B] at positions pos [B], written
+        to slot columns cols [B] (pos minus the row's shared segment length); `length` =
+        max(cols) + 1; `shared` lists each segment with the rows [n] attending to it.
+        Returns logits [B, vocab]."""
         rows = tokens.shape[0]
         cache = self.cache
         index = torch.arange(rows)
-        mask = (torch.arange(length)[None, :] <= pos[:, None])[:, None, None, :]
-        group = self.heads // self.kv_heads
+        mask = (torch.arange(length)[None, :] <= cols[:, None])[:, None, None, :]
         x = self.embed[tokens]
+        rotary = self._rotary(pos)
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, route, pos)
+            q, k, v = self._qkv(layer, x, route, rotary)
             k_store, v_store = cache.keys[i], cache.values[i]
-            k_store[index, :, pos] = k
-            v_store[index, :, pos] = v
-            out = F.scaled_dot_product_attention(
-                q.view(rows, self.kv_heads, group, self.head_dim),
-                k_store[:rows, :, :length],
-                v_store[:rows, :, :length],
-                attn_mask=mask,
-                scale=self.scaling,
-            )
+            k_store[index, :, cols] = k
+            v_store[index, :, cols] = v
+            q = q.view(rows, self.kv_heads, -1, self.head_dim)
+            own = (k_store[:rows, :, :length], v_store[:rows, :, :length])
+            if shared:
+                out = self._cascade(q, own, mask, [(seg.layers[i], r) for seg, r in shared])
+            else:
+                out = F.scaled_dot_product_attention(q, *own, attn_mask=mask, scale=self.scaling)
             x = self._rest(layer, x, out.reshape(rows, -1), route)
         return self.logits(x)
+
+    def _cascade(
+        self,
+        q: torch.Tensor,
+        own: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        shared: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]],
+    ) -> torch.Tensor:
+        """Attention over a row's own columns and its shared segment's, merged exactly
+        (log-sum-exp): a segment's keys/values are read once for all its rows, never copied
+        per row. q [B, kv_heads, group, dim]; returns [B, kv_heads, group, dim]."""
+        scores = (q @ own[0].transpose(-1, -2)).mul_(self.scaling).masked_fill_(~mask, -math.inf)
+        peak = scores.amax(-1, keepdim=True)  # finite: the current token is always own
+        weights = (scores - peak).exp_()
+        total = weights.sum(-1, keepdim=True)
+        out = weights @ own[1]
+        for (keys, values), rows in shared:
+            n, heads, group, dim = rows.shape[0], q.shape[1], q.shape[2], q.shape[3]
+            # [kv_heads, n * group, dim]: every row's query heads against one copy of the keys
+            sq = q.index_select(0, rows).permute(1, 0, 2, 3).reshape(heads, n * group, dim)
+            s = (sq @ keys.transpose(-1, -2)).mul_(self.scaling)
+            s_peak = s.amax(-1, keepdim=True)
+            w = (s - s_peak).exp_()
+            s_total = w.sum(-1, keepdim=True)
+            s_out = w @ values
+
+            s_peak, s_total, s_out = (
+                t.view(heads, n, group, -1).permute(1, 0, 2, 3) for t in (s_peak, s_total, s_out)
+            )
+            r_peak = peak.index_select(0, rows)
+            top = torch.maximum(r_peak, s_peak)
+            mine, theirs = (r_peak - top).exp_(), (s_peak - top).exp_()
+            peak.index_copy_(0, rows, top)
+            total.index_copy_(0, rows, total.index_select(0, rows) * mine + s_total * theirs)
+            out.index_copy_(0, rows, out.index_select(0, rows) * mine + s_out * theirs)
+        return out / total
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

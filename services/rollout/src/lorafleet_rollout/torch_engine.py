@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
-from lorafleet_rollout.decoder import Decoder
+from lorafleet_rollout.decoder import Decoder, Segment
 from lorafleet_rollout.engine import AdapterSource
 from lorafleet_rollout.lora import AdapterWeights, Route, adapter_weights, make_route
 from lorafleet_rollout.peft_io import check_fits, linear_shapes, read_peft_dir
@@ -78,6 +78,7 @@ class _Job:
     cancelled: bool = False
     # Prefill progress: prompt tokens whose keys/values are in keys/values (per layer).
     done: int = 0
+    cached: torch.Tensor | None = None  # the prefix-cache hit it started from
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
@@ -105,7 +106,8 @@ class _Seq:
     job: _Job
     generator: torch.Generator
     rule: StopRule
-    pos: int  # tokens in its cache row; the next token fed goes to this position
+    pos: int  # tokens before the next one fed, which goes to this position
+    segment: Segment | None = None  # the shared prompt prefix it attends to, if any
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: StopReason | None = None
@@ -154,7 +156,11 @@ class TorchEngine:
         self._prefilling: list[_Job] = []
         self._seqs: list[_Seq] = []  # row i of the decode batch lives in cache slot i
         self._route: Route | None = None
-        self._route_stale = True
+        self._shared: list[tuple[Segment, torch.Tensor]] = []  # segment, its rows
+        self._route_stale = True  # route and _shared need rebuilding (rows changed)
+        #: Cached prefixes that running rows attend to, by (adapter, tokens): requests that
+        #: hit the same prefix share one copy in decode too.
+        self._segments: dict[tuple[str | None, tuple[int, ...]], Segment] = {}
         # Reading, checking and pairing a pushed adapter runs here, one at a time and niced,
         # so a publish takes CPU the running batch leaves over; the scheduler thread only
         # copies the prepared tensors into its preallocated stacks.
@@ -379,6 +385,7 @@ class TorchEngine:
         cached = self.prefix_cache.match(job.adapter, prompt)
         if cached is not None:
             job.done = cached.shape[3]
+            job.cached = cached
             metrics.PROMPT_TOKENS.labels("cached").inc(job.done)
             for i in range(len(model.layers)):
                 job.keys[i][:, : job.done] = cached[i, 0]
@@ -415,33 +422,73 @@ class TorchEngine:
         self._append(job.seqs, logits.expand(request.num_samples, -1))
         live = [s for s in job.seqs if s.reason is None]
         if live:
+            segment = self._segment_for(job, len(live))
+            base = 0 if segment is None else segment.length
+            for seq in live:
+                seq.segment = segment
+            if segment is not None:
+                segment.users += len(live)
             first = len(self._seqs)
-            model.cache.reserve(first + len(live), len(prompt) + min(limit, _SPARE_COLUMNS) + 1)
-            model.cache.fill(slice(first, first + len(live)), job.keys, job.values)
+            own = len(prompt) - base
+            model.cache.reserve(first + len(live), own + min(limit, _SPARE_COLUMNS) + 1)
+            model.cache.fill(
+                slice(first, first + len(live)),
+                [k[:, base:] for k in job.keys],
+                [v[:, base:] for v in job.values],
+            )
             self._seqs.extend(live)
             self._route_stale = True
-        job.keys, job.values = [], []
+        job.keys, job.values, job.cached = [], [], None
         if not live:
             job.resolve(_result(job))
+
+    def _segment_for(self, job: _Job, rows: int) -> Segment | None:
+        """What a prefilled job's rows share in decode: its whole prompt when it has several
+        samples, else the cached prefix it started from (one copy for every request that
+        hit it), else nothing."""
+        if rows > 1:
+            return Segment(job.keys, job.values)
+        if job.cached is None:
+            return None
+        key = (job.adapter, job.request.prompt_tokens[: job.cached.shape[3]])
+        segment = self._segments.get(key)
+        if segment is None:
+            layers = range(job.cached.shape[0])
+            segment = Segment(
+                [job.cached[i, 0] for i in layers], [job.cached[i, 1] for i in layers]
+            )
+            self._segments[key] = segment
+        return segment
 
     def _decode(self) -> None:
         model = self._model()
         if self._route_stale:
             self._route = make_route([model.slot(s.job.adapter) for s in self._seqs])
+            groups: dict[Segment, list[int]] = {}
+            for row, seq in enumerate(self._seqs):
+                if seq.segment is not None:
+                    groups.setdefault(seq.segment, []).append(row)
+            self._shared = [(seg, torch.tensor(rows)) for seg, rows in groups.items()]
             self._route_stale = False
-        longest = max(s.pos for s in self._seqs) + 1
-        if longest > model.cache.capacity:
-            model.cache.reserve(len(self._seqs), longest + _SPARE_COLUMNS)
+        pos = torch.tensor([s.pos for s in self._seqs])
+        cols = pos - torch.tensor(
+            [0 if s.segment is None else s.segment.length for s in self._seqs]
+        )
+        length = int(cols.max()) + 1
+        if length > model.cache.capacity:
+            model.cache.reserve(len(self._seqs), length + _SPARE_COLUMNS)
         logits = model.decode(
             torch.tensor([s.tokens[-1] for s in self._seqs]),
-            torch.tensor([s.pos for s in self._seqs]),
-            longest,
+            pos,
+            cols,
+            length,
             self._route,
+            self._shared,
         )
         for seq in self._seqs:
             seq.pos += 1
         self._append(self._seqs, logits.float())
-        self._retire_finished(longest)
+        self._retire_finished(length)
 
     def _append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         params = [s.job.request.params for s in seqs]
@@ -467,6 +514,11 @@ class TorchEngine:
         for job in {self._seqs[i].job for i in gone}:
             if not job.cancelled and all(s.reason is not None for s in job.seqs):
                 job.resolve(_result(job))
+        for i in gone:
+            segment = self._seqs[i].segment
+            if segment is not None:
+                segment.users -= 1
+        self._segments = {key: seg for key, seg in self._segments.items() if seg.users}
         size = len(self._seqs) - len(gone)
         holes = [i for i in gone if i < size]
         movers = [i for i in range(size, len(self._seqs)) if i not in set(gone)]
@@ -491,6 +543,7 @@ class TorchEngine:
             cmd.loop.call_soon_threadsafe(_settle, cmd.future, exc)
         self._seqs = []
         self._prefilling = []
+        self._segments = {}
         self._route_stale = True
         if self._decoder is not None:
             self._decoder.cache.clear()

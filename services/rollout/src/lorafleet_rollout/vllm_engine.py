@@ -97,7 +97,8 @@ class VLLMEngine:
             "temperature": p.temperature,
             "top_p": p.top_p,
             "top_k": p.top_k if p.top_k > 0 else -1,
-            "n": request.num_samples,
+            # vLLM refuses n > 1 when greedy; the samples are all the same sequence anyway.
+            "n": 1 if p.temperature == 0 else request.num_samples,
             "stop": list(p.stop_strings),
             "stop_token_ids": list(p.stop_token_ids),
             "ignore_eos": p.disable_eos_stop,
@@ -117,6 +118,8 @@ class VLLMEngine:
         response = await self._post("/v1/completions", self.completion_body(request))
         metrics.TTFT.observe(time.monotonic() - started)
         choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        if request.params.temperature == 0:
+            choices = choices[:1] * request.num_samples
         sequences = tuple(
             SampledSequence(
                 tuple(int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]),
