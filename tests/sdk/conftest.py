@@ -47,7 +47,7 @@ class Target:
         return httpx.get(f"{self.base_url}{path}", headers=headers, timeout=60, **kw)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def run_sdk(sdk_python: Callable[[str], Path]) -> Callable[..., dict]:
     """run_sdk(version, script, target, **env) → the script's result JSON (asserts success)."""
 
