@@ -95,6 +95,7 @@ def fb_input_from_proto(inp: common_pb2.ForwardBackwardInput) -> domain.ForwardB
                 k: tensor_from_proto(v, f"data[{j}].loss_fn_inputs.{k}")
                 for k, v in d.loss_fn_inputs.items()
             },
+            context=list(d.context),
         )
         for j, d in enumerate(inp.data)
     ]
@@ -103,6 +104,7 @@ def fb_input_from_proto(inp: common_pb2.ForwardBackwardInput) -> domain.ForwardB
         loss_fn=inp.loss_fn,
         loss_fn_config=dict(inp.loss_fn_config),
         forward_only=inp.forward_only,
+        group_tokens=int(inp.group_tokens),
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19lorafleet/v1/common.proto\x12\x0clorafleet.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.lorafleet.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"j\n\tErrorInfo\x12-\n\x08\x63\x61tegory\x18\x01 \x01(\x0e\x32\x1b.lorafleet.v1.ErrorCategory\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x8c\x02\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x17\n\x0f\x65xclude_modules\x18\x06 \x03(\t\x12\x12\n\ntrain_attn\x18\x07 \x01(\x08\x12\x11\n\ttrain_mlp\x18\x08 \x01(\x08\x12\x15\n\rtrain_unembed\x18\t \x01(\x08\x12\x17\n\x0flora_plus_ratio\x18\n \x01(\x02\x12\x1b\n\x13\x61_only_weight_decay\x18\x0b \x01(\x08\x12\x1d\n\x15max_grad_norm_default\x18\x0c \x01(\x02\"|\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x01\"\xa1\x01\n\x05\x44\x61tum\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12=\n\x0eloss_fn_inputs\x18\x02 \x03(\x0b\x32%.lorafleet.v1.Datum.LossFnInputsEntry\x1aI\n\x11LossFnInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.lorafleet.v1.Tensor:\x02\x38\x01\"\xe3\x01\n\x14\x46orwardBackwardInput\x12!\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x13.lorafleet.v1.Datum\x12\x0f\n\x07loss_fn\x18\x02 \x01(\t\x12L\n\x0eloss_fn_config\x18\x03 \x03(\x0b\x32\x34.lorafleet.v1.ForwardBackwardInput.LossFnConfigEntry\x12\x14\n\x0c\x66orward_only\x18\x04 \x01(\x08\x1a\x33\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8c\x01\n\x0b\x44\x61tumOutput\x12\x37\n\x07outputs\x18\x01 \x03(\x0b\x32&.lorafleet.v1.DatumOutput.OutputsEntry\x1a\x44\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.lorafleet.v1.Tensor:\x02\x38\x01\"\xb6\x01\n\x15\x46orwardBackwardOutput\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.lorafleet.v1.DatumOutput\x12\x41\n\x07metrics\x18\x02 \x03(\x0b\x32\x30.lorafleet.v1.ForwardBackwardOutput.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9d\x01\n\x0fOptimStepOutput\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.lorafleet.v1.OptimStepOutput.MetricsEntry\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0c\n\x04note\x18\x03 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\x07\x42lobRef\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"G\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\xbb\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x11\n\x04seed\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x14\n\x0cstop_strings\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x18\n\x10\x64isable_eos_stop\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"b\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12-\n\x0bstop_reason\x18\x03 \x01(\x0e\x32\x18.lorafleet.v1.StopReason\"3\n\x0cTopKLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x93\x01\n\x0cSampleOutput\x12\x30\n\tsequences\x18\x01 \x03(\x0b\x32\x1d.lorafleet.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x02 \x03(\x02\x12\x38\n\x14topk_prompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.lorafleet.v1.TopKLogprobs\"6\n\nAdapterRef\x12\x17\n\x0fregistration_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x0f\n\x0b\x44TYPE_INT32\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x11\n\rDTYPE_FLOAT64\x10\x05*\x7f\n\rErrorCategory\x12\x1e\n\x1a\x45RROR_CATEGORY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45RROR_CATEGORY_USER\x10\x01\x12\x19\n\x15\x45RROR_CATEGORY_SERVER\x10\x02\x12\x1a\n\x16\x45RROR_CATEGORY_UNKNOWN\x10\x03*W\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x14\n\x10STOP_REASON_STOP\x10\x01\x12\x16\n\x12STOP_REASON_LENGTH\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19lorafleet/v1/common.proto\x12\x0clorafleet.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.lorafleet.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"j\n\tErrorInfo\x12-\n\x08\x63\x61tegory\x18\x01 \x01(\x0e\x32\x1b.lorafleet.v1.ErrorCategory\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x8c\x02\n\nLoraConfig\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x17\n\x0f\x65xclude_modules\x18\x06 \x03(\t\x12\x12\n\ntrain_attn\x18\x07 \x01(\x08\x12\x11\n\ttrain_mlp\x18\x08 \x01(\x08\x12\x15\n\rtrain_unembed\x18\t \x01(\x08\x12\x17\n\x0flora_plus_ratio\x18\n \x01(\x02\x12\x1b\n\x13\x61_only_weight_decay\x18\x0b \x01(\x08\x12\x1d\n\x15max_grad_norm_default\x18\x0c \x01(\x02\"|\n\nAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x01\"\xb2\x01\n\x05\x44\x61tum\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12=\n\x0eloss_fn_inputs\x18\x02 \x03(\x0b\x32%.lorafleet.v1.Datum.LossFnInputsEntry\x12\x0f\n\x07\x63ontext\x18\x03 \x03(\x05\x1aI\n\x11LossFnInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.lorafleet.v1.Tensor:\x02\x38\x01\"\xf9\x01\n\x14\x46orwardBackwardInput\x12!\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x13.lorafleet.v1.Datum\x12\x0f\n\x07loss_fn\x18\x02 \x01(\t\x12L\n\x0eloss_fn_config\x18\x03 \x03(\x0b\x32\x34.lorafleet.v1.ForwardBackwardInput.LossFnConfigEntry\x12\x14\n\x0c\x66orward_only\x18\x04 \x01(\x08\x12\x14\n\x0cgroup_tokens\x18\x05 \x01(\x03\x1a\x33\n\x11LossFnConfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8c\x01\n\x0b\x44\x61tumOutput\x12\x37\n\x07outputs\x18\x01 \x03(\x0b\x32&.lorafleet.v1.DatumOutput.OutputsEntry\x1a\x44\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.lorafleet.v1.Tensor:\x02\x38\x01\"\xb6\x01\n\x15\x46orwardBackwardOutput\x12*\n\x07outputs\x18\x01 \x03(\x0b\x32\x19.lorafleet.v1.DatumOutput\x12\x41\n\x07metrics\x18\x02 \x03(\x0b\x32\x30.lorafleet.v1.ForwardBackwardOutput.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9d\x01\n\x0fOptimStepOutput\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.lorafleet.v1.OptimStepOutput.MetricsEntry\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\x12\x0c\n\x04note\x18\x03 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\":\n\x07\x42lobRef\x12\x0b\n\x03uri\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\"G\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\xbb\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x11\n\x04seed\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x14\n\x0cstop_strings\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x18\n\x10\x64isable_eos_stop\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"b\n\x0fSampledSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12-\n\x0bstop_reason\x18\x03 \x01(\x0e\x32\x18.lorafleet.v1.StopReason\"3\n\x0cTopKLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x93\x01\n\x0cSampleOutput\x12\x30\n\tsequences\x18\x01 \x03(\x0b\x32\x1d.lorafleet.v1.SampledSequence\x12\x17\n\x0fprompt_logprobs\x18\x02 \x03(\x02\x12\x38\n\x14topk_prompt_logprobs\x18\x03 \x03(\x0b\x32\x1a.lorafleet.v1.TopKLogprobs\"6\n\nAdapterRef\x12\x17\n\x0fregistration_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x0f\n\x0b\x44TYPE_INT32\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x11\n\rDTYPE_FLOAT64\x10\x05*\x7f\n\rErrorCategory\x12\x1e\n\x1a\x45RROR_CATEGORY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45RROR_CATEGORY_USER\x10\x01\x12\x19\n\x15\x45RROR_CATEGORY_SERVER\x10\x02\x12\x1a\n\x16\x45RROR_CATEGORY_UNKNOWN\x10\x03*W\n\nStopReason\x12\x1b\n\x17STOP_REASON_UNSPECIFIED\x10\x00\x12\x14\n\x10STOP_REASON_STOP\x10\x01\x12\x16\n\x12STOP_REASON_LENGTH\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,12 +41,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDBACKWARDOUTPUT_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_OPTIMSTEPOUTPUT_METRICSENTRY']._loaded_options = None
   _globals['_OPTIMSTEPOUTPUT_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2187
-  _globals['_DTYPE']._serialized_end=2309
-  _globals['_ERRORCATEGORY']._serialized_start=2311
-  _globals['_ERRORCATEGORY']._serialized_end=2438
-  _globals['_STOPREASON']._serialized_start=2440
-  _globals['_STOPREASON']._serialized_end=2527
+  _globals['_DTYPE']._serialized_start=2226
+  _globals['_DTYPE']._serialized_end=2348
+  _globals['_ERRORCATEGORY']._serialized_start=2350
+  _globals['_ERRORCATEGORY']._serialized_end=2477
+  _globals['_STOPREASON']._serialized_start=2479
+  _globals['_STOPREASON']._serialized_end=2566
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=116
   _globals['_ERRORINFO']._serialized_start=118
@@ -56,37 +56,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADAMPARAMS']._serialized_start=497
   _globals['_ADAMPARAMS']._serialized_end=621
   _globals['_DATUM']._serialized_start=624
-  _globals['_DATUM']._serialized_end=785
-  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_start=712
-  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_end=785
-  _globals['_FORWARDBACKWARDINPUT']._serialized_start=788
-  _globals['_FORWARDBACKWARDINPUT']._serialized_end=1015
-  _globals['_FORWARDBACKWARDINPUT_LOSSFNCONFIGENTRY']._serialized_start=964
-  _globals['_FORWARDBACKWARDINPUT_LOSSFNCONFIGENTRY']._serialized_end=1015
-  _globals['_DATUMOUTPUT']._serialized_start=1018
-  _globals['_DATUMOUTPUT']._serialized_end=1158
-  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_start=1090
-  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_end=1158
-  _globals['_FORWARDBACKWARDOUTPUT']._serialized_start=1161
-  _globals['_FORWARDBACKWARDOUTPUT']._serialized_end=1343
-  _globals['_FORWARDBACKWARDOUTPUT_METRICSENTRY']._serialized_start=1297
-  _globals['_FORWARDBACKWARDOUTPUT_METRICSENTRY']._serialized_end=1343
-  _globals['_OPTIMSTEPOUTPUT']._serialized_start=1346
-  _globals['_OPTIMSTEPOUTPUT']._serialized_end=1503
-  _globals['_OPTIMSTEPOUTPUT_METRICSENTRY']._serialized_start=1297
-  _globals['_OPTIMSTEPOUTPUT_METRICSENTRY']._serialized_end=1343
-  _globals['_BLOBREF']._serialized_start=1505
-  _globals['_BLOBREF']._serialized_end=1563
-  _globals['_FILECHUNK']._serialized_start=1565
-  _globals['_FILECHUNK']._serialized_end=1636
-  _globals['_SAMPLINGPARAMS']._serialized_start=1639
-  _globals['_SAMPLINGPARAMS']._serialized_end=1826
-  _globals['_SAMPLEDSEQUENCE']._serialized_start=1828
-  _globals['_SAMPLEDSEQUENCE']._serialized_end=1926
-  _globals['_TOPKLOGPROBS']._serialized_start=1928
-  _globals['_TOPKLOGPROBS']._serialized_end=1979
-  _globals['_SAMPLEOUTPUT']._serialized_start=1982
-  _globals['_SAMPLEOUTPUT']._serialized_end=2129
-  _globals['_ADAPTERREF']._serialized_start=2131
-  _globals['_ADAPTERREF']._serialized_end=2185
+  _globals['_DATUM']._serialized_end=802
+  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_start=729
+  _globals['_DATUM_LOSSFNINPUTSENTRY']._serialized_end=802
+  _globals['_FORWARDBACKWARDINPUT']._serialized_start=805
+  _globals['_FORWARDBACKWARDINPUT']._serialized_end=1054
+  _globals['_FORWARDBACKWARDINPUT_LOSSFNCONFIGENTRY']._serialized_start=1003
+  _globals['_FORWARDBACKWARDINPUT_LOSSFNCONFIGENTRY']._serialized_end=1054
+  _globals['_DATUMOUTPUT']._serialized_start=1057
+  _globals['_DATUMOUTPUT']._serialized_end=1197
+  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_start=1129
+  _globals['_DATUMOUTPUT_OUTPUTSENTRY']._serialized_end=1197
+  _globals['_FORWARDBACKWARDOUTPUT']._serialized_start=1200
+  _globals['_FORWARDBACKWARDOUTPUT']._serialized_end=1382
+  _globals['_FORWARDBACKWARDOUTPUT_METRICSENTRY']._serialized_start=1336
+  _globals['_FORWARDBACKWARDOUTPUT_METRICSENTRY']._serialized_end=1382
+  _globals['_OPTIMSTEPOUTPUT']._serialized_start=1385
+  _globals['_OPTIMSTEPOUTPUT']._serialized_end=1542
+  _globals['_OPTIMSTEPOUTPUT_METRICSENTRY']._serialized_start=1336
+  _globals['_OPTIMSTEPOUTPUT_METRICSENTRY']._serialized_end=1382
+  _globals['_BLOBREF']._serialized_start=1544
+  _globals['_BLOBREF']._serialized_end=1602
+  _globals['_FILECHUNK']._serialized_start=1604
+  _globals['_FILECHUNK']._serialized_end=1675
+  _globals['_SAMPLINGPARAMS']._serialized_start=1678
+  _globals['_SAMPLINGPARAMS']._serialized_end=1865
+  _globals['_SAMPLEDSEQUENCE']._serialized_start=1867
+  _globals['_SAMPLEDSEQUENCE']._serialized_end=1965
+  _globals['_TOPKLOGPROBS']._serialized_start=1967
+  _globals['_TOPKLOGPROBS']._serialized_end=2018
+  _globals['_SAMPLEOUTPUT']._serialized_start=2021
+  _globals['_SAMPLEOUTPUT']._serialized_end=2168
+  _globals['_ADAPTERREF']._serialized_start=2170
+  _globals['_ADAPTERREF']._serialized_end=2224
 # @@protoc_insertion_point(module_scope)

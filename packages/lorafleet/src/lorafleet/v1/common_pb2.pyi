@@ -275,19 +275,28 @@ class Datum(_message.Message):
 
     TOKENS_FIELD_NUMBER: _builtins.int
     LOSS_FN_INPUTS_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def loss_fn_inputs(self) -> _containers.MessageMap[_builtins.str, Global___Tensor]: ...
+    @_builtins.property
+    def context(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Trainer-only (managed jobs; the Tinker SDK has no such field): makes the datum a
+        truncated-BPTT window. The tokens of its document's earlier windows, which the window
+        attends to through keys/values computed without gradient; no targets of their own.
+        """
+
     def __init__(
         self,
         *,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
         loss_fn_inputs: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
+        context: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_fn_inputs", b"loss_fn_inputs", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "loss_fn_inputs", b"loss_fn_inputs", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -321,9 +330,16 @@ class ForwardBackwardInput(_message.Message):
     LOSS_FN_FIELD_NUMBER: _builtins.int
     LOSS_FN_CONFIG_FIELD_NUMBER: _builtins.int
     FORWARD_ONLY_FIELD_NUMBER: _builtins.int
+    GROUP_TOKENS_FIELD_NUMBER: _builtins.int
     loss_fn: _builtins.str
     forward_only: _builtins.bool
     """Forward only: outputs without backward and without gradient accumulation."""
+    group_tokens: _builtins.int
+    """Trainer-only (managed jobs; the Tinker SDK has no such field): token-mean normalisation
+    over an accumulation group. The group's total prediction tokens; > 0 makes this call
+    accumulate the gradient of loss / group_tokens (outputs and loss:sum stay unscaled).
+    0 = Tinker's plain sum.
+    """
     @_builtins.property
     def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___Datum]: ...
     @_builtins.property
@@ -335,10 +351,11 @@ class ForwardBackwardInput(_message.Message):
         loss_fn: _builtins.str = ...,
         loss_fn_config: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         forward_only: _builtins.bool = ...,
+        group_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "forward_only", b"forward_only", "loss_fn", b"loss_fn", "loss_fn_config", b"loss_fn_config"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "forward_only", b"forward_only", "group_tokens", b"group_tokens", "loss_fn", b"loss_fn", "loss_fn_config", b"loss_fn_config"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
