@@ -64,6 +64,22 @@ def test_up_detach_status_down_leaves_nothing(tmp_path: Path, tiny_model_dir: Pa
         assert health == dict.fromkeys(
             ["controller", "trainer-0", "rollout-0", "gateway", "redis"], "SERVING"
         )
+
+        # Key management goes through the run's admin certificate.
+        created = _run(["keys", "create", "team-a", "--label", "ci"], tmp_path, timeout=60)
+        assert created.returncode == 0, created.stderr
+        key_id = created.stderr.split("key ", 1)[1].split()[0]
+        listed = _run(["keys", "list", "team-a"], tmp_path, timeout=60)
+        assert listed.stdout.split()[:3] == [key_id, "team-a", "active"], listed.stdout
+        everyone = _run(["keys", "list"], tmp_path, timeout=60)
+        assert everyone.returncode == 1
+        assert everyone.stderr.strip() == (
+            "lorafleet: keys list needs a tenant: `lorafleet keys list TENANT`"
+        )
+        revoked = _run(["keys", "revoke", key_id], tmp_path, timeout=60)
+        assert revoked.returncode == 0, revoked.stderr
+        listed = _run(["keys", "list", "team-a"], tmp_path, timeout=60)
+        assert listed.stdout.split()[2] == "revoked"
     finally:
         down = _run(["down"], tmp_path, timeout=120)
     assert down.returncode == 0, down.stderr
