@@ -88,7 +88,7 @@ def _cookbook(python: Path, target: Target, module: str, args: list[str], log_di
     if not (python.parent.parent / ".cookbook").exists():
         pytest.skip("tinker-cookbook not installed: run tests/sdk/setup_venvs.sh")
     common = [
-        f"model_name={target.model_dir}",
+        f"model_name={target.base_model}",  # the served (hub) name, unchanged
         "renderer_name=role_colon",
         f"base_url={target.base_url}",
         f"log_path={log_dir}",
