@@ -207,6 +207,8 @@ async def test_shared_prefixes_equal_each_sample_computed_alone(
 
 async def test_top_k_one_is_greedy_whatever_the_seed(engine: TorchEngine) -> None:
     (greedy,) = (await engine.sample(SampleRequest("r1@1", PROMPT, GREEDY))).sequences
+    three = await engine.sample(SampleRequest("r1@1", PROMPT, GREEDY, num_samples=3))
+    assert list(three.sequences) == [greedy] * 3
     for seed in (1, 2, 3):
         spec = SamplingSpec(10, temperature=1.0, top_k=1, seed=seed, disable_eos_stop=True)
         (seq,) = (await engine.sample(SampleRequest("r1@1", PROMPT, spec))).sequences

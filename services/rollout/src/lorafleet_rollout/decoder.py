@@ -131,7 +131,6 @@ class Segment:
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.layers = list(zip(keys, values, strict=True))
         self.length = keys[0].shape[1]
-        self.users = 0
 
 
 class Decoder:

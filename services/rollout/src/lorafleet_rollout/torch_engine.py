@@ -9,8 +9,9 @@ own adapter in a fixed number of batched matmuls, however many adapters the batc
 Adapters are read, checked and paired on a worker thread; the scheduler thread only copies
 them into place.
 
-A request's prompt is prefilled once, whatever its `num_samples`: its keys/values are copied
-into one decode slot per sample. Prompt prefixes shared across requests are reused from a
+A request's prompt is prefilled once, whatever its `num_samples`, and its samples attend to
+that one copy of its keys/values (`decoder.Segment`); greedy samples are one sequence,
+decoded once. Prompt prefixes shared across requests are reused from a
 byte-bounded LRU radix cache (`prefix_cache.py`), so only the part a request does not share
 is computed. Prompt logprobs come off that one prompt pass too (such a prompt is computed
 whole, as the cached part has no logits).
@@ -86,6 +87,11 @@ class _Job:
     seqs: list[_Seq] = field(default_factory=list)
 
     @property
+    def rows(self) -> int:
+        """Decode rows it needs: greedy samples are all the same sequence, decoded once."""
+        return 1 if self.request.params.temperature == 0 else self.request.num_samples
+
+    @property
     def wants_prompt(self) -> bool:
         return self.request.prompt_logprobs or self.request.topk_prompt_logprobs > 0
 
@@ -108,9 +114,18 @@ class _Seq:
     rule: StopRule
     pos: int  # tokens before the next one fed, which goes to this position
     segment: Segment | None = None  # the shared prompt prefix it attends to, if any
+    prefix: tuple[str | None, tuple[int, ...]] | None = None  # its prefix-cache hit
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     reason: StopReason | None = None
+
+
+@dataclass(eq=False)
+class _Prefix:
+    """Running rows that started from one prefix-cache hit, and their shared segment."""
+
+    rows: int = 0
+    segment: Segment | None = None
 
 
 @dataclass(eq=False)
@@ -158,9 +173,9 @@ class TorchEngine:
         self._route: Route | None = None
         self._shared: list[tuple[Segment, torch.Tensor]] = []  # segment, its rows
         self._route_stale = True  # route and _shared need rebuilding (rows changed)
-        #: Cached prefixes that running rows attend to, by (adapter, tokens): requests that
-        #: hit the same prefix share one copy in decode too.
-        self._segments: dict[tuple[str | None, tuple[int, ...]], Segment] = {}
+        #: Prefix-cache hits of running rows, by (adapter, tokens): from the second row on,
+        #: requests that hit the same prefix share one copy of it in decode too.
+        self._prefixes: dict[tuple[str | None, tuple[int, ...]], _Prefix] = {}
         # Reading, checking and pairing a pushed adapter runs here, one at a time and niced,
         # so a publish takes CPU the running batch leaves over; the scheduler thread only
         # copies the prepared tensors into its preallocated stacks.
@@ -319,17 +334,17 @@ class TorchEngine:
     def _admit(self) -> None:
         """Move waiting jobs that fit beside the live sequences (at least one when idle)."""
         room = self.max_batch_size - len(self._seqs)
-        room -= sum(j.request.num_samples for j in self._prefilling)
+        room -= sum(j.rows for j in self._prefilling)
         while self._waiting:
             job = self._waiting[0]
             if job.cancelled:
                 self._waiting.popleft()
                 continue
-            if job.request.num_samples > room and (self._prefilling or self._seqs):
+            if job.rows > room and (self._prefilling or self._seqs):
                 break
             self._waiting.popleft()
             self._prefilling.append(job)
-            room -= job.request.num_samples
+            room -= job.rows
 
     def _apply(self, cmd: _Command) -> None:
         try:
@@ -414,20 +429,16 @@ class TorchEngine:
         self.prefix_cache.insert(job.adapter, prompt, job.keys, job.values)
         params = request.params
         limit = params.max_tokens or self.info().max_context_length - len(prompt)
-        for i in range(request.num_samples):
+        for i in range(job.rows):
             seed = None if params.seed is None else params.seed ^ (i * _SAMPLE_SEED_STRIDE)
             rule = StopRule(params, self._eos, limit, self._decode_tokens)
             job.seqs.append(_Seq(job, make_generator(seed), rule, len(prompt)))
         metrics.TTFT.observe(time.monotonic() - job.enqueued)
-        self._append(job.seqs, logits.expand(request.num_samples, -1))
+        self._append(job.seqs, logits.expand(job.rows, -1))
         live = [s for s in job.seqs if s.reason is None]
         if live:
-            segment = self._segment_for(job, len(live))
+            segment = self._segment_for(job, live)
             base = 0 if segment is None else segment.length
-            for seq in live:
-                seq.segment = segment
-            if segment is not None:
-                segment.users += len(live)
             first = len(self._seqs)
             own = len(prompt) - base
             model.cache.reserve(first + len(live), own + min(limit, _SPARE_COLUMNS) + 1)
@@ -442,22 +453,26 @@ class TorchEngine:
         if not live:
             job.resolve(_result(job))
 
-    def _segment_for(self, job: _Job, rows: int) -> Segment | None:
+    def _segment_for(self, job: _Job, live: list[_Seq]) -> Segment | None:
         """What a prefilled job's rows share in decode: its whole prompt when it has several
-        samples, else the cached prefix it started from (one copy for every request that
-        hit it), else nothing."""
-        if rows > 1:
-            return Segment(job.keys, job.values)
-        if job.cached is None:
-            return None
-        key = (job.adapter, job.request.prompt_tokens[: job.cached.shape[3]])
-        segment = self._segments.get(key)
-        if segment is None:
-            layers = range(job.cached.shape[0])
-            segment = Segment(
-                [job.cached[i, 0] for i in layers], [job.cached[i, 1] for i in layers]
-            )
-            self._segments[key] = segment
+        samples, else the cached prefix it started from once another running request has
+        hit it too (one copy for all of them), else nothing."""
+        segment = None
+        if len(live) > 1:
+            segment = Segment(job.keys, job.values)
+        elif job.cached is not None:
+            key = (job.adapter, job.request.prompt_tokens[: job.cached.shape[3]])
+            entry = self._prefixes.setdefault(key, _Prefix())
+            if entry.rows and entry.segment is None:
+                layers = range(job.cached.shape[0])
+                entry.segment = Segment(
+                    [job.cached[i, 0] for i in layers], [job.cached[i, 1] for i in layers]
+                )
+            entry.rows += 1
+            live[0].prefix = key
+            segment = entry.segment
+        for seq in live:
+            seq.segment = segment
         return segment
 
     def _decode(self) -> None:
@@ -515,10 +530,11 @@ class TorchEngine:
             if not job.cancelled and all(s.reason is not None for s in job.seqs):
                 job.resolve(_result(job))
         for i in gone:
-            segment = self._seqs[i].segment
-            if segment is not None:
-                segment.users -= 1
-        self._segments = {key: seg for key, seg in self._segments.items() if seg.users}
+            key = self._seqs[i].prefix
+            if key is not None:
+                self._prefixes[key].rows -= 1
+                if not self._prefixes[key].rows:
+                    del self._prefixes[key]
         size = len(self._seqs) - len(gone)
         holes = [i for i in gone if i < size]
         movers = [i for i in range(size, len(self._seqs)) if i not in set(gone)]
@@ -543,7 +559,7 @@ class TorchEngine:
             cmd.loop.call_soon_threadsafe(_settle, cmd.future, exc)
         self._seqs = []
         self._prefilling = []
-        self._segments = {}
+        self._prefixes = {}
         self._route_stale = True
         if self._decoder is not None:
             self._decoder.cache.clear()
@@ -571,7 +587,7 @@ def _result(job: _Job) -> SampleResult:
     return SampleResult(
         sequences=tuple(
             SampledSequence(tuple(s.tokens), tuple(s.logprobs), s.reason or "length")
-            for s in job.seqs
+            for s in job.seqs * (job.request.num_samples // len(job.seqs))
         ),
         prompt_logprobs=tuple(job.prompt_logprobs) if job.request.prompt_logprobs else (),
         topk_prompt_logprobs=tuple(job.topk) if job.request.topk_prompt_logprobs else (),
