@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller.catalog import CheckpointRecord
+from lorafleet_controller.fleet import BaseModelView, FleetView
 from lorafleet_controller.ledger import OpRecord
-from lorafleet_controller.registry import RegRecord
+from lorafleet_controller.registry import TRAINER, RegRecord
 from lorafleet_controller.samplers import SamplerRecord
 from lorafleet_controller.store import RegState
 from lorafleet_controller.tenancy import Session
@@ -103,3 +104,29 @@ def session(rec: Session) -> controller_pb2.SessionInfo:
         finished=rec.finished,
         created_at=rec.created_at,
     )
+
+
+def base_model(view: BaseModelView) -> controller_pb2.BaseModelInfo:
+    return controller_pb2.BaseModelInfo(
+        name=view.name, tokenizer_id=view.tokenizer_id, arch=view.arch,
+        max_context_length=view.max_context_length, trainable=view.trainable,
+        sampleable=view.sampleable, max_rank=view.max_rank, loss_fns=view.loss_fns,
+    )  # fmt: skip
+
+
+def fleet_status(view: FleetView) -> controller_pb2.GetFleetStatusResponse:
+    resp = controller_pb2.GetFleetStatusResponse(ledger_depth=view.ledger_depth)
+    for rv in view.replicas:
+        rep = rv.replica
+        trainer = rep.kind == TRAINER
+        resp.replicas.append(
+            controller_pb2.ReplicaStatus(
+                kind=controller_pb2.REPLICA_KIND_TRAINER if trainer
+                else controller_pb2.REPLICA_KIND_ROLLOUT,
+                replica_id=rep.replica_id, address=rep.address, base_model=rep.base_model,
+                healthy=rep.healthy, last_seen=rep.last_seen, num_slots=rep.num_slots,
+                slots=[registration(r) for r in rv.slots], adapters=rv.adapters,
+            )
+        )  # fmt: skip
+    resp.queued_registrations.extend(registration(r) for r in view.queued)
+    return resp

@@ -16,7 +16,6 @@ from lorafleet.rpc.errors import exception_from_info
 from lorafleet.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from lorafleet_controller import convert
 from lorafleet_controller.controller import Controller
-from lorafleet_controller.registry import ROLLOUT, TRAINER
 
 pb = controller_pb2
 Context = grpc.aio.ServicerContext
@@ -218,24 +217,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def GetCapabilities(
         self, request: pb.GetCapabilitiesRequest, context: Context
     ) -> pb.GetCapabilitiesResponse:
-        models: dict[str, pb.BaseModelInfo] = {}
-        for rep in await self.controller.registry.replicas():
-            if not rep.healthy:
-                continue
-            info = models.setdefault(rep.base_model, pb.BaseModelInfo(name=rep.base_model))
-            info.tokenizer_id = info.tokenizer_id or rep.tokenizer_id
-            if rep.kind == TRAINER or not info.arch:  # rollouts report their engine here
-                info.arch = rep.arch if rep.kind == TRAINER else info.arch or rep.arch
-            info.max_context_length = max(info.max_context_length, rep.max_context_length)
-            if rep.kind == TRAINER:
-                info.trainable = True
-                info.max_rank = max(info.max_rank, rep.max_rank)
-                for loss in rep.loss_fns:
-                    if loss not in info.loss_fns:
-                        info.loss_fns.append(loss)
-            elif rep.kind == ROLLOUT:
-                info.sampleable = True
-        return pb.GetCapabilitiesResponse(models=[models[k] for k in sorted(models)])
+        models = await self.controller.fleet.capabilities()
+        return pb.GetCapabilitiesResponse(models=[convert.base_model(m) for m in models])
 
     async def RegisterReplica(
         self, request: pb.RegisterReplicaRequest, context: Context
@@ -248,36 +231,4 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def GetFleetStatus(
         self, request: pb.GetFleetStatusRequest, context: Context
     ) -> pb.GetFleetStatusResponse:
-        resp = pb.GetFleetStatusResponse(ledger_depth=await self.controller.ledger.depth())
-        queued_ids: list[str] = []
-        for rep in await self.controller.registry.replicas():
-            status = pb.ReplicaStatus(
-                kind=pb.REPLICA_KIND_TRAINER if rep.kind == TRAINER else pb.REPLICA_KIND_ROLLOUT,
-                replica_id=rep.replica_id, address=rep.address, base_model=rep.base_model,
-                healthy=rep.healthy, last_seen=rep.last_seen, num_slots=rep.num_slots,
-            )  # fmt: skip
-            if rep.kind == TRAINER:
-                for _, rid in sorted(
-                    (await self.controller.registry.slot_table(rep.replica_id)).items()
-                ):
-                    reg = await self.controller.registry.get_any(rid)
-                    if reg is not None:
-                        status.slots.append(convert.registration(reg))
-                for rid in await self.controller.registry.queued(rep.base_model):
-                    if rid not in queued_ids:
-                        queued_ids.append(rid)
-            else:
-                status.adapters.extend(await self._resident(rep.address))
-            resp.replicas.append(status)
-        for rid in queued_ids:
-            reg = await self.controller.registry.get_any(rid)
-            if reg is not None:
-                resp.queued_registrations.append(convert.registration(reg))
-        return resp
-
-    async def _resident(self, address: str) -> list[str]:
-        rollout = self.controller.pool.rollout(address)
-        try:
-            return [a.adapter_id for a in await rollout.list_adapters(retry=False)]
-        except errors.LorafleetError:
-            return []
+        return convert.fleet_status(await self.controller.fleet.status())

@@ -90,14 +90,6 @@ class KubernetesDiscovery:
         self._watch_timeout = watch_timeout_seconds
         self.selector = f"{SERVICE_LABEL} in ({','.join(sorted(services))})"
 
-    @classmethod
-    def in_cluster(cls, namespace: str, services: Mapping[str, str]) -> KubernetesDiscovery:
-        """Use the pod's service-account token (the chart's RBAC grants list/watch)."""
-        from kubernetes import config
-
-        config.load_incluster_config()
-        return cls(client.ApiClient(), namespace, services)
-
     def _list(self) -> tuple[dict[str, list[Endpoint]], str]:
         result = self._api.list_namespaced_endpoint_slice(
             self._namespace, label_selector=self.selector

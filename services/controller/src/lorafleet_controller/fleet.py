@@ -1,0 +1,107 @@
+"""What the fleet can do and how it is doing: the capabilities and status views.
+
+Both are read-only aggregations over the registry, built with batched reads (one pipeline
+for every slot table, one for every registration shown) and one concurrent round of
+ListAdapters to the rollouts, so their cost does not grow by a round trip per slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from lorafleet import errors
+from lorafleet_controller.clients import Pool
+from lorafleet_controller.ledger import Ledger
+from lorafleet_controller.registry import ROLLOUT, TRAINER, Registry, RegRecord, Replica
+
+
+@dataclass
+class BaseModelView:
+    """One base model as the healthy replicas serving it describe it."""
+
+    name: str
+    tokenizer_id: str = ""
+    arch: str = ""
+    max_context_length: int = 0
+    trainable: bool = False
+    sampleable: bool = False
+    max_rank: int = 0
+    loss_fns: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    replica: Replica
+    slots: list[RegRecord]  # a trainer's bound registrations, by slot
+    adapters: list[str]  # a rollout's resident adapter ids (empty when it did not answer)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    ledger_depth: dict[str, int]
+    replicas: list[ReplicaView]
+    queued: list[RegRecord]  # registrations waiting for a trainer slot, in queue order
+
+
+class Fleet:
+    def __init__(self, registry: Registry, ledger: Ledger, pool: Pool) -> None:
+        self.registry = registry
+        self.ledger = ledger
+        self.pool = pool
+
+    async def capabilities(self) -> list[BaseModelView]:
+        models: dict[str, BaseModelView] = {}
+        for rep in await self.registry.replicas():
+            if not rep.healthy:
+                continue
+            info = models.setdefault(rep.base_model, BaseModelView(rep.base_model))
+            info.tokenizer_id = info.tokenizer_id or rep.tokenizer_id
+            if rep.kind == TRAINER:  # a rollout's arch (its engine) only fills a gap
+                info.arch = rep.arch
+            else:
+                info.arch = info.arch or rep.arch
+            info.max_context_length = max(info.max_context_length, rep.max_context_length)
+            if rep.kind == TRAINER:
+                info.trainable = True
+                info.max_rank = max(info.max_rank, rep.max_rank)
+                info.loss_fns += [loss for loss in rep.loss_fns if loss not in info.loss_fns]
+            elif rep.kind == ROLLOUT:
+                info.sampleable = True
+        return [models[name] for name in sorted(models)]
+
+    async def status(self) -> FleetView:
+        replicas = await self.registry.replicas()
+        trainers = [r for r in replicas if r.kind == TRAINER]
+        rollouts = [r for r in replicas if r.kind != TRAINER]
+        tables = await self.registry.slot_tables([r.replica_id for r in trainers])
+        queued_ids: list[str] = []
+        for base in dict.fromkeys(r.base_model for r in trainers):
+            queued_ids += [rid for rid in await self.registry.queued(base) if rid not in queued_ids]
+        slot_ids = [rid for r in trainers for _, rid in sorted(tables[r.replica_id].items())]
+        records = await self.registry.get_many(slot_ids + queued_ids)
+        by_id = {rec.registration_id: rec for rec in records if rec is not None}
+        resident = await asyncio.gather(*(self._resident(r.address) for r in rollouts))
+        adapters = {r.replica_id: ids for r, ids in zip(rollouts, resident, strict=True)}
+        views = [
+            ReplicaView(
+                rep,
+                [
+                    by_id[rid]
+                    for _, rid in sorted(tables.get(rep.replica_id, {}).items())
+                    if rid in by_id
+                ],
+                adapters.get(rep.replica_id, []),
+            )
+            for rep in replicas
+        ]
+        queued = [by_id[rid] for rid in queued_ids if rid in by_id]
+        return FleetView(await self.ledger.depth(), views, queued)
+
+    async def _resident(self, address: str) -> list[str]:
+        try:
+            return [
+                a.adapter_id for a in await self.pool.rollout(address).list_adapters(retry=False)
+            ]
+        except errors.LorafleetError:
+            return []
