@@ -74,22 +74,33 @@ class Rendered:
         found = [
             o
             for o in self.objects
-            if o["kind"] in ("Deployment", "StatefulSet")
+            if o["kind"] in ("Deployment", "StatefulSet", "LeaderWorkerSet")
             and o["metadata"]["labels"].get("app.kubernetes.io/component") == component
         ]
         assert len(found) == 1, component
         return found[0]
 
-    def container(self, component: str, name: str | None = None) -> dict[str, Any]:
-        pod = self.workload(component)["spec"]["template"]["spec"]
+    def container(
+        self, component: str, name: str | None = None, role: str = "leader"
+    ) -> dict[str, Any]:
+        """A container of the component's pod (of a LeaderWorkerSet: the leader's or worker's)."""
+        workload = self.workload(component)
+        if workload["kind"] == "LeaderWorkerSet":
+            pod = workload["spec"]["leaderWorkerTemplate"][f"{role}Template"]["spec"]
+        else:
+            pod = workload["spec"]["template"]["spec"]
         return next(c for c in pod["containers"] if c["name"] == (name or component))
 
     def pod_specs(self) -> list[tuple[str, dict[str, Any]]]:
-        """(name, pod spec) of every workload template and bare Pod."""
+        """(name, pod spec) of every workload template (both of a LeaderWorkerSet) and bare Pod."""
         out = []
         for o in self.objects:
             if o["kind"] in ("Deployment", "StatefulSet"):
                 out.append((o["metadata"]["name"], o["spec"]["template"]["spec"]))
+            elif o["kind"] == "LeaderWorkerSet":
+                for role in ("leader", "worker"):
+                    template = o["spec"]["leaderWorkerTemplate"][f"{role}Template"]
+                    out.append((f"{o['metadata']['name']}/{role}", template["spec"]))
             elif o["kind"] == "Pod":
                 out.append((o["metadata"]["name"], o["spec"]))
         return out
@@ -130,7 +141,7 @@ GRPC_SERVICES = {
     "rollout": "lorafleet.v1.RolloutService",
 }
 # CRD kinds kubernetes-validate has no schema for; asserted on structurally below.
-CRD_GROUPS = ("monitoring.coreos.com/",)
+CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/")
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 METRIC_NAME = re.compile(r"\b((?:lorafleet|grpc_server)_[a-z0-9_]+)\b")
 
@@ -379,10 +390,10 @@ def test_torch_engine_on_gpu_puts_the_gpu_on_the_rollout_container(render):
 def test_statefulsets_have_headless_services(render, name):
     rendered = render(load_values(name))
     statefulsets = rendered.of_kind("StatefulSet")
-    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in statefulsets} >= {
-        "trainer",
-        "rollout",
-    }
+    groups = rendered.of_kind("LeaderWorkerSet")  # LWS makes its own headless Service
+    assert {
+        s["metadata"]["labels"]["app.kubernetes.io/component"] for s in statefulsets + groups
+    } >= {"trainer", "rollout"}
     for sts in statefulsets:
         svc = rendered.get("Service", sts["spec"]["serviceName"])
         assert svc["spec"]["clusterIP"] == "None"
@@ -706,3 +717,108 @@ def test_metric_names_follow_conventions():
     for name in _metrics_txt():
         assert re.fullmatch(r"(lorafleet|grpc_server)_[a-z0-9_]+", name), name
         assert not name.endswith(("_count", "_sum")), name
+
+
+# --- trainer groups and multi-node (LeaderWorkerSet) -----------------------------------------
+
+
+def test_gpus_per_replica_runs_torchrun_in_one_pod(render):
+    rendered = render(load_values("llama-70b"))
+    assert rendered.workload("trainer")["kind"] == "StatefulSet"
+    trainer = rendered.container("trainer")
+    assert trainer["command"] == [
+        "torchrun",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=8",
+        "-m",
+        "lorafleet_trainer",
+    ]
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = env_of(trainer)
+    assert env["LORAFLEET_TRAINER_DEVICE"] == "cuda"
+    assert env["LORAFLEET_TRAINER_GROUP_TIMEOUT_SECONDS"] == "120"
+    # One GPU per replica stays a plain process.
+    single = render(load_values("gpu")).container("trainer")
+    assert single["command"] == ["python", "-m", "lorafleet_trainer"]
+    assert "LORAFLEET_TRAINER_GROUP_TIMEOUT_SECONDS" not in env_of(single)
+
+
+def test_leader_worker_sets_validate_and_wire_the_group(render):
+    """The LWS objects (a CRD: no upstream schema here) are checked structurally, and every
+    pod template they hold is validated as a Pod against the Kubernetes schemas."""
+    rendered = render(load_values("multinode"))
+    kinds = {
+        (o["kind"], o["metadata"]["labels"]["app.kubernetes.io/component"])
+        for o in rendered.objects
+        if "app.kubernetes.io/component" in o["metadata"]["labels"]
+    }
+    assert ("StatefulSet", "trainer") not in kinds and ("StatefulSet", "rollout") not in kinds
+    for component in ("trainer", "rollout"):
+        lws = rendered.get("LeaderWorkerSet", f"{FULL}-{component}-group")
+        assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+        spec = lws["spec"]
+        assert spec["replicas"] == 1
+        assert spec["leaderWorkerTemplate"]["size"] == 2
+        assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+        for role in ("leader", "worker"):
+            template = spec["leaderWorkerTemplate"][f"{role}Template"]
+            assert template["metadata"]["labels"]["lorafleet.io/group-role"] == role
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"{component}-{role}", "namespace": NAMESPACE},
+                "spec": template["spec"],
+            }
+            kubernetes_validate.validate(pod, KUBE_VERSION, strict=True)
+
+    leader = rendered.container("trainer", role="leader")
+    worker = rendered.container("trainer", role="worker")
+    for c in (leader, worker):
+        assert c["command"] == [
+            "torchrun",
+            "--nnodes=2",
+            "--nproc-per-node=8",
+            "--node-rank=$(LWS_WORKER_INDEX)",
+            "--master-addr=$(LWS_LEADER_ADDRESS)",
+            "--master-port=29500",
+            "-m",
+            "lorafleet_trainer",
+        ]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    # Rank 0 (the leader) serves gRPC and is what the controller dials; workers only follow.
+    assert "grpc" in {p["name"] for p in leader["ports"]} and "readinessProbe" in leader
+    assert "grpc" not in {p["name"] for p in worker["ports"]} and "readinessProbe" not in worker
+    assert env_of(leader)["LORAFLEET_TRAINER_ADVERTISE_ADDRESS"] == (
+        f"$(LORAFLEET_TRAINER_REPLICA_ID).{FULL}-trainer-group.{NAMESPACE}.svc:50052"
+    )
+
+    # Multi-node SGLang: one server over the group; the rollout container only on the leader.
+    lws = rendered.get("LeaderWorkerSet", f"{FULL}-rollout-group")["spec"]["leaderWorkerTemplate"]
+    assert [c["name"] for c in lws["leaderTemplate"]["spec"]["containers"]] == ["rollout", "sglang"]
+    assert [c["name"] for c in lws["workerTemplate"]["spec"]["containers"]] == ["sglang"]
+    for role in ("leader", "worker"):
+        args = rendered.container("rollout", "sglang", role=role)["command"]
+        assert {
+            "--tp-size=8",
+            "--pp-size=2",
+            "--nnodes=2",
+            "--node-rank=$(LWS_WORKER_INDEX)",
+        } <= set(args)
+        assert "--dist-init-addr=$(LWS_LEADER_ADDRESS):20000" in args
+    assert "livenessProbe" not in rendered.container("rollout", "sglang", role="worker")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            {"trainer": {"leaderWorkerSet": {"enabled": True}}, "checkpoints": {"mode": "perPod"}},
+            "checkpoints.mode shared",
+        ),
+        ({"rollout": {"engine": "torch", "leaderWorkerSet": {"enabled": True}}}, "engine sglang"),
+    ],
+)
+def test_group_guards(chart, override, message):
+    with pytest.raises(helm_python.HelmRenderError, match=message):
+        chart.render(values=override, name=RELEASE, namespace=NAMESPACE)
