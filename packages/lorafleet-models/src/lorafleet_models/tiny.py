@@ -49,9 +49,9 @@ def ensure_model(preset: str, cache_root: Path, seed: int = 0, *, steps: int | N
     final = Path(cache_root) / cache_key(preset, seed, steps)
 
     def build(tmp: Path) -> None:
-        # The served name clients load the tokenizer by (lorafleet.hub); written before the
-        # build record, which marks the folder complete.
-        record_hub_id(tmp, f"{HUB_ORG}/{final.name}")
         build_model(preset, tmp, seed, steps=steps)
+        # The served name clients load the tokenizer by (lorafleet.hub); the folder only
+        # appears under its final name after this returns, so it is never seen without it.
+        record_hub_id(tmp, f"{HUB_ORG}/{final.name}")
 
     return build_once(final, build, BUILD_RECORD)
