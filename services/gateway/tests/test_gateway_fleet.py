@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import zstandard
 
+from lorafleet.contract import FutureId
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet.v1 import controller_pb2_grpc
 from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
@@ -349,3 +350,37 @@ def test_revoked_key_stops_working_within_a_second(fleet: object) -> None:
         stub.RevokeApiKey(cpb.RevokeApiKeyRequest(key_id=created.key_id), timeout=10)
     time.sleep(1.0)  # the gateway's auth cache may answer for up to one second
     assert httpx.get(url, headers=headers).status_code == 401
+
+
+def test_queue_state_of_an_operation_waiting_for_a_slot(fleet: object, client: Client) -> None:
+    """A run queued for a trainer slot answers try_again with the queue_state its operation's
+    `waiting_for` maps to ("paused_capacity" for a slot), as the controller reports it."""
+    caps = client.http.get("/get_server_capabilities").json()["supported_models"]
+    base = next(m["model_name"] for m in caps if m["trainable"])
+    session = client.post("/create_session", {}).json()["session_id"]
+    runs = []
+    try:
+        for seq in range(5):  # 4 slots, one already taken by `model`: the last run queues
+            body = {"session_id": session, "model_seq_id": seq, "base_model": base}
+            created = client.post("/create_model", {**body, "lora_config": {"rank": 2}})
+            assert created.status_code == 200, created.text
+            runs.append(created.json()["model_id"])
+        submitted = client.post("/forward", fb_body({"model_id": runs[-1]}, 1))
+        assert submitted.status_code == 200, submitted.text
+        request_id = submitted.json()["request_id"]
+        polled = client.post("/retrieve_future", {"request_id": request_id}).json()
+        assert polled["type"] == "try_again", polled
+        with fleet.admin_channel() as channel:  # type: ignore[attr-defined]
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            key = cpb.AuthenticateRequest(api_key=fleet.api_key)  # type: ignore[attr-defined]
+            tenant = stub.Authenticate(key, timeout=10).tenant
+            lookup = cpb.GetOperationRequest(
+                tenant=tenant, operation_id=FutureId.parse(request_id).ref
+            )
+            op = stub.GetOperation(lookup, timeout=10).operation
+        assert op.state == cpb.OPERATION_STATE_QUEUED
+        paused = op.waiting_for in (cpb.WAITING_FOR_SLOT, cpb.WAITING_FOR_TRAINER)
+        assert polled["queue_state"] == ("paused_capacity" if paused else "active"), op
+    finally:
+        for run in runs:
+            client.post("/unload_model", {"model_id": run})
