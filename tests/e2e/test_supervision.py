@@ -4,21 +4,17 @@ fails the fleet; `down` stops every process, restarted ones too."""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import httpx
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
@@ -168,59 +164,3 @@ def test_up_restarts_status_counts_and_down_stops_the_restarted(
         down = _run(["down"], tmp_path, timeout=120)
     assert down.returncode == 0, down.stderr
     wait_until(lambda: not any(_alive(p) for p in pids), "every process stopped", within=30)
-
-
-def _final_adapter(fleet: object, run_id: str) -> dict[str, str]:
-    """SHA-256 of every file of the run's weights/final checkpoint, through the archive route."""
-    base, key = fleet.base_url, fleet.api_key  # type: ignore[attr-defined]
-    reply = httpx.get(f"{base}/api/v1/training_runs/{run_id}/checkpoints/weights/final/archive",
-                      headers={"X-API-Key": key}, timeout=60)  # fmt: skip
-    assert reply.status_code == 200, reply.text
-    archive = httpx.get(reply.json()["url"], timeout=60)
-    assert archive.status_code == 200, archive.text
-    with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
-        return {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest()  # type: ignore[union-attr]
-                for m in tar.getmembers() if m.isfile()}  # fmt: skip
-
-
-def _sdk_run(
-    fleet: object, python: Path, model: str, log: Path, fault: Callable[[], None] | None
-) -> str:
-    """Run the fixed-seed script; call `fault` once step 10 of 30 is done. Returns the run id."""
-    env = dict(os.environ, TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,  # type: ignore[attr-defined]
-               TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1", STEPS="30", BASE_MODEL=model)  # fmt: skip
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            [str(python), str(Path(__file__).parent / "supervision_script.py")],
-            env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-        )  # fmt: skip
-        try:
-            run_id = ""
-            for line in proc.stdout:  # type: ignore[union-attr]
-                if line.strip() == "step 10" and fault is not None:
-                    fault()
-                if line.startswith("RUN "):
-                    run_id = line.split()[1]
-            assert proc.wait(600) == 0, log.read_text()[-4000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return run_id
-
-
-@pytest.mark.slow
-def test_controller_sigkill_mid_run_is_restarted_and_changes_no_byte(
-    make_fleet, sdk_python, tmp_path: Path
-) -> None:
-    python = sdk_python("0.38.0")
-    with make_fleet(slots=2) as fleet:
-        caps = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",
-                         headers={"X-API-Key": fleet.api_key}, timeout=30).json()  # fmt: skip
-        model = caps["supported_models"][0]["model_name"]
-        reference = _sdk_run(fleet, python, model, tmp_path / "reference.log", None)
-        controller = fleet.member("controller")
-        kill = lambda: os.kill(controller.proc.pid, signal.SIGKILL)  # noqa: E731
-        killed = _sdk_run(fleet, python, model, tmp_path / "killed.log", kill)
-        assert controller.restarts == 1
-        assert _final_adapter(fleet, killed) == _final_adapter(fleet, reference)
