@@ -155,6 +155,16 @@ class ControllerServiceStub:
                 request_serializer=lorafleet_dot_v1_dot_controller__pb2.DownloadCheckpointRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_common__pb2.FileChunk.FromString,
                 _registered_method=True)
+        self.ImportPeftAdapter = channel.unary_unary(
+                '/lorafleet.v1.ControllerService/ImportPeftAdapter',
+                request_serializer=lorafleet_dot_v1_dot_controller__pb2.ImportPeftAdapterRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_controller__pb2.ImportPeftAdapterResponse.FromString,
+                _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/lorafleet.v1.ControllerService/GetUsage',
+                request_serializer=lorafleet_dot_v1_dot_controller__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
         self.GetCapabilities = channel.unary_unary(
                 '/lorafleet.v1.ControllerService/GetCapabilities',
                 request_serializer=lorafleet_dot_v1_dot_controller__pb2.GetCapabilitiesRequest.SerializeToString,
@@ -355,6 +365,23 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportPeftAdapter(self, request, context):
+        """Turn an HF PEFT LoRA adapter folder trained elsewhere into a saved training state of the
+        tenant (tinker://<run>/weights/<name>). Everything checkable from the folder and the
+        trainers is checked before anything changes. Deadline 600 s. Not idempotent: every call
+        makes a new run (the name is unique within it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUsage(self, request, context):
+        """Per-tenant usage totals (chargeback). Admin only. Deadline 10 s. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetCapabilities(self, request, context):
         """--- fleet -----------------------------------------------------------------------------
         Base models the fleet serves and what each supports. Deadline 5 s. Idempotent.
@@ -500,6 +527,16 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=lorafleet_dot_v1_dot_controller__pb2.DownloadCheckpointRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_common__pb2.FileChunk.SerializeToString,
+            ),
+            'ImportPeftAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportPeftAdapter,
+                    request_deserializer=lorafleet_dot_v1_dot_controller__pb2.ImportPeftAdapterRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_controller__pb2.ImportPeftAdapterResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetUsageRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_controller__pb2.GetUsageResponse.SerializeToString,
             ),
             'GetCapabilities': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCapabilities,
@@ -1165,6 +1202,60 @@ class ControllerService:
             '/lorafleet.v1.ControllerService/DownloadCheckpoint',
             lorafleet_dot_v1_dot_controller__pb2.DownloadCheckpointRequest.SerializeToString,
             lorafleet_dot_v1_dot_common__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportPeftAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.ControllerService/ImportPeftAdapter',
+            lorafleet_dot_v1_dot_controller__pb2.ImportPeftAdapterRequest.SerializeToString,
+            lorafleet_dot_v1_dot_controller__pb2.ImportPeftAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.ControllerService/GetUsage',
+            lorafleet_dot_v1_dot_controller__pb2.GetUsageRequest.SerializeToString,
+            lorafleet_dot_v1_dot_controller__pb2.GetUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -107,6 +107,14 @@ class ControllerServiceStub:
     """Publish/unpublish and TTL. Deadline 5 s. Idempotent."""
     DownloadCheckpoint: _grpc.UnaryStreamMultiCallable[_controller_pb2.DownloadCheckpointRequest, _common_pb2.FileChunk]
     """Stream a checkpoint's HF PEFT adapter files (download). Deadline 300 s. Idempotent."""
+    ImportPeftAdapter: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ImportPeftAdapterRequest, _controller_pb2.ImportPeftAdapterResponse]
+    """Turn an HF PEFT LoRA adapter folder trained elsewhere into a saved training state of the
+    tenant (tinker://<run>/weights/<name>). Everything checkable from the folder and the
+    trainers is checked before anything changes. Deadline 600 s. Not idempotent: every call
+    makes a new run (the name is unique within it).
+    """
+    GetUsage: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetUsageRequest, _controller_pb2.GetUsageResponse]
+    """Per-tenant usage totals (chargeback). Admin only. Deadline 10 s. Idempotent."""
     GetCapabilities: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetCapabilitiesRequest, _controller_pb2.GetCapabilitiesResponse]
     """--- fleet -----------------------------------------------------------------------------
     Base models the fleet serves and what each supports. Deadline 5 s. Idempotent.
@@ -189,6 +197,14 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Publish/unpublish and TTL. Deadline 5 s. Idempotent."""
     DownloadCheckpoint: _aio.UnaryStreamMultiCallable[_controller_pb2.DownloadCheckpointRequest, _common_pb2.FileChunk]  # type: ignore[assignment]
     """Stream a checkpoint's HF PEFT adapter files (download). Deadline 300 s. Idempotent."""
+    ImportPeftAdapter: _aio.UnaryUnaryMultiCallable[_controller_pb2.ImportPeftAdapterRequest, _controller_pb2.ImportPeftAdapterResponse]  # type: ignore[assignment]
+    """Turn an HF PEFT LoRA adapter folder trained elsewhere into a saved training state of the
+    tenant (tinker://<run>/weights/<name>). Everything checkable from the folder and the
+    trainers is checked before anything changes. Deadline 600 s. Not idempotent: every call
+    makes a new run (the name is unique within it).
+    """
+    GetUsage: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetUsageRequest, _controller_pb2.GetUsageResponse]  # type: ignore[assignment]
+    """Per-tenant usage totals (chargeback). Admin only. Deadline 10 s. Idempotent."""
     GetCapabilities: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetCapabilitiesRequest, _controller_pb2.GetCapabilitiesResponse]  # type: ignore[assignment]
     """--- fleet -----------------------------------------------------------------------------
     Base models the fleet serves and what each supports. Deadline 5 s. Idempotent.
@@ -412,6 +428,26 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_common_pb2.FileChunk], _abc.AsyncIterator[_common_pb2.FileChunk]]:
         """Stream a checkpoint's HF PEFT adapter files (download). Deadline 300 s. Idempotent."""
+
+    @_abc_1.abstractmethod
+    def ImportPeftAdapter(
+        self,
+        request: _controller_pb2.ImportPeftAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ImportPeftAdapterResponse, _abc.Awaitable[_controller_pb2.ImportPeftAdapterResponse]]:
+        """Turn an HF PEFT LoRA adapter folder trained elsewhere into a saved training state of the
+        tenant (tinker://<run>/weights/<name>). Everything checkable from the folder and the
+        trainers is checked before anything changes. Deadline 600 s. Not idempotent: every call
+        makes a new run (the name is unique within it).
+        """
+
+    @_abc_1.abstractmethod
+    def GetUsage(
+        self,
+        request: _controller_pb2.GetUsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.GetUsageResponse, _abc.Awaitable[_controller_pb2.GetUsageResponse]]:
+        """Per-tenant usage totals (chargeback). Admin only. Deadline 10 s. Idempotent."""
 
     @_abc_1.abstractmethod
     def GetCapabilities(

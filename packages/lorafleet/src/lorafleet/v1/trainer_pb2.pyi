@@ -54,6 +54,7 @@ class GetTrainerInfoResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    MODULES_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     base_model: _builtins.str
     num_slots: _builtins.int
@@ -66,6 +67,12 @@ class GetTrainerInfoResponse(_message.Message):
     def loss_fns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def optimizers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Adaptable module names (LoRA sites and their owning modules): what target_modules may
+        name, so a PEFT import is checked before anything changes.
+        """
+
     def __init__(
         self,
         *,
@@ -78,10 +85,11 @@ class GetTrainerInfoResponse(_message.Message):
         vocab_size: _builtins.int = ...,
         max_context_length: _builtins.int = ...,
         incarnation: _builtins.str = ...,
+        modules: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "incarnation", b"incarnation", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_rank", b"max_rank", "num_slots", b"num_slots", "optimizers", b"optimizers", "replica_id", b"replica_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "incarnation", b"incarnation", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_rank", b"max_rank", "modules", b"modules", "num_slots", b"num_slots", "optimizers", b"optimizers", "replica_id", b"replica_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
