@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SeqId = Annotated[int, Field(ge=0, lt=2**31)]
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+# Seconds until a checkpoint expires (int64 on the wire; bounded far below it).
+TtlSeconds = Annotated[int, Field(ge=1, lt=2**40)]
 
 
 class Body(BaseModel):
@@ -138,28 +139,28 @@ class ModelIdRequest(Body):
 
 class SaveWeightsRequest(Body):
     model_id: str
-    path: Name
+    path: str
     seq_id: SeqId
     overwrite: bool = False
-    ttl_seconds: Annotated[int, Field(ge=1)] | None = None
+    ttl_seconds: TtlSeconds | None = None
     user_metadata: dict[str, Any] | None = None
 
 
 class SaveWeightsForSamplerRequest(Body):
     model_id: str
     seq_id: SeqId
-    path: Name | None = None
+    path: str | None = None
     sampling_session_seq_id: SeqId | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    ttl_seconds: Annotated[int, Field(ge=1)] | None = None
+    ttl_seconds: TtlSeconds | None = None
     user_metadata: dict[str, Any] | None = None
 
 
 class SaveWeightsExternalRequest(Body):
     model_id: str
-    path: Name
+    path: str
     seq_id: SeqId
-    ttl_seconds: Annotated[int, Field(ge=1)] | None = None
+    ttl_seconds: TtlSeconds | None = None
     age_encryption_recipients: list[str] | None = None
 
 
@@ -191,7 +192,7 @@ class SamplingParams(Body):
     seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
     stop: str | list[str] | list[int] | None = None
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
-    top_k: int = -1
+    top_k: Annotated[int, Field(ge=-1, lt=2**31)] = -1
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
 
 
@@ -214,7 +215,8 @@ class RetrieveFutureRequest(Body):
 
 # --- checkpoints --------------------------------------------------------------------------
 class TtlRequest(Body):
-    ttl_seconds: int | None = None
+    # <= 0 is refused by the serving layer with a message (null removes the TTL).
+    ttl_seconds: Annotated[int, Field(gt=-(2**40), lt=2**40)] | None = None
 
 
 # === responses ==============================================================================
