@@ -65,6 +65,15 @@ def test_up_detach_status_down_leaves_nothing(tmp_path: Path, tiny_model_dir: Pa
             ["controller", "trainer-0", "rollout-0", "gateway", "redis"], "SERVING"
         )
 
+        # Plaintext to the controller is refused, and status says what to do about it.
+        address = state["controller_address"]
+        plain = _run(["status", "--controller", address], tmp_path, timeout=60)
+        assert plain.returncode == 1
+        assert plain.stderr.strip().startswith(f"lorafleet: controller at {address} does not")
+        assert plain.stderr.strip().endswith(
+            "if the fleet uses mutual TLS, set LORAFLEET_TLS_* to an admin certificate"
+        )
+
         # Key management goes through the run's admin certificate.
         created = _run(["keys", "create", "team-a", "--label", "ci"], tmp_path, timeout=60)
         assert created.returncode == 0, created.stderr

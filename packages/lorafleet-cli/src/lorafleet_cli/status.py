@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet.rpc.channel import make_blocking_channel
-from lorafleet.tls import TlsIdentity
+from lorafleet.tls import TlsIdentity, identity_from_env
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 
 _SERVICE = {
@@ -92,6 +92,8 @@ def render_status(
             )
     except grpc.RpcError as exc:
         problem = f"controller at {controller} does not answer ({exc.code().name}: {exc.details()})"
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and (tls or identity_from_env()) is None:
+            problem += "; if the fleet uses mutual TLS, set LORAFLEET_TLS_* to an admin certificate"
         return "\n".join(out).rstrip(), problem
 
     slot_rows, adapter_rows = [], []
