@@ -1,0 +1,344 @@
+"""The prepared GPU check: one command, no network, one JSON (issue 15 item 5).
+
+    python bench/gpu_check.py            # one CUDA GPU (an H200: under 8 minutes)
+    python bench/gpu_check.py --smoke    # the same code on a small config (CPU or GPU)
+
+Models are built from configs with seeded random weights (no downloads): Llama-3.1-8B shapes
+(hidden 4096, MLP 14336, 32 heads / 8 KV heads, vocab 128256) truncated to `--layers` layers.
+Each figure is measured side by side in this run:
+
+- trainer: fwd_bwd + optim_step of one rank-16 slot on an 8 x 512 batch, bf16 base, through
+  TrainerEngine vs in-process PEFT (speed ratio, and the logprob difference), a mixed batch
+  of 8 slots x 1 row vs 1 slot x 8 rows, and the achieved TFLOP/s of the engine step against
+  the chip's bf16 peak (`--peak-tflops`, 790 for an H200 SXM's dense bf16). Model FLOPs per
+  step: 4 N T (forward, and backward to the activations only: the base is frozen) + the
+  causal attention products (forward 2 T S h per layer, backward twice that); N = the base's
+  matrix parameters without the embedding table, T tokens, S sequence length, h hidden size.
+- rollout: the torch rollout engine's generated tokens/s, 16 concurrent greedy requests
+  over 8 adapters, vs one-by-one HF generate + PEFT, both on the device the engine loads its
+  weights on (reported; today it has no CUDA path, so it runs on the CPU with --rollout-layers
+  layers).
+- group: a world-size-1 trainer group through the distributed path (torch.distributed,
+  FSDP2, GroupEngine) vs the plain engine: step-time ratio and logprob difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from lorafleet.testing import free_port
+from lorafleet_trainer.domain import (
+    AdamParams,
+    Datum,
+    ForwardBackwardInput,
+    ForwardBackwardItem,
+    LoraSpec,
+)
+from lorafleet_trainer.engine import TrainerEngine
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA = 16, 32
+
+
+def llama8b_config(layers: int, smoke: bool) -> LlamaConfig:
+    if smoke:
+        return LlamaConfig(
+            hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
+            num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+            max_position_embeddings=2048, tie_word_embeddings=False,
+        )  # fmt: skip
+    return LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def build(config: LlamaConfig, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """Seeded random weights, initialised directly on the device."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn, reps: int, device: str) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def batch(gen: torch.Generator, rows: int, seq: int, vocab: int) -> list[Datum]:
+    return [
+        Datum(
+            torch.randint(0, vocab, (seq,), generator=gen).tolist(),
+            {
+                "target_tokens": torch.randint(0, vocab, (seq,), generator=gen),
+                "weights": torch.ones(seq),
+            },
+        )
+        for _ in range(rows)
+    ]
+
+
+def engine_step(engine, items: list[ForwardBackwardItem], step: list[int]) -> list:
+    """One fwd_bwd over `items` and an optim_step of each slot (fresh operation ids)."""
+    step[0] += 1
+    items = [
+        ForwardBackwardItem(f"fb{step[0]}-{i.slot}", i.slot, i.registration_id, i.input)
+        for i in items
+    ]
+    outs = engine.forward_backward(items)
+    for out in outs:
+        if isinstance(out, Exception):
+            raise out
+    for i in items:
+        engine.optim_step(f"s{step[0]}-{i.slot}", i.slot, i.registration_id, AdamParams())
+    return outs
+
+
+def peft_step(pm, optimizer, data: list[Datum], device: str) -> torch.Tensor:
+    """The same step in plain PEFT: summed weighted log-likelihood, backward, AdamW."""
+    ids = torch.tensor([d.tokens for d in data], device=device)
+    logits = pm(input_ids=ids, use_cache=False).logits
+    lp = torch.log_softmax(logits.float(), -1)
+    targets = torch.stack([d.loss_fn_inputs["target_tokens"] for d in data]).to(device)
+    lp_t = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (-lp_t.sum()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lp_t.detach()
+
+
+def model_flops(config: LlamaConfig, base: torch.nn.Module, rows: int, seq: int) -> float:
+    embed = base.get_input_embeddings().weight.numel()
+    matrices = sum(p.numel() for p in base.parameters() if p.dim() == 2) - embed
+    tokens = rows * seq
+    attention = 3 * config.num_hidden_layers * 2 * tokens * seq * config.hidden_size
+    return 4 * matrices * tokens + attention
+
+
+def trainer_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
+    config = llama8b_config(args.layers, args.smoke)
+    base = build(config, device, dtype)
+    reference = copy.deepcopy(base)
+    flops = model_flops(config, base, args.rows, args.seq)
+    engine = TrainerEngine(
+        base, base_model="llama8b-truncated", num_slots=8, max_rank=RANK, storage_root=work
+    )
+    gen = torch.Generator().manual_seed(1)
+    data = batch(gen, args.rows, args.seq, config.vocab_size)
+    for slot in range(8):
+        engine.bind(slot, f"r{slot}", LoraSpec(rank=RANK, alpha=ALPHA, seed=slot))
+    counter = [0]
+    one = [ForwardBackwardItem("", 0, "r0", ForwardBackwardInput(data, "cross_entropy"))]
+    mixed = [
+        ForwardBackwardItem("", s, f"r{s}", ForwardBackwardInput([d], "cross_entropy"))
+        for s, d in enumerate(data[:8])
+    ]
+    engine_s = median_seconds(lambda: engine_step(engine, one, counter), args.reps, device)
+    mixed_s = median_seconds(lambda: engine_step(engine, mixed, counter), args.reps, device)
+
+    # PEFT holding slot 0's current adapter; compare logprobs first, then time its step.
+    pm = get_peft_model(reference, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS))
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(pm, engine._adapter_tensors(engine.slots.bindings[0]))
+    params = [p for n, p in pm.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0)
+    probe = ForwardBackwardInput(data[:1], "cross_entropy", forward_only=True)
+    ours = engine.forward_backward([ForwardBackwardItem("", 0, "r0", probe)])[0].logprobs[0]
+    with torch.no_grad():
+        ids = torch.tensor([data[0].tokens], device=device)
+        lp = torch.log_softmax(pm(input_ids=ids, use_cache=False).logits.float(), -1)[0]
+        theirs = lp.gather(-1, data[0].loss_fn_inputs["target_tokens"].to(device).view(-1, 1))
+    diff = float((ours.to(device) - theirs.view(-1)).abs().max())
+    peft_s = median_seconds(lambda: peft_step(pm, optimizer, data, device), args.reps, device)
+    achieved = flops / engine_s / 1e12
+    return {
+        "batch": f"{args.rows}x{args.seq}",
+        "engine_step_s": round(engine_s, 4),
+        "peft_step_s": round(peft_s, 4),
+        "speed_vs_peft": round(peft_s / engine_s, 3),
+        "logprob_max_abs_diff_vs_peft": diff,
+        "mixed_8_slots_1_row_each_s": round(mixed_s, 4),
+        "cross_slot_ratio": round(engine_s / mixed_s, 3),
+        "model_tflop_per_step": round(flops / 1e12, 2),
+        "achieved_tflops": round(achieved, 1),
+        "fraction_of_peak": round(achieved / args.peak_tflops, 3),
+    }
+
+
+def group_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
+    from lorafleet_trainer.group import GroupEngine, GroupEnv, load_group_engine
+
+    config = llama8b_config(args.layers, args.smoke)
+    folder = work / "group-model"
+    build(config, device, dtype).save_pretrained(folder)
+    launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    os.environ.update(launcher, MASTER_PORT=str(free_port()))
+    kwargs = {"num_slots": 1, "max_rank": RANK, "storage_root": work / "group-states"}
+    sharded, group = load_group_engine(
+        folder, GroupEnv.from_environ(), device=device, dtype=str(dtype).split(".")[-1],
+        timeout=300.0, base_model="g", **kwargs,
+    )  # fmt: skip
+    driver = GroupEngine(sharded, group, keepalive=30.0, on_lost=lambda exc: os._exit(3))
+    plain = TrainerEngine(
+        AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device),
+        base_model="g",
+        **kwargs,
+    )
+    gen = torch.Generator().manual_seed(2)
+    data = batch(gen, args.rows, args.seq, config.vocab_size)
+    item = [ForwardBackwardItem("", 0, "r0", ForwardBackwardInput(data, "cross_entropy"))]
+    times = {}
+    logprobs = {}
+    for name, engine in (("group", driver), ("plain", plain)):
+        engine.bind(0, "r0", LoraSpec(rank=RANK, alpha=ALPHA, seed=3))
+        counter = [0]
+        logprobs[name] = engine_step(engine, item, counter)[0].logprobs[0]
+        times[name] = median_seconds(
+            lambda e=engine, c=counter: engine_step(e, item, c), args.reps, device
+        )
+    driver.close()
+    group.close()
+    return {
+        "world_size": 1,
+        "group_step_s": round(times["group"], 4),
+        "plain_step_s": round(times["plain"], 4),
+        "plain_over_group_speed": round(times["plain"] / times["group"], 3),
+        "first_step_logprob_max_abs_diff": float(
+            (logprobs["group"] - logprobs["plain"]).abs().max()
+        ),
+    }
+
+
+async def rollout_section(args, work: Path) -> dict:
+    from lorafleet_rollout.torch_engine import TorchEngine
+    from lorafleet_rollout.types import LoraSpec as RolloutLora
+    from lorafleet_rollout.types import SampleRequest, SamplingSpec
+
+    config = llama8b_config(args.rollout_layers, args.smoke)
+    folder = work / "rollout-model"
+    build(config, "cpu", torch.float32).save_pretrained(folder)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights=False)
+    pm = get_peft_model(base, cfg)
+    gen = torch.Generator().manual_seed(100)
+    adapters = []
+    for i in range(8):  # one base, eight seeded random adapters
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        pm.save_pretrained(work / f"adapter{i}")
+        adapters.append(work / f"adapter{i}")
+    del pm, base
+    engine = TorchEngine(folder, max_batch_size=16, max_lora_rank=RANK)
+    await engine.start()
+    device = str(engine._model().embed.device)
+    for i, path in enumerate(adapters):
+        await engine.load_adapter(f"a{i}", path, RolloutLora(RANK, ALPHA))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [
+        torch.randint(0, config.vocab_size, (args.prompt,), generator=gen).tolist()
+        for _ in range(16)
+    ]
+    new = args.new_tokens
+    spec = SamplingSpec(max_tokens=new, temperature=0.0, disable_eos_stop=True)
+    requests = [SampleRequest(f"a{r % 8}", tuple(p), spec) for r, p in enumerate(prompts)]
+    await engine.sample(requests[0])  # warm-up
+    start = time.perf_counter()
+    await asyncio.gather(*(engine.sample(r) for r in requests))
+    engine_s = time.perf_counter() - start
+    await engine.close()
+
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    model = PeftModel.from_pretrained(base, adapters[0], adapter_name="a0")
+    for i, path in enumerate(adapters[1:], start=1):
+        model.load_adapter(path, adapter_name=f"a{i}")
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for r, prompt in enumerate(prompts):
+            model.set_adapter(f"a{r % 8}")
+            ids = torch.tensor([prompt], device=device)
+            model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+    baseline_s = time.perf_counter() - start
+    tokens = len(prompts) * new
+    return {
+        "device": device,
+        "layers": args.rollout_layers,
+        "requests": f"16 x ({args.prompt} prompt + {new} new), 8 adapters",
+        "torch_engine_tok_s": round(tokens / engine_s, 1),
+        "generate_peft_tok_s": round(tokens / baseline_s, 1),
+        "speedup": round(baseline_s / engine_s, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="small config, any device")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rollout-layers", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--peak-tflops", type=float, default=790.0)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        sys.exit("no CUDA device: run on a GPU machine, or --smoke for the small config")
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.smoke:
+        args.seq, args.reps = min(args.seq, 64), min(args.reps, 2)
+    started = time.perf_counter()
+    result: dict = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "dtype": str(dtype).split(".")[-1],
+        "torch": torch.__version__,
+        "config": "smoke" if args.smoke else f"Llama-3.1-8B shapes x {args.layers} layers",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        result["trainer"] = trainer_section(args, device, dtype, work)
+        if cuda:
+            torch.cuda.empty_cache()  # the section's models are gone with its frame
+        result["group"] = group_section(args, device, dtype, work)
+        result["rollout"] = asyncio.run(rollout_section(args, work))
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
