@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from lorafleet.tls import TlsIdentity
-from lorafleet_cli import runs
+from lorafleet_cli import accounting, runs
 from lorafleet_cli.fleet import Fleet, FleetConfig, FleetError
 
 
@@ -280,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the README's first command: up + quickstart + down")
     demo.add_argument("--model", default="smollm2")
     demo.set_defaults(fn=cmd_demo)
+    accounting.add_parsers(sub, _controller)  # adapters import, usage
     return p
 
 

@@ -42,6 +42,7 @@ from lorafleet_controller.scheduler import Scheduler
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import RegState, StaleEpoch, Store, connect
 from lorafleet_controller.tenancy import Tenancy
+from lorafleet_controller.usage import Usage
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Controller:
         self.registry = Registry(self.store, settings, clock)
         self.catalog = Catalog(self.store, clock)
         self.tenancy = Tenancy(self.store, clock)
+        self.usage = Usage(self.store, self.registry)  # per-tenant usage (chargeback)
         self.placer = Placer(self.registry, self.pool, self.catalog.manifest_for)
         self.samplers = Samplers(self.store, self.ledger, self.registry, self.pool, settings)
         self.publisher = Publisher(
@@ -145,6 +147,7 @@ class Controller:
             await self.scheduler.stop()
             await self.samplers.stop()
             self.store.drop_epoch()
+            self.usage.forget_tick()
 
     async def stop(self) -> None:
         await self.stop_leading()
@@ -196,6 +199,7 @@ class Controller:
                 log.info("session %s missed heartbeats for %gs: finishing it", session_id, timeout)
                 await self.finish_session(tenant, session_id, "heartbeat timeout")
         await self._update_gauges()
+        await self.usage.tick()
 
     async def lose_replica(self, replica_id: str, reason: str) -> None:
         """A replica is gone: a trainer's registrations become UNAVAILABLE and re-queue."""

@@ -23,6 +23,7 @@ from lorafleet_controller.ledger import Claim, Ledger, backpressure
 from lorafleet_controller.registry import ROLLOUT, Registry
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, Store, named, text
+from lorafleet_controller.usage import sample_effects
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,7 @@ class Samplers:
         else:
             result = controller_pb2.OperationResult(sample=output)
             await self.ledger.complete(opid, OpState.SUCCEEDED, result.SerializeToString(),
+                                       effects=sample_effects(claim.payload, output),
                                        fenced=False)  # fmt: skip
 
     async def _sample(self, opid: str, claim: Claim) -> common_pb2.SampleOutput:

@@ -35,6 +35,7 @@ from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.registry import Registry
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import DATA_KINDS, Client, Keys, OpState, StaleEpoch, text
+from lorafleet_controller.usage import forward_effects, optim_effects
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,7 @@ class Scheduler:
             effects: Effects = [("set", "dirty", "0")]
             if out.applied:
                 effects.append(("incr", "optim_steps", 1))
+            effects += optim_effects(out)
             return controller_pb2.OperationResult(optim_step=out), effects
         saving = kind == controller_pb2.OPERATION_KIND_SAVE_STATE
         loading = kind == controller_pb2.OPERATION_KIND_LOAD_STATE
@@ -319,6 +321,7 @@ def _outcome(claim: Claim, item: trainer_pb2.ForwardBackwardItemResult | None) -
     result = controller_pb2.OperationResult(forward_backward=item.output).SerializeToString()
     forward = claim.kind == controller_pb2.OPERATION_KIND_FORWARD
     effects: Effects = [] if forward else [("set", "dirty", "1")]
+    effects += forward_effects(claim.kind, item.output)
     return Outcome(opid, OpState.SUCCEEDED, result, effects=effects)
 
 

@@ -16,6 +16,7 @@ from lorafleet.rpc.errors import exception_from_info
 from lorafleet.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from lorafleet_controller import convert
 from lorafleet_controller.controller import Controller
+from lorafleet_controller.peft_import import Importer
 
 pb = controller_pb2
 Context = grpc.aio.ServicerContext
@@ -212,6 +213,19 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         rec = await self.controller.catalog.get(request.tenant, request.tinker_path)
         for chunk in await self.controller.catalog.chunks(rec):
             yield chunk
+
+    async def ImportPeftAdapter(
+        self, request: pb.ImportPeftAdapterRequest, context: Context
+    ) -> pb.ImportPeftAdapterResponse:
+        path, rid, base, lora = await Importer(self.controller).run(
+            request.tenant, request.name, request.base_model, dict(request.files)
+        )
+        return pb.ImportPeftAdapterResponse(
+            path=path, training_run_id=rid, base_model=base, lora_config=lora
+        )
+
+    async def GetUsage(self, request: pb.GetUsageRequest, context: Context) -> pb.GetUsageResponse:
+        return pb.GetUsageResponse(tenants=await self.controller.usage.totals(request.tenant))
 
     # --- fleet ----------------------------------------------------------------------------
     async def GetCapabilities(

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 ADMIN_METHODS = frozenset(
     f"/lorafleet.v1.ControllerService/{name}"
-    for name in ("CreateApiKey", "ListApiKeys", "RevokeApiKey", "GetFleetStatus")
+    for name in ("CreateApiKey", "ListApiKeys", "RevokeApiKey", "GetFleetStatus", "GetUsage")
 )
 
 

@@ -83,6 +83,9 @@ KEY_FAMILIES: dict[str, str] = {
     "run_jobs": "run_jobs:{id}",  # list: a run's unfinished jobs, in the order they run
     "jobs_open": "jobs_open",  # set: unfinished job ids (resumed by a new leader)
     "default_run": "default_run:{id}",  # hash: a tenant's default run for jobs
+    # usage accounting (usage.py)
+    "usage": "usage:{id}",  # hash: a tenant's usage totals (tokens, steps, adapter-seconds)
+    "usage_tenants": "usage_tenants",  # set: tenants with any usage
 }
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
@@ -127,6 +130,7 @@ class Keys:
     ckpt_ttl: str
     sessions_live: str
     jobs_open: str
+    usage_tenants: str
 
     def op(self, opid: str) -> str:
         return self._key("op", opid)
@@ -203,6 +207,9 @@ class Keys:
 
     def default_run(self, tenant: str) -> str:
         return self._key("default_run", tenant)
+
+    def usage(self, tenant: str) -> str:
+        return self._key("usage", tenant)
 
 
 def lua_prelude() -> str:

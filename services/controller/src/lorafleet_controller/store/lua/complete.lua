@@ -1,8 +1,9 @@
 -- Record the outcomes of one or more operations. ARGS: now, then per operation: opid, state,
 -- result, error, from ('claimed' or 'open'), n, and n triples (op, field, value) applied to
 -- the registration hash in the same transaction (op: 'set' or 'incr'), for example
--- optim_steps or the published version. Result: per operation 1 when recorded, 0 when it
--- was no longer open (a fence or the sweeper won).
+-- optim_steps or the published version; op 'usage' adds value to that field of the
+-- operation's tenant's usage totals instead (usage.py: counted exactly once). Result: per
+-- operation 1 when recorded, 0 when it was no longer open (a fence or the sweeper won).
 local now = tonumber(ARGS[1])
 local out = {}
 local i = 2
@@ -23,6 +24,10 @@ while i <= #ARGS do
         redis.call('HSET', rk, ARGS[e + 1], ARGS[e + 2])
       elseif ARGS[e] == 'incr' then
         redis.call('HINCRBY', rk, ARGS[e + 1], tonumber(ARGS[e + 2]))
+      elseif ARGS[e] == 'usage' then
+        local tenant = redis.call('HGET', ok, 'tenant')
+        redis.call('HINCRBY', keys.usage(tenant), ARGS[e + 1], tonumber(ARGS[e + 2]))
+        redis.call('SADD', keys.usage_tenants, tenant)
       end
     end
     if redis.call('HGET', ok, 'ordered') == '1' then advance(rid, now) end

@@ -1,0 +1,170 @@
+"""Per-tenant usage for chargeback: durable totals in Redis, exported as Prometheus metrics.
+
+Counted where the work is recorded, exactly once: an operation's usage travels as `usage`
+effects with its outcome, and the `complete` script adds them to the tenant's totals in the
+same transaction that records the outcome (a re-dispatched or swept operation is recorded
+once, so it is counted once; a failed one is not counted).
+
+- tokens_trained / tokens_forward: target tokens of successful forward_backward / forward
+  operations (one per `logprobs` entry the trainer returned, i.e. per model-input token);
+- tokens_sampled / tokens_prompt: tokens generated over every returned sequence / prompt
+  tokens of a successful sample request (prefilled once per request);
+- optim_steps: steps that changed the weights (a step vetoed for non-finite gradients is
+  not counted);
+- adapter_seconds: seconds the tenant's registrations held a trainer slot, summed over slots;
+  integrated by the leader's sweeper from the slot tables (resolution: one sweep interval);
+- stored_bytes: bytes of the tenant's checkpoints in the catalog now (derived on read).
+
+Totals live in `usage:<tenant>` hashes, so they survive controller restarts and failovers;
+the Prometheus counters are read from them (a restarted controller exports the same totals,
+never a reset).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
+from lorafleet_controller.registry import TRAINER, Registry
+from lorafleet_controller.store import Store, text
+
+Effects = list[tuple[str, str, Any]]
+COUNTERS = (
+    "tokens_trained", "tokens_forward", "tokens_sampled", "tokens_prompt", "optim_steps",
+    "adapter_seconds",
+)  # fmt: skip
+MAX_TICK_SECONDS = 60.0  # a longer gap between sweeps (no leader, a pause) is not billed
+
+
+def _effect(field: str, n: int) -> Effects:
+    return [("usage", field, n)] if n else []
+
+
+def forward_effects(kind: int, output: common_pb2.ForwardBackwardOutput) -> Effects:
+    """Usage of a successful forward / forward_backward: its target tokens."""
+    n = sum(
+        math.prod(d.outputs["logprobs"].shape) for d in output.outputs if "logprobs" in d.outputs
+    )
+    forward = kind == controller_pb2.OPERATION_KIND_FORWARD
+    return _effect("tokens_forward" if forward else "tokens_trained", n)
+
+
+def optim_effects(output: common_pb2.OptimStepOutput) -> Effects:
+    return _effect("optim_steps", 1 if output.applied else 0)
+
+
+def sample_effects(payload: bytes, output: common_pb2.SampleOutput) -> Effects:
+    """Usage of a successful sample: its prompt, and every token it generated."""
+    prompt = len(rollout_pb2.SampleRequest.FromString(payload).prompt_tokens)
+    return _effect("tokens_prompt", prompt) + _effect(
+        "tokens_sampled", sum(len(s.tokens) for s in output.sequences)
+    )
+
+
+class Usage:
+    """Reads the totals, integrates slot residency, and feeds the Prometheus collector."""
+
+    def __init__(
+        self, store: Store, registry: Registry, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.registry = registry
+        self.clock = clock
+        self._last: float | None = None  # the previous residency tick (this leader's)
+
+    async def tick(self) -> None:
+        """Add the time since the last tick to every tenant holding trainer slots, then
+        refresh the exported snapshot. Called by the leader's sweeper."""
+        now = self.clock()
+        dt, self._last = (0.0 if self._last is None else now - self._last), now
+        if 0 < dt <= MAX_TICK_SECONDS:
+            await self._add_residency(dt)
+        _COLLECTOR.snapshot = await self.totals()
+
+    def forget_tick(self) -> None:
+        """Residency restarts from the next tick (this controller stopped leading)."""
+        self._last = None
+
+    async def _add_residency(self, dt: float) -> None:
+        trainers = await self.registry.replicas(TRAINER)
+        tables = await self.registry.slot_tables([r.replica_id for r in trainers])
+        rids = [rid for table in tables.values() for rid in table.values() if rid]
+        if not rids:
+            return
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.hget(self.keys.reg(rid), "tenant")
+            tenants = Counter(text(t) for t in await pipe.execute() if t)
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for tenant, slots in sorted(tenants.items()):
+                pipe.hincrbyfloat(self.keys.usage(tenant), "adapter_seconds", slots * dt)
+                pipe.sadd(self.keys.usage_tenants, tenant)
+            await pipe.execute()
+
+    async def totals(self, tenant: str = "") -> list[controller_pb2.TenantUsage]:
+        """One tenant's totals (zeros when it has none), or every tenant's with any usage."""
+        if tenant:
+            tenants = [tenant]
+        else:
+            tenants = sorted(
+                text(t) for t in await self.store.redis.smembers(self.keys.usage_tenants)
+            )
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for t in tenants:
+                pipe.hgetall(self.keys.usage(t))
+                pipe.zrange(self.keys.tenant_ckpts(t), 0, -1)
+            raw = await pipe.execute()
+        counts, paths = raw[0::2], raw[1::2]
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for ps in paths:
+                for p in ps:
+                    pipe.hget(self.keys.ckpt(text(p)), "size")
+            sizes = iter(await pipe.execute())
+        out = []
+        for t, fields, ps in zip(tenants, counts, paths, strict=True):
+            f = {text(k): text(v) for k, v in fields.items()}
+            stored = sum(int(text(next(sizes)) or 0) for _ in ps)
+            out.append(controller_pb2.TenantUsage(
+                tenant=t, adapter_seconds=float(f.get("adapter_seconds", 0)),
+                stored_bytes=stored,
+                **{k: int(f.get(k, 0)) for k in COUNTERS if k != "adapter_seconds"},
+            ))  # fmt: skip
+        return out
+
+
+class _UsageCollector(Collector):
+    """Exports the newest snapshot the sweeper read (one per process, for every Usage)."""
+
+    def __init__(self) -> None:
+        self.snapshot: list[controller_pb2.TenantUsage] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        rows: Iterable[controller_pb2.TenantUsage] = self.snapshot
+        for name in COUNTERS:
+            fam = CounterMetricFamily(
+                f"lorafleet_tenant_{name}",
+                f"Per-tenant usage: {name} (see usage.py).",
+                labels=["tenant"],
+            )
+            for row in rows:
+                fam.add_metric([row.tenant], getattr(row, name))
+            yield fam
+        gauge = GaugeMetricFamily(
+            "lorafleet_tenant_stored_bytes", "Bytes of the tenant's stored checkpoints.",
+            labels=["tenant"],
+        )  # fmt: skip
+        for row in rows:
+            gauge.add_metric([row.tenant], row.stored_bytes)
+        yield gauge
+
+
+_COLLECTOR = _UsageCollector()
+REGISTRY.register(_COLLECTOR)
