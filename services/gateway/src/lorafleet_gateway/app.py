@@ -22,8 +22,10 @@ from lorafleet_gateway.auth import AuthCache
 from lorafleet_gateway.controller import ControllerClient
 from lorafleet_gateway.middleware import GatewayMiddleware
 from lorafleet_gateway.routers import (
+    adapters,
     checkpoints,
     futures,
+    jobs,
     sampling,
     service,
     sessions,
@@ -31,12 +33,21 @@ from lorafleet_gateway.routers import (
     weights,
 )
 from lorafleet_gateway.serving import Serving
+from lorafleet_gateway.serving.jobs import JobsServing
 from lorafleet_gateway.settings import GatewaySettings
 from lorafleet_gateway.signing import Signer
 
-ROUTERS = (service, sessions, training, futures, weights, sampling, checkpoints)
+ROUTERS = (service, sessions, training, futures, weights, sampling, checkpoints, jobs, adapters)
 # Routes whose bodies carry training data or prompts; every other route takes small bodies.
-DATA_ROUTES = frozenset({"/api/v1/forward_backward", "/api/v1/forward", "/api/v1/asample"})
+DATA_ROUTES = frozenset(
+    {
+        "/api/v1/forward_backward",
+        "/api/v1/forward",
+        "/api/v1/asample",
+        *jobs.DATA_ROUTES,
+        adapters.IMPORT,
+    }
+)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -63,9 +74,11 @@ def build_app(settings: GatewaySettings, download_secret: bytes) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         controller = ControllerClient(settings.controller_address, settings.rpc_timeout_seconds)
         app.state.serving = Serving.build(controller, settings, Signer(download_secret))
+        app.state.jobs = JobsServing(settings.controller_address, settings.rpc_timeout_seconds)
         try:
             yield
         finally:
+            await app.state.jobs.close()
             await controller.close()
 
     app = FastAPI(
