@@ -1,0 +1,146 @@
+"""Fairness across tenants: tenant A's step latency with and without tenant B's flood.
+
+    .venv/bin/python bench/fairness.py [--steps 300] [--flood-runs 32] [--op-ms 0.5]
+
+A runs one training run in lockstep (submit a forward_backward, wait until it finished,
+acknowledge it), as the SDK does. B floods from `--flood-runs` runs with forward calls whose
+results it never retrieves, as fast as the controller admits them (a refusal is retried
+after its Retry-After). One dispatcher does what the scheduler does (BLPOP the ready queues,
+claim a batch, order it round-robin by tenant) and stands in for the trainer with a batch
+cost of `--batch-ms` plus `--op-ms` per operation. The ledger is the real one on a private
+redis-server with the default per-tenant limits (B is refused once it holds
+`max_unacked_results_per_tenant` unretrieved results). Prints JSON: A's step p50/p99 alone
+and under the flood, their ratio (target <= 2), and how much of B's flood was admitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from lorafleet import errors
+from lorafleet.testing import start_redis
+from lorafleet.v1 import common_pb2
+from lorafleet_controller import ledger as L
+from lorafleet_controller.notify import Notifier
+from lorafleet_controller.registry import Registry, Replica
+from lorafleet_controller.scheduler import CLAIM_BATCH, round_robin
+from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import OpState, Store
+
+FORWARD, FORWARD_BACKWARD = 1, 2
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)
+
+
+async def run(args: argparse.Namespace, url: str, prefix: str, flood: bool) -> dict[str, Any]:
+    settings = ControllerSettings(redis_url=url, key_prefix=prefix)
+    client = aioredis.from_url(url)
+    store = Store(client, prefix)
+    await store.take_epoch()
+    notifier = Notifier(client, store.keys.done)
+    await notifier.start()
+    ledger = L.Ledger(store, settings, notifier)
+    registry = Registry(store, settings)
+    await registry.register_replica(
+        Replica("trainer", "bench", "127.0.0.1:1", "base", args.flood_runs + 1, "i", 0, True)
+    )
+
+    async def ready_run(tenant: str, n: int) -> str:
+        rec, _ = await registry.create(
+            tenant, f"{tenant}-session", n, "base", common_pb2.LoraConfig(rank=4), {}, "adamw",
+            False,
+        )  # fmt: skip
+        placement = await registry.place(rec.registration_id)
+        await registry.bound(rec.registration_id, placement.replica, placement.slot)
+        return rec.registration_id
+
+    a_run = await ready_run("a", 0)
+    b_runs = [await ready_run("b", i) for i in range(args.flood_runs)] if flood else []
+    stop = asyncio.Event()
+    admitted = refused = 0
+
+    async def flooder(rid: str) -> None:
+        nonlocal admitted, refused
+        seq = 1
+        while not stop.is_set():
+            try:
+                await ledger.submit("b", rid, seq, FORWARD, b"x" * 256, f"f{seq}")
+            except errors.ResourceExhausted as exc:
+                refused += 1
+                await asyncio.sleep(exc.retry_after or 1.0)
+                continue
+            admitted += 1
+            seq += 1
+
+    async def dispatcher() -> None:
+        conn = aioredis.from_url(url)
+        keys = store.keys
+        while not stop.is_set():
+            popped = await conn.blpop([keys.ready_ctl, keys.ready_data], timeout=0.1)
+            if popped is None:
+                continue
+            batch = round_robin(await ledger.claim_many([popped[1].decode()], CLAIM_BATCH))
+            await asyncio.sleep((args.batch_ms + args.op_ms * len(batch)) / 1000)
+            await ledger.complete_many(
+                [L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r") for c in batch]
+            )
+        await conn.aclose()
+
+    tasks = [asyncio.create_task(dispatcher())]
+    tasks += [asyncio.create_task(flooder(rid)) for rid in b_runs]
+    if flood:
+        await asyncio.sleep(args.warmup)  # let the flood build up first
+    steps: list[float] = []
+    for seq in range(1, args.steps + 1):
+        start = time.perf_counter()
+        adm = await ledger.submit("a", a_run, seq, FORWARD_BACKWARD, b"s", f"s{seq}")
+        rec = await ledger.wait("a", adm.operation_id, 30)
+        assert rec.state == OpState.SUCCEEDED, rec
+        await ledger.ack("a", adm.operation_id)
+        steps.append(time.perf_counter() - start)
+    stop.set()
+    await asyncio.gather(*tasks)
+    await notifier.stop()
+    await client.aclose()
+    return {"a_step_ms": {"p50": pct(steps, 0.5), "p99": pct(steps, 0.99)},
+            "b_admitted": admitted, "b_refused": refused}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--flood-runs", type=int, default=32)
+    parser.add_argument("--batch-ms", type=float, default=2.0)
+    parser.add_argument("--op-ms", type=float, default=0.5)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    out: dict[str, Any] = {"bench": "fairness", **vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_redis(Path(tmp) / "redis")
+        try:
+            out["alone"] = asyncio.run(run(args, server.url, "fair-alone:", flood=False))
+            out["flooded"] = asyncio.run(run(args, server.url, "fair-flood:", flood=True))
+        finally:
+            server.stop()
+    ratio = out["flooded"]["a_step_ms"]["p99"] / out["alone"]["a_step_ms"]["p99"]
+    out["p99_ratio_flooded_over_alone"] = round(ratio, 3)
+    out["target_ratio"] = 2.0
+    out["loadavg_1m"] = {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
