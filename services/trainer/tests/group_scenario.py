@@ -1,9 +1,10 @@
 """A fixed training scenario, run by test_group.py in one process and by a group of ranks.
 
 As a script (one process per rank, launcher variables in the environment):
-    python group_scenario.py MODEL_DIR STORAGE_DIR OUT_DIR
-rank 0 drives a GroupEngine through `run` and writes its record to OUT_DIR/record.pt; every
-rank writes the share of the base it holds to OUT_DIR/fraction-<rank>.json.
+    python group_scenario.py MODEL_DIR STORAGE_DIR OUT_DIR [REFS]
+rank 0 drives a GroupEngine through `run` (or, given REFS, a torch.save'd {slot: StateRef},
+through `resume`) and writes its record to OUT_DIR/record.pt; every rank writes the share
+of the base it holds to OUT_DIR/fraction-<rank>.json.
 """
 
 from __future__ import annotations
@@ -98,6 +99,14 @@ def run(engine) -> dict:
     return record
 
 
+def resume(engine, refs: dict) -> dict:
+    """Bind, load each slot's saved state (with moments), train step STEPS."""
+    for slot, spec in SPECS.items():
+        engine.bind(slot, f"r{slot}", spec)
+        engine.load_state("load", slot, f"r{slot}", refs[slot], True)
+    return train(engine, STEPS, STEPS + 1)
+
+
 def main() -> None:
     from lorafleet_trainer.group import (
         GroupEngine,
@@ -108,6 +117,7 @@ def main() -> None:
     )
 
     model_dir, storage, out = (Path(a) for a in sys.argv[1:4])
+    refs = torch.load(sys.argv[4], weights_only=False) if len(sys.argv) > 4 else None
     torch.set_num_threads(1)
     env = GroupEnv.from_environ()
     engine, group = load_group_engine(
@@ -127,7 +137,7 @@ def main() -> None:
         worker_loop(engine, group)
     else:
         driver = GroupEngine(engine, group, keepalive=2.0, on_lost=lambda exc: os._exit(3))
-        torch.save(run(driver), out / "record.pt")
+        torch.save(run(driver) if refs is None else resume(driver, refs), out / "record.pt")
         driver.close()
     group.close()
 

@@ -102,15 +102,33 @@ def test_two_ranks_equal_one_process_and_resume_in_one(tiny_model_dir, engine_fo
 
     # The group's saved state resumes in one process and continues like the uninterrupted run.
     resumed = engine_for(tiny_model_dir, storage_root=storage)
-    for slot, spec in group_scenario.SPECS.items():
-        resumed.bind(slot, f"r{slot}", spec)
-        resumed.load_state("load", slot, f"r{slot}", group["refs"][slot], True)
+    after = group_scenario.resume(resumed, group["refs"])
     steps = group_scenario.STEPS
-    after = group_scenario.train(resumed, steps, steps + 1)
     cont = group_scenario.train(single, steps, steps + 1)
     for g, w in zip(after["logprobs"][0], cont["logprobs"][0], strict=True):
         assert close(g, w)
     assert_same_state(after["state"], cont["state"])
+
+
+def test_one_process_state_resumes_in_a_group(tiny_model_dir, engine_for, tmp_path) -> None:
+    storage, out = tmp_path / "states", tmp_path / "out"
+    out.mkdir()
+    single = engine_for(tiny_model_dir, storage_root=storage)
+    refs = group_scenario.run(single)["refs"]
+    torch.save(refs, tmp_path / "refs.pt")
+    argv = [sys.executable, str(HERE / "group_scenario.py"), str(tiny_model_dir), str(storage)]
+    procs = launch_ranks([*argv, str(out), str(tmp_path / "refs.pt")], 2, out)
+    codes = wait_all(procs, 600, out)
+    logs = "\n".join(f.read_text()[-2000:] for f in sorted(out.glob("rank*.log")))
+    assert codes == [0, 0], logs
+    group = torch.load(out / "record.pt", weights_only=False)
+    steps = group_scenario.STEPS
+    cont = group_scenario.train(single, steps, steps + 1)
+    for g, w in zip(group["logprobs"][0], cont["logprobs"][0], strict=True):
+        assert close(g, w)
+    for key, w in cont["grads"][0].items():
+        assert close(group["grads"][0][key], w), key
+    assert_same_state(group["state"], cont["state"])
 
 
 def _datum(n: int, gen: torch.Generator):
