@@ -164,7 +164,14 @@ def parse_adapter(files: dict[str, bytes]) -> PeftAdapter:
 
 
 def _serves(rep: Replica, name: str) -> bool:
-    return name in (rep.base_model, rep.tokenizer_id) or base_model_name(name) == rep.base_model
+    """`name` is the replica's served name or hub id, or a local folder of that model (PEFT
+    writes the path it loaded the base from; its folder is named as the served model is)."""
+    if name in (rep.base_model, rep.tokenizer_id):
+        return True
+    local = base_model_name(name)
+    return name.startswith("/") and local in {
+        n.rsplit("/", 1)[-1] for n in (rep.base_model, rep.tokenizer_id) if n
+    }
 
 
 def choose_base(adapter: PeftAdapter, asked: str, trainers: list[Replica]) -> str:
