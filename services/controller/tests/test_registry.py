@@ -61,7 +61,7 @@ async def test_idempotent_create_and_tenancy(domain: Domain) -> None:
         raise AssertionError("another tenant saw the registration")
 
 
-async def test_replica_loss_fails_open_ops_and_requeues_first(domain: Domain) -> None:
+async def test_replica_loss_requeues_open_ops_and_the_run_first(domain: Domain) -> None:
     await add_trainer(domain, "tr-a", 1)
     rid = await create(domain, 0)
     placement = await domain.registry.place(rid)
@@ -76,9 +76,11 @@ async def test_replica_loss_fails_open_ops_and_requeues_first(domain: Domain) ->
     assert await add_trainer(domain, "tr-a", 1, inc="b") == "restarted"
     rec = await domain.registry.get("t1", rid)
     assert rec.state == RegState.UNAVAILABLE and "new incarnation" in rec.unavailable_reason
+    # nothing fails: the claimed op is queued again, to run after the run is rebuilt
     for opid in (a.operation_id, b.operation_id):
         op = await domain.ledger.get("t1", opid)
-        assert op.state == OpState.FAILED and op.error["reason"] == "REPLICA_LOST"
+        assert op.state == OpState.QUEUED and op.error is None
+    assert await domain.ledger.claimed_ids() == []
     try:
         await domain.ledger.submit("t1", rid, 3, 2, b"c", "dc")
     except errors.Unavailable as exc:

@@ -99,12 +99,12 @@ class TrainerClient(_Base):
 
     async def optim_step(
         self, opid: str, slot: int, rid: str, adam: common_pb2.AdamParams
-    ) -> common_pb2.OptimStepOutput:
+    ) -> trainer_pb2.OptimStepResponse:
+        """The step's output, and the slot's newest complete snapshot (recovery.py)."""
         req = trainer_pb2.OptimStepRequest(
             operation_id=opid, slot=slot, registration_id=rid, adam_params=adam
         )
-        resp = await self.call(lambda: self.stub.OptimStep(req, timeout=120))
-        return resp.output
+        return await self.call(lambda: self.stub.OptimStep(req, timeout=120))
 
     async def save_state(
         self, opid: str, slot: int, rid: str, name: str, include_optimizer: bool

@@ -19,7 +19,7 @@ from lorafleet import errors
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller import metrics, validate
 from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
-from lorafleet_controller.clients import Pool
+from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.discovery.types import Discovery
 from lorafleet_controller.fleet import Fleet
 from lorafleet_controller.jobs.runner import JobRunner
@@ -28,6 +28,7 @@ from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.membership import Membership
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.publish import Publisher
+from lorafleet_controller.recovery import Recovery
 from lorafleet_controller.registry import (
     ROLLOUT,
     TRAINER,
@@ -77,7 +78,12 @@ class Controller:
         self.catalog = Catalog(self.store, clock)
         self.tenancy = Tenancy(self.store, clock)
         self.usage = Usage(self.store, self.registry)  # per-tenant usage (chargeback)
-        self.placer = Placer(self.registry, self.pool, self.catalog.manifest_for)
+        keys = self.store.keys
+        self.recovery = Recovery(
+            self.store.redis, keys.replay, keys.reg, self.catalog.manifest_for,
+            self._retire_corrupted,
+        )  # fmt: skip
+        self.placer = Placer(self.registry, self.pool, self._restore)
         self.samplers = Samplers(self.store, self.ledger, self.registry, self.pool, settings)
         self.publisher = Publisher(
             self.store, settings.storage_root, self.registry, self.catalog, self.samplers,
@@ -85,7 +91,7 @@ class Controller:
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.blocking, self.store.keys, self.ledger, self.registry, self.catalog, self.pool,
-            settings, self.publisher.publish, gate=is_leader,
+            settings, self.publisher.publish, self.recovery, gate=is_leader,
         )  # fmt: skip
         self.fleet = Fleet(self.registry, self.ledger, self.pool)
         self.membership: Membership | None = None
@@ -96,6 +102,10 @@ class Controller:
             )  # fmt: skip
         self.jobs = JobRunner(self)  # managed training jobs (issue 13); run by the leader
         self._loops: list[asyncio.Task[None]] = []
+        # Heartbeats go through Redis: after Redis was out of reach (or this process was
+        # starved) for longer than a heartbeat interval, replicas get a full heartbeat
+        # timeout from then before their silence counts (an outage fails nothing by itself).
+        self._swept_at = self._heard_since = time.monotonic()
         self._side: set[asyncio.Task[None]] = set()
         self._leading = asyncio.Lock()
 
@@ -186,7 +196,13 @@ class Controller:
     async def sweep_once(self) -> None:
         await self.ledger.sweep()
         await self.catalog.sweep_expired()
-        for rep in await self.registry.silent_replicas(self.settings.heartbeat_timeout_seconds):
+        now = time.monotonic()
+        if now - self._swept_at > self.settings.heartbeat_interval_seconds:
+            self._heard_since = now
+        silence = self.settings.heartbeat_timeout_seconds
+        if now - self._heard_since < silence:
+            silence = float("inf")
+        for rep in await self.registry.silent_replicas(silence):
             await self.lose_replica(
                 rep.replica_id,
                 f"{rep.kind} replica {rep.replica_id} missed heartbeats for "
@@ -200,6 +216,7 @@ class Controller:
                 await self.finish_session(tenant, session_id, "heartbeat timeout")
         await self._update_gauges()
         await self.usage.tick()
+        self._swept_at = time.monotonic()
 
     async def lose_replica(self, replica_id: str, reason: str) -> None:
         """A replica is gone: a trainer's registrations become UNAVAILABLE and re-queue."""
@@ -209,6 +226,15 @@ class Controller:
         await self.registry.replica_lost(rep.replica_id, reason)
         if rep.kind == TRAINER:
             await self.placer.fill(rep.base_model)
+
+    async def _restore(self, trainer: TrainerClient, rec: RegRecord, rep: Replica) -> bool:
+        return await self.recovery.restore(trainer, rec, rep.replica_id, rep.incarnation)
+
+    async def _retire_corrupted(self, rid: str, error: errors.LorafleetError) -> None:
+        """A run that cannot be rebuilt: fail what it has open, free its slot."""
+        await self.ledger.fence(rid, RegState.RETIRED, error, error.message)
+        await self.placer.retire(rid)
+        await self.recovery.forget(rid)
 
     async def _update_gauges(self) -> None:
         for state, n in (await self.ledger.depth()).items():
@@ -303,6 +329,7 @@ class Controller:
                 continue
             await self.ledger.fence(rid, RegState.RETIRED, finished)
             await self.placer.retire(rid)
+            await self.recovery.forget(rid)
 
     async def delete_registration(self, tenant: str, rid: str) -> None:
         rec = await self.registry.get(tenant, rid)
@@ -314,6 +341,7 @@ class Controller:
         )  # fmt: skip
         await self.ledger.fence(rid, RegState.RETIRED, retired)
         await self.placer.retire(rid)
+        await self.recovery.forget(rid)
         await self.publisher.forget(rid, rec.base_model)
 
     # --- ledger ---------------------------------------------------------------------------

@@ -227,6 +227,10 @@ class Ledger:
                 reason="PAYLOAD_CONFLICT",
             )
         if code == "retired":
+            if corrupted := text(out.get("corrupted")):  # recovery.py said what was lost
+                raise errors.FailedPrecondition(
+                    corrupted, field="registration_id", reason="RUN_CORRUPTED"
+                )
             raise errors.FailedPrecondition(
                 f"registration {registration_id} was retired", field="registration_id",
                 reason="RETIRED",

@@ -4,13 +4,10 @@ A registration (= Tinker training run, id `<session_id>:train:<model_seq_id>`) h
 fixed slot on a trainer replica serving its base model for its whole life. When every slot
 is taken it waits in a per-base-model queue (never evicting anyone). A trainer replica that
 goes silent or restarts with a new incarnation loses its slots: its registrations become
-UNAVAILABLE, their open operations fail clearly (REPLICA_LOST), and they re-enter the queue
-ahead of new registrations; when a slot frees up (the replica returns, or another one serves
-the base model) they are bound again and restored from their last saved state.
-
-Operations after that state are not replayed (their payloads are dropped once they finish):
-they were either reported failed at the loss, or their effect is gone with the replica, and
-the registration's `unavailable_reason` during the outage says so.
+UNAVAILABLE and re-enter the queue ahead of new registrations, their open operations stay
+queued (the one in flight is queued again), and when a slot frees up (the replica returns,
+or another one serves the base model) they are rebuilt there by replay from their last
+snapshot (recovery.py) before anything else runs.
 
 All placement state is in Redis and every transition is a Lua script; this module also
 drives the trainer side of a placement (BindSlot, LoadState for restores, UnbindSlot).
@@ -97,7 +94,9 @@ class Replica:
     loss_fns: list[str] = field(default_factory=list)
 
 
-ManifestLookup = Callable[[str], Awaitable[common_pb2.BlobRef | None]]
+# Rebuilds a registration the registry marked for restore (its trainer was lost) in its newly
+# placed slot; False when it cannot be rebuilt (it was retired as corrupted). recovery.py.
+Restore = Callable[[TrainerClient, "RegRecord", "Replica"], Awaitable[bool]]
 
 
 @dataclass(frozen=True)
@@ -373,10 +372,10 @@ def _replica(replica_id: str, raw: dict[bytes, bytes]) -> Replica:
 class Placer:
     """Drives placements to completion on the trainers (bind, restore) and releases slots."""
 
-    def __init__(self, registry: Registry, pool: Pool, manifest_for: ManifestLookup) -> None:
+    def __init__(self, registry: Registry, pool: Pool, restore: Restore) -> None:
         self.registry = registry
         self.pool = pool
-        self.manifest_for = manifest_for
+        self.restore = restore
         self._binding: set[str] = set()  # registrations with a binding attempt in flight
 
     async def fill(self, base_model: str) -> None:
@@ -413,13 +412,11 @@ class Placer:
         trainer = self.pool.trainer(rep.address)
         try:
             intact = await self._prepare_slot(trainer, rec)
-            if not intact:
+            if rec.restore:
+                if not await self.restore(trainer, rec, rep):
+                    return
+            elif not intact:
                 await trainer.bind(rec.slot, rid, rec.lora)
-                if rec.restore and rec.last_checkpoint:
-                    manifest = await self.manifest_for(rec.last_checkpoint)
-                    if manifest is not None:
-                        opid = f"{rid}#restore@{rep.replica_id}:{rep.incarnation}"
-                        await trainer.load_state(opid, rec.slot, rid, manifest, True)
         except errors.LorafleetError as exc:
             log.warning("binding %s on %s failed (%s); will retry", rid, rep.replica_id, exc)
             return

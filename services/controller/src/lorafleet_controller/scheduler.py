@@ -12,6 +12,15 @@ only releases the head), so seq_id order is execution order.
 A claim is durable before dispatch: a controller killed mid-dispatch leaves the operation
 CLAIMED, and the next controller re-sends it with the same operation id; the trainer answers
 a repeated id with its first result, so nothing runs twice.
+
+Failure means not applied. When contact with the trainer is lost (transport failure after
+the client's retries, Redis unreachable while recording), or the trainer no longer holds the
+slot, the trainer may have applied the operation: it is never reported failed. It stays
+CLAIMED and is asked about again, by sending it again under the same operation id, while its
+registration still holds that slot (an applied id answers with its first result, an id in
+progress waits behind it on the trainer's one torch thread, and an unknown one runs once). If
+the registration lost the slot meanwhile (its trainer was declared lost), recovery.py owns
+the operation: it is queued again and runs after the run is rebuilt.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from lorafleet import errors
 from lorafleet.rpc.errors import exception_from_info
 from lorafleet.v1 import controller_pb2, trainer_pb2
@@ -32,9 +43,10 @@ from lorafleet_controller.catalog import TRAINING, Catalog
 from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.ledger import Claim, Ledger, Outcome
 from lorafleet_controller.loops import raise_if_stopped
+from lorafleet_controller.recovery import Recovery
 from lorafleet_controller.registry import Registry
 from lorafleet_controller.settings import ControllerSettings
-from lorafleet_controller.store import DATA_KINDS, Client, Keys, OpState, StaleEpoch, text
+from lorafleet_controller.store import DATA_KINDS, Client, Keys, OpState, RegState, StaleEpoch, text
 from lorafleet_controller.usage import forward_effects, optim_effects
 
 log = logging.getLogger(__name__)
@@ -44,6 +56,12 @@ KIND_NAMES = {v.number: v.name.removeprefix("OPERATION_KIND_").lower()
 
 Effects = list[tuple[str, str, Any]]
 CLAIM_BATCH = 64  # ready operations claimed per round trip
+K = controller_pb2
+# Kinds a lost contact leaves in doubt (re-sent under their id, never failed): everything the
+# trainer executes by operation id. Publishing also involves rollouts and fails as before.
+TRAINER_KINDS = frozenset({*DATA_KINDS, K.OPERATION_KIND_OPTIM_STEP, K.OPERATION_KIND_SAVE_STATE,
+                           K.OPERATION_KIND_LOAD_STATE})  # fmt: skip
+LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH"})  # the trainer lost the slot
 PublishFn = Callable[
     [Claim, controller_pb2.SaveWeightsForSamplerPayload],
     Awaitable[tuple[controller_pb2.OperationResult, Effects]],
@@ -61,6 +79,7 @@ class Scheduler:
         pool: Pool,
         settings: ControllerSettings,
         publish: PublishFn,
+        recovery: Recovery,
         gate: Callable[[], bool] = lambda: True,
     ) -> None:
         self.blocking = blocking  # its own client: BLPOP holds a connection
@@ -72,6 +91,7 @@ class Scheduler:
         self.pool = pool
         self.settings = settings
         self.publish = publish
+        self.recovery = recovery  # keeps what the trainer applied, for replay
         self._queues: dict[str, asyncio.Queue[Claim]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -154,8 +174,9 @@ class Scheduler:
                 batch.append(queue.get_nowait())
             try:
                 await self._run_batch(replica, round_robin(batch))
-            except Exception:  # never lose the worker; the claims stay CLAIMED and are swept
+            except Exception as exc:  # never lose the worker, nor report what may have run
                 log.exception("data batch on %s failed unexpectedly", replica)
+                self.doubt(batch, exc)
             raise_if_stopped()
 
     async def _run_batch(self, replica: str, batch: list[Claim]) -> None:
@@ -184,10 +205,26 @@ class Scheduler:
         try:
             resp = await self.pool.trainer(rep.address).forward_backward(items)
         except errors.LorafleetError as exc:
+            if in_doubt(exc):
+                self.doubt(batch, exc)
+                return
             await self._fail_all(batch, _server_failure(exc, replica))
             return
         by_id = {r.operation_id: r for r in resp.results}
-        await self._record(batch, [_outcome(c, by_id.get(c.operation_id)) for c in batch])
+        done, outcomes, doubted = [], [], []
+        for claim in batch:
+            out = _outcome(claim, by_id.get(claim.operation_id))
+            if out.error is not None and in_doubt(out.error):
+                doubted.append(claim)
+            else:
+                done.append(claim)
+                outcomes.append(out)
+        if doubted:
+            self.doubt(doubted, errors.FailedPrecondition("the trainer lost the slot"))
+        await self._keep_applied([c for c, o in zip(done, outcomes, strict=True)
+                                  if o.state == OpState.SUCCEEDED])  # fmt: skip
+        if done:
+            await self._record(done, outcomes)
 
     async def _fail_all(self, batch: Sequence[Claim], exc: errors.LorafleetError) -> None:
         await self._record(batch, [Outcome(c.operation_id, OpState.FAILED, error=exc)
@@ -204,16 +241,26 @@ class Scheduler:
         if not self.gate():  # no longer the leader: the claim stays for the next one
             return
         try:
-            result, effects = await self._control(claim)
-        except errors.LorafleetError as exc:
-            if exc.category == "server" and not isinstance(exc, errors.Internal):
-                exc = _server_failure(exc, claim.replica)
-            await self._finish(claim, OpState.FAILED, error=exc)
-        except Exception as exc:
-            log.exception("control operation %s failed", claim.operation_id)
-            await self._finish(claim, OpState.FAILED, error=errors.Internal(str(exc)))
-        else:
-            await self._finish(claim, OpState.SUCCEEDED, result, effects=effects)
+            try:
+                result, effects = await self._control(claim)
+            except errors.LorafleetError as exc:
+                if claim.kind in TRAINER_KINDS and in_doubt(exc):
+                    self.doubt([claim], exc)
+                    return
+                if exc.category == "server" and not isinstance(exc, errors.Internal):
+                    exc = _server_failure(exc, claim.replica)
+                await self._finish(claim, OpState.FAILED, error=exc)
+            except RedisError:
+                raise
+            except Exception as exc:
+                log.exception("control operation %s failed", claim.operation_id)
+                await self._finish(claim, OpState.FAILED, error=errors.Internal(str(exc)))
+            else:
+                await self._finish(claim, OpState.SUCCEEDED, result, effects=effects)
+        except StaleEpoch:
+            raise
+        except RedisError as exc:  # the outcome is not recorded: ask again later
+            self.doubt([claim], exc)
 
     async def _control(self, claim: Claim) -> tuple[controller_pb2.OperationResult, Effects]:
         payload = controller_pb2.OperationPayload.FromString(claim.payload)
@@ -223,9 +270,13 @@ class Scheduler:
         trainer = self.pool.trainer(rep.address)
         kind = claim.kind
         if kind == controller_pb2.OPERATION_KIND_OPTIM_STEP:
-            out = await trainer.optim_step(
+            resp = await trainer.optim_step(
                 claim.operation_id, claim.slot, claim.registration_id, payload.optim_step
             )
+            out = resp.output
+            await self._keep_applied([claim])
+            if resp.HasField("snapshot"):
+                await self.recovery.record_snapshot(claim.registration_id, resp.snapshot)
             effects: Effects = [("set", "dirty", "0")]
             if out.applied:
                 effects.append(("incr", "optim_steps", 1))
@@ -284,12 +335,58 @@ class Scheduler:
             claim.operation_id, claim.slot, claim.registration_id, ckpt.manifest,
             load.with_optimizer,
         )  # fmt: skip
+        await self._keep_applied([claim])
         result = controller_pb2.OperationResult(
             load_state=controller_pb2.LoadStateResult(
                 path=load.path, registration_id=claim.registration_id
             )
         )
         return result, [("set", "last_checkpoint", load.path), ("set", "dirty", "0")]
+
+    # --- failure means not applied --------------------------------------------------------
+    async def _keep_applied(self, claims: Sequence[Claim]) -> None:
+        """Log what the trainer applied for replay, before the outcome is recorded."""
+        if claims:
+            await self.recovery.log(
+                [(c.registration_id, c.seq_id, c.kind, c.payload) for c in claims]
+            )
+
+    def doubt(self, claims: Sequence[Claim], cause: BaseException) -> None:
+        """Claims whose outcome is unknown: never failed, asked again (see the module doc)."""
+        log.warning("%d operation(s) in doubt (%s); asking the trainer again",
+                    len(claims), cause)  # fmt: skip
+        self.spawn(self._ask_again(list(claims)))
+
+    async def _ask_again(self, claims: list[Claim]) -> None:
+        delay = 0.5
+        while claims:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+            if not self.gate():  # the next leader re-dispatches what is still CLAIMED
+                return
+            unsure = []
+            for claim in claims:
+                try:
+                    holds = await self._still_holds(claim)
+                except RedisError:
+                    unsure.append(claim)
+                    continue
+                if holds:
+                    self.dispatch(claim)  # same operation id: the trainer's dedup answers
+            claims = unsure
+
+    async def _still_holds(self, claim: Claim) -> bool:
+        """The claim is still CLAIMED and its registration still holds the claim's slot."""
+        op = await self.ledger.get_any(claim.operation_id)
+        if op is None or op.state != OpState.CLAIMED:
+            return False
+        if not claim.registration_id:
+            return True
+        reg = await self.registry.get_any(claim.registration_id)
+        return (
+            reg is not None and reg.state == RegState.READY
+            and reg.replica == claim.replica and reg.slot == claim.slot
+        )  # fmt: skip
 
     # --- outcomes -------------------------------------------------------------------------
     async def _finish(
@@ -323,6 +420,14 @@ def _outcome(claim: Claim, item: trainer_pb2.ForwardBackwardItemResult | None) -
     effects: Effects = [] if forward else [("set", "dirty", "1")]
     effects += forward_effects(claim.kind, item.output)
     return Outcome(opid, OpState.SUCCEEDED, result, effects=effects)
+
+
+def in_doubt(exc: BaseException) -> bool:
+    """Whether a failed trainer call may still have applied the operation: contact was lost
+    (after the client's transport retries), or the trainer no longer holds the slot."""
+    if isinstance(exc, errors.Unavailable):
+        return True
+    return isinstance(exc, errors.LorafleetError) and exc.reason in LEASE_REASONS
 
 
 def round_robin(batch: list[Claim]) -> list[Claim]:

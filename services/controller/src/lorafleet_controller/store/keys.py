@@ -54,6 +54,7 @@ KEY_FAMILIES: dict[str, str] = {
     "session_runs": "session_runs:{id}",  # set: a session's registrations
     "binding": "binding",  # set: registrations placed but not yet confirmed by the trainer
     "regq": "regq:{id}",  # zset: registrations of a base model waiting for a slot
+    "replay": "replay:{id}",  # hash: a registration's replay log and last snapshot (recovery)
     "replica": "replica:{id}",  # hash: one trainer or rollout replica
     "replicas": "replicas",  # set: every replica id
     "trainers": "trainers:{id}",  # set: trainer replicas of a base model
@@ -149,6 +150,9 @@ class Keys:
 
     def regq(self, base_model: str) -> str:
         return self._key("regq", base_model)
+
+    def replay(self, rid: str) -> str:
+        return self._key("replay", rid)
 
     def replica(self, replica_id: str) -> str:
         return self._key("replica", replica_id)

@@ -1,0 +1,263 @@
+"""Exactly-once through trainer loss: rebuild a run from its last snapshot by replay.
+
+A trainer holds a run's weights only in memory. To rebuild a run whose trainer was lost,
+the controller keeps, per run, the payloads of the operations that changed its weights
+since its last snapshot (`log`: forward_backward, optim_step, load_state; forward, save and
+publish change nothing) and the newest snapshot its trainer reported (`record_snapshot`,
+see the trainer's snapshots.py). `restore` rebuilds the run on a freshly bound slot: it
+loads that snapshot (or keeps the bind's initial weights, a pure function of the LoRA seed,
+when there is none) and re-applies the logged operations in seq_id order under their
+original operation ids, so the new trainer's dedup knows them: a re-dispatch of the
+operation that was in flight at the loss answers with its replayed result instead of
+applying it twice. Restoring always starts from a fresh bind, so an interrupted restore
+is simply done again.
+
+An entry is logged after the trainer applied the operation and before the ledger records
+its outcome, so the log holds every operation ever reported applied (a controller killed in
+between re-dispatches it under the same id, gets the first result, and logs it once). Each
+entry names the one before it, and the registration keeps the newest one's seq_id, so a
+missing link (a payload expired or deleted, the log lost with Redis) is detected instead of
+silently replaying a shorter history; so is a snapshot or loaded checkpoint that is gone.
+Then the run is corrupted: its open operations fail, its slot is freed, every later call
+fails with an error that names what was lost, and the registration's `corrupted` field says
+it for `lorafleet status`. Never a silent rollback.
+
+Replay is bit-identical to the uninterrupted run on CPU: initial weights and dropout masks
+are seeded (LoRA seed, optimizer step, datum ordinal), the kernels are deterministic, the
+optimizer moments and step count come back exactly from the snapshot, and each replayed
+forward_backward runs as its own pass, as it did when its run was alone on the trainer. A
+pass the run originally shared with other runs' items had another padded width and row
+count, which may change the last bits on some BLAS paths. On GPU, replay is exact only with
+deterministic algorithms (`torch.use_deterministic_algorithms`, `CUBLAS_WORKSPACE_CONFIG`)
+and the same batch shapes; otherwise it reproduces the run to floating-point tolerance.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet import errors
+from lorafleet.rpc.errors import exception_from_info
+from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
+
+log = logging.getLogger(__name__)
+
+K = controller_pb2
+# Kinds whose effect on the weights must be replayed (forward, save, publish change nothing).
+LOGGED_KINDS = frozenset(
+    {K.OPERATION_KIND_FORWARD_BACKWARD, K.OPERATION_KIND_OPTIM_STEP, K.OPERATION_KIND_LOAD_STATE}
+)
+
+# KEYS: the run's replay log, its registration. ARGV: seq_id, payload. The entry is
+# '<previous seq_id>:<payload>' ('' before the first); the registration keeps the newest
+# seq_id (`replay_last`), the witness that a log existed at all. Idempotent.
+_LOG = """
+local seq = tonumber(ARGV[1])
+if seq <= tonumber(redis.call('HGET', KEYS[1], 'snap_seq') or '-1') then return 0 end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+local prev = redis.call('HGET', KEYS[2], 'replay_last') or ''
+redis.call('HSET', KEYS[1], ARGV[1], prev .. ':' .. ARGV[2])
+redis.call('HSET', KEYS[2], 'replay_last', ARGV[1])
+return 1
+"""
+
+# KEYS: the run's replay log. ARGV: seq_id the snapshot covers, SlotSnapshot bytes.
+# Records a newer snapshot and drops the entries it covers. Returns 1 when recorded.
+_SNAPSHOT = """
+local seq = tonumber(ARGV[1])
+if seq <= tonumber(redis.call('HGET', KEYS[1], 'snap_seq') or '-1') then return 0 end
+redis.call('HSET', KEYS[1], 'snap_seq', ARGV[1], 'snap', ARGV[2])
+for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local n = tonumber(f)
+  if n ~= nil and n <= seq then redis.call('HDEL', KEYS[1], f) end
+end
+return 1
+"""
+
+KeyOf = Callable[[str], str]
+ManifestFor = Callable[[str], Awaitable[common_pb2.BlobRef | None]]
+Retire = Callable[[str, errors.LorafleetError], Awaitable[None]]
+
+
+class Corrupted(Exception):
+    """The run cannot be rebuilt; the message says what was lost."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What rebuilds a run: its snapshot (if any) and the operations after it, in order."""
+
+    snapshot: trainer_pb2.SlotSnapshot | None
+    snapshot_seq: int
+    ops: list[tuple[int, controller_pb2.OperationPayload]]
+
+
+def seq_of(registration_id: str, operation_id: str) -> int | None:
+    """The seq_id of `<registration_id>#<seq>`; None for any other id."""
+    rid, _, seq = operation_id.rpartition("#")
+    return int(seq) if rid == registration_id and seq.isdigit() else None
+
+
+class Recovery:
+    """The replay log of every run, and restoring a run from it on a new slot."""
+
+    def __init__(
+        self,
+        redis: Any,
+        replay_key: KeyOf,
+        reg_key: KeyOf,
+        manifest_for: ManifestFor,
+        retire: Retire,
+    ) -> None:
+        self.redis = redis
+        self.replay_key = replay_key
+        self.reg_key = reg_key
+        self.manifest_for = manifest_for
+        self.retire = retire
+        self._log = redis.register_script(_LOG)
+        self._snapshot = redis.register_script(_SNAPSHOT)
+
+    # --- dispatch side --------------------------------------------------------------------
+    async def log(self, applied: Sequence[tuple[str, int, int, bytes]]) -> None:
+        """Keep the payloads of operations the trainer just applied: (rid, seq, kind, payload).
+
+        Call before recording their outcomes; kinds that change no weights are skipped.
+        """
+        entries = [(rid, seq, body) for rid, seq, kind, body in applied if kind in LOGGED_KINDS]
+        if not entries:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid, seq, body in entries:
+                await self._log(
+                    keys=[self.replay_key(rid), self.reg_key(rid)], args=[seq, body], client=pipe
+                )
+            await pipe.execute()
+
+    async def record_snapshot(self, rid: str, snapshot: trainer_pb2.SlotSnapshot) -> None:
+        """Record the trainer's newest complete snapshot of a run (from an OptimStep answer)."""
+        seq = seq_of(rid, snapshot.operation_id)
+        if seq is None or not snapshot.manifest.uri:
+            return
+        body = snapshot.SerializeToString(deterministic=True)
+        await self._snapshot(keys=[self.replay_key(rid)], args=[seq, body])
+
+    # --- restoring ------------------------------------------------------------------------
+    async def plan(self, rid: str) -> Plan:
+        """The snapshot and operations that rebuild `rid`; Corrupted when a link is missing."""
+        raw: dict[bytes, bytes] = await self.redis.hgetall(self.replay_key(rid))
+        last, steps = await self.redis.hmget(self.reg_key(rid), "replay_last", "optim_steps")
+        snap_seq = int(raw.get(b"snap_seq", b"-1"))
+        snapshot = trainer_pb2.SlotSnapshot.FromString(raw[b"snap"]) if b"snap" in raw else None
+        if last is None and snapshot is None and int(steps or 0) > 0:
+            raise Corrupted(
+                f"its replay log is gone although {int(steps)} optimizer steps were applied"
+            )
+        ops: list[tuple[int, controller_pb2.OperationPayload]] = []
+        cursor = last.decode() if last is not None else ""
+        while cursor and int(cursor) > snap_seq:
+            entry = raw.get(cursor.encode())
+            if entry is None:
+                after = f"its last snapshot (seq_id {snap_seq})" if snapshot else "its start"
+                raise Corrupted(
+                    f"the payload of seq_id {cursor} is gone (expired or deleted), so the "
+                    f"operations since {after} cannot be replayed"
+                )
+            prev, _, body = entry.partition(b":")
+            ops.append((int(cursor), controller_pb2.OperationPayload.FromString(body)))
+            cursor = prev.decode()
+        ops.reverse()
+        return Plan(snapshot, snap_seq, ops)
+
+    async def restore(self, trainer: Any, rec: Any, replica_id: str, incarnation: str) -> bool:
+        """Rebuild `rec` (a placed RegRecord) in its slot on `trainer`; False when corrupted.
+
+        Transport and lease failures propagate (the placement is retried, from scratch);
+        anything that makes the history unrecoverable corrupts the run.
+        """
+        rid, slot = rec.registration_id, rec.slot
+        try:
+            plan = await self.plan(rid)
+            await trainer.unbind(slot, rid)  # a fresh bind: restoring is a pure function
+            await trainer.bind(slot, rid, rec.lora)
+            if plan.snapshot is not None:
+                opid = f"{rid}#restore@{replica_id}:{incarnation}"
+                await _or_corrupted(
+                    trainer.load_state(opid, slot, rid, plan.snapshot.manifest, True),
+                    f"its last snapshot (seq_id {plan.snapshot_seq}) no longer loads",
+                )
+            for seq, payload in plan.ops:
+                await self._apply(trainer, rid, slot, seq, payload)
+        except Corrupted as exc:
+            await self.corrupt(rid, str(exc))
+            return False
+        log.info(
+            "restored %s on %s slot %d: snapshot seq_id %s + %d replayed operations",
+            rid, replica_id, slot, plan.snapshot_seq if plan.snapshot else "-", len(plan.ops),
+        )  # fmt: skip
+        return True
+
+    async def _apply(
+        self, trainer: Any, rid: str, slot: int, seq: int, payload: controller_pb2.OperationPayload
+    ) -> None:
+        opid = f"{rid}#{seq}"
+        which = payload.WhichOneof("kind")
+        lost = f"replaying seq_id {seq} ({which}) failed"
+        if which == "forward_backward":
+            item = trainer_pb2.ForwardBackwardItem(
+                operation_id=opid, slot=slot, registration_id=rid, input=payload.forward_backward
+            )
+            resp = await trainer.forward_backward([item])
+            result = resp.results[0]
+            if result.WhichOneof("outcome") != "output":
+                _corrupted_unless_retryable(exception_from_info(result.error), lost)
+        elif which == "optim_step":
+            await _or_corrupted(trainer.optim_step(opid, slot, rid, payload.optim_step), lost)
+        elif which == "load_state":
+            manifest = await self.manifest_for(payload.load_state.path)
+            if manifest is None:
+                raise Corrupted(f"the checkpoint {payload.load_state.path} it loaded at seq_id "
+                                f"{seq} is gone")  # fmt: skip
+            await _or_corrupted(
+                trainer.load_state(opid, slot, rid, manifest, payload.load_state.with_optimizer),
+                lost,
+            )
+        else:
+            raise Corrupted(f"{lost}: {which} is not replayable")
+
+    async def corrupt(self, rid: str, what: str) -> None:
+        """Fence a run that cannot be rebuilt; every later call gets this error."""
+        message = (
+            f"training run {rid} lost its trainer and cannot be rebuilt: {what}. Its weights "
+            "are lost; continue from a saved state in a new run"
+        )
+        log.error("%s", message)
+        await self.redis.hset(self.reg_key(rid), "corrupted", message)
+        await self.retire(
+            rid,
+            errors.FailedPrecondition(message, field="registration_id", reason="RUN_CORRUPTED"),
+        )
+
+    async def forget(self, rid: str) -> None:
+        """Drop a retired run's log (its snapshots stay in the trainers' storage folder)."""
+        await self.redis.delete(self.replay_key(rid))
+
+
+_LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH"})
+
+
+async def _or_corrupted(call: Awaitable[Any], lost: str) -> Any:
+    try:
+        return await call
+    except errors.LorafleetError as exc:
+        _corrupted_unless_retryable(exc, lost)
+
+
+def _corrupted_unless_retryable(exc: errors.LorafleetError, lost: str) -> None:
+    """A trainer refusing the replayed history itself means corruption; transport and lease
+    failures are raised as they are, so the placement is retried."""
+    if isinstance(exc, errors.Unavailable) or exc.reason in _LEASE_REASONS:
+        raise exc
+    raise Corrupted(f"{lost}: {exc.message}") from None

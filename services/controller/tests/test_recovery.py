@@ -1,0 +1,224 @@
+"""Exactly-once through trainer loss: a trainer SIGKILLed mid-run is replaced, and every run
+it held is rebuilt from its last snapshot by replay, bit for bit; a run whose history is gone
+fails loudly instead of rolling back (real redis, controller and trainer processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+import redis.asyncio as aioredis
+
+from lorafleet import errors
+from lorafleet.testing import start_redis
+from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
+from lorafleet_controller.store.keys import Keys
+
+from .fleet import (
+    Client,
+    Proc,
+    controller_proc,
+    fb_payload,
+    optim_payload,
+    trainer_proc,
+    trainer_stub,
+    wait_done,
+    wait_for_model,
+)
+
+K = controller_pb2
+T = "tenant-r"
+KEYS = Keys("lf:")  # the controller's default prefix
+STEPS = 12  # forward_backward + optim_step each
+SNAPSHOT_EVERY = 3  # optimizer steps
+
+
+def tokens(step: int) -> list[int]:
+    """Different data every step, so replaying out of order or twice would show."""
+    return [(7 * step + 5 * i) % 250 + 1 for i in range(8)]
+
+
+def step_ops(step: int) -> list[tuple[int, controller_pb2.OperationPayload]]:
+    return [(2 * step + 1, fb_payload(tokens(step))), (2 * step + 2, optim_payload())]
+
+
+@pytest.fixture
+def procs(
+    tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Path, object, Proc, Proc]]:
+    """Redis, a controller and trainer-0; an indirect parameter adds controller settings."""
+    redis = start_redis(tmp_path / "redis")
+    controller = controller_proc(redis, tmp_path)
+    controller.env["LORAFLEET_CONTROLLER_TRANSPORT_RETRY_SECONDS"] = "2"
+    for name, value in getattr(request, "param", {}).items():
+        controller.env[f"LORAFLEET_CONTROLLER_{name}"] = value
+    trainer = trainer_proc(tiny_model_dir, controller.port, tmp_path, "trainer-0")
+    trainer.env["LORAFLEET_TRAINER_SNAPSHOT_EVERY_STEPS"] = str(SNAPSHOT_EVERY)
+    trainer.env["LORAFLEET_TRAINER_SNAPSHOT_EVERY_SECONDS"] = "0"
+    try:
+        controller.launch()
+        trainer.launch()
+        controller.wait()
+        trainer.wait(timeout=120)
+        yield tmp_path, redis, controller, trainer
+    finally:
+        trainer.stop()
+        controller.stop()
+        redis.stop()
+
+
+class Run:
+    """One training run driven through the controller's gRPC API."""
+
+    def __init__(self, client: Client, rid: str) -> None:
+        self.client, self.rid = client, rid
+
+    async def submit(self, seq: int, payload: controller_pb2.OperationPayload) -> str:
+        resp = await self.client(
+            "SubmitOperation",
+            K.SubmitOperationRequest(tenant=T, registration_id=self.rid, seq_id=seq,
+                                     payload=payload),
+        )  # fmt: skip
+        return resp.operation_id  # type: ignore[attr-defined]
+
+    async def steps(self, steps: range) -> list[str]:
+        """Submit the steps' operations (all at once: they queue behind each other)."""
+        return [await self.submit(seq, p) for step in steps for seq, p in step_ops(step)]
+
+    async def succeed(self, opids: list[str], within: float = 60) -> None:
+        for opid in opids:
+            op = await wait_done(self.client, T, opid, within=within)
+            assert op.state == K.OPERATION_STATE_SUCCEEDED, (opid, op.error)  # type: ignore[attr-defined]
+
+
+async def until(condition, within: float) -> None:
+    """Wait for a condition (a callable returning a bool or an awaitable of one)."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+            value = await value
+        if value:
+            return
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.2)
+
+
+async def export(trainer: Proc, rid: str) -> bytes:
+    """The run's adapter weights file, straight from the trainer that holds it."""
+    stub = trainer_stub(trainer.port)
+    slots = await stub.ListSlots(trainer_pb2.ListSlotsRequest(), timeout=10)
+    slot = next(s.slot for s in slots.slots if s.registration_id == rid)
+    data = b""
+    req = trainer_pb2.ExportAdapterRequest(slot=slot, registration_id=rid)
+    async for part in stub.ExportAdapter(req, timeout=60):
+        if part.chunk.path == "adapter_model.safetensors":
+            data += part.chunk.data
+    return data
+
+
+async def test_trainer_sigkill_mid_run_is_replayed_bit_for_bit_or_fails_loudly(procs) -> None:
+    _, redis_server, controller, trainer = procs
+    client = Client(controller.port)
+    r = aioredis.from_url(redis_server.url)  # type: ignore[attr-defined]
+    try:
+        base = await wait_for_model(client)
+        session = (await client("CreateSession", K.CreateSessionRequest(tenant=T))).session_id  # type: ignore[attr-defined]
+
+        async def run(seq: int, seed: int = 7) -> Run:
+            resp = await client(
+                "CreateRegistration",
+                K.CreateRegistrationRequest(
+                    tenant=T, session_id=session, model_seq_id=seq, base_model=base,
+                    lora_config=common_pb2.LoraConfig(rank=4, seed=seed, dropout=0.1,
+                                                      train_attn=True, train_mlp=True),
+                ),
+            )  # fmt: skip
+            return Run(client, resp.registration.registration_id)  # type: ignore[attr-defined]
+
+        reference, lost_payload, lost_snapshot, victim = [await run(i) for i in range(4)]
+        # The reference trains uninterrupted; its weights are what the victim must end with.
+        await reference.succeed(await reference.steps(range(STEPS)))
+        expected = await export(trainer, reference.rid)
+        # Two runs whose history will be damaged while their trainer is down.
+        await lost_payload.succeed(await lost_payload.steps(range(2)))  # no snapshot yet
+        await lost_snapshot.succeed(await lost_snapshot.steps(range(SNAPSHOT_EVERY + 1)))
+        seq = 2 * (SNAPSHOT_EVERY + 1)
+        while not await r.hexists(KEYS.replay(lost_snapshot.rid), "snap"):
+            seq += 1  # a step without gradients still reports the newest snapshot
+            await lost_snapshot.succeed([await lost_snapshot.submit(seq, optim_payload())])
+
+        # The victim's whole run is queued; the trainer dies with one of its steps in flight.
+        ops = await victim.steps(range(STEPS))
+        await victim.succeed(ops[:13])
+        trainer.kill()
+        # Contact is lost with an operation in flight: it is in doubt, never reported failed.
+        await until(lambda: "in doubt" in controller.log.read_text(), 60)
+        await r.hdel(KEYS.replay(lost_payload.rid), "2")
+        snap = trainer_pb2.SlotSnapshot.FromString(
+            await r.hget(KEYS.replay(lost_snapshot.rid), "snap")
+        )
+        shutil.rmtree(unquote(urlparse(snap.manifest.uri).path))
+        trainer.start(timeout=120)  # same replica id, new incarnation: it starts empty
+
+        await victim.succeed(ops, within=180)  # every step exactly once: same weights
+        assert await export(trainer, victim.rid) == expected
+        assert await export(trainer, reference.rid) == expected  # rebuilt from its snapshot
+
+        for broken, lost in ((lost_payload, "the payload of seq_id 2 is gone"),
+                             (lost_snapshot, "its last snapshot (seq_id")):  # fmt: skip
+            key = KEYS.reg(broken.rid)
+            await until(lambda key=key: r.hexists(key, "corrupted"), 60)
+            with pytest.raises(errors.FailedPrecondition) as refused:
+                await broken.submit(100, fb_payload(tokens(0)))
+            assert refused.value.reason == "RUN_CORRUPTED"
+            assert lost in refused.value.message and broken.rid in refused.value.message
+    finally:
+        await r.aclose()
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    "procs", [{"HEARTBEAT_INTERVAL_SECONDS": "1", "HEARTBEAT_TIMEOUT_SECONDS": "3"}],
+    indirect=True,
+)  # fmt: skip
+async def test_a_redis_stall_longer_than_the_heartbeat_timeout_fails_nothing(procs) -> None:
+    """Redis frozen (SIGSTOP) for twice the heartbeat timeout mid-run: no replica is declared
+    lost for the silence Redis caused, no operation fails, and the weights are exact."""
+    _, redis_server, controller, trainer = procs
+    client = Client(controller.port)
+    try:
+        base = await wait_for_model(client)
+        session = (await client("CreateSession", K.CreateSessionRequest(tenant=T))).session_id  # type: ignore[attr-defined]
+        runs = []
+        for seq in range(2):
+            resp = await client(
+                "CreateRegistration",
+                K.CreateRegistrationRequest(
+                    tenant=T, session_id=session, model_seq_id=seq, base_model=base,
+                    lora_config=common_pb2.LoraConfig(rank=4, seed=3, dropout=0.1,
+                                                      train_attn=True),
+                ),
+            )  # fmt: skip
+            runs.append(Run(client, resp.registration.registration_id))  # type: ignore[attr-defined]
+        reference, victim = runs
+        await reference.succeed(await reference.steps(range(6)))
+        expected = await export(trainer, reference.rid)
+        ops = await victim.steps(range(6))
+        await victim.succeed(ops[:5])
+        redis_server.proc.send_signal(signal.SIGSTOP)  # type: ignore[attr-defined]
+        try:
+            await asyncio.sleep(6)  # the fault itself lasts this long; nothing waits on it
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+        await victim.succeed(ops, within=120)
+        assert await export(trainer, victim.rid) == expected
+        log = controller.log.read_text()
+        assert "missed heartbeats" not in log and "restored" not in log
+    finally:
+        await client.close()
