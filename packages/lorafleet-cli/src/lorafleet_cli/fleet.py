@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet.rpc.channel import make_blocking_channel
 from lorafleet.settings import TlsSettings
-from lorafleet.testing import child_env, free_port, start_redis, stop_process
+from lorafleet.testing import RedisServer, child_env, free_port, start_redis, stop_process
 from lorafleet.tls import TlsIdentity, identity_from_settings
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 from lorafleet_cli.ca import ADMIN_NAME, CertFiles, make_run_ca, write_private
@@ -95,7 +95,7 @@ class Fleet:
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
         self.members: list[Member] = []
-        self.redis = None
+        self.redis: RedisServer | None = None
         self.redis_url = config.redis_url
         self.api_key = ""
         self.base_url = ""

@@ -31,18 +31,18 @@ def run(args: argparse.Namespace, controller: str, tls: TlsIdentity | None) -> i
         try:
             if args.action == "create":
                 tenant = args.target or "local"
-                resp = stub.CreateApiKey(
+                created = stub.CreateApiKey(
                     controller_pb2.CreateApiKeyRequest(tenant=tenant, label=args.label),
                     timeout=10,
                 )
-                print(resp.api_key)
-                print(f"lorafleet: key {resp.key_id} for tenant {tenant!r} (shown once)",
+                print(created.api_key)
+                print(f"lorafleet: key {created.key_id} for tenant {tenant!r} (shown once)",
                       file=sys.stderr)  # fmt: skip
             elif args.action == "list":
-                resp = stub.ListApiKeys(
+                listed = stub.ListApiKeys(
                     controller_pb2.ListApiKeysRequest(tenant=args.target), timeout=10
                 )
-                for k in resp.keys:
+                for k in listed.keys:
                     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(k.created_at))
                     state = "revoked" if k.revoked else "active"
                     print(f"{k.key_id}  {k.tenant:<16} {state:<8} {when}  {k.label}")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from lorafleet.tls import TlsIdentity
-from lorafleet_cli import accounting, runs
+from lorafleet_cli import accounting, runs, train
 from lorafleet_cli.fleet import Fleet, FleetConfig, FleetError
 
 
@@ -165,7 +165,7 @@ def _alive(pid: int) -> bool:
 def cmd_down(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else runs.current()
     state = runs.read_state(run_dir) if run_dir else None
-    if state is None:
+    if run_dir is None or state is None:
         print("lorafleet: nothing running", file=sys.stderr)
         return 0
     launcher = state.get("launcher_pid")
@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="smollm2")
     demo.set_defaults(fn=cmd_demo)
     accounting.add_parsers(sub, _controller)  # adapters import, usage
+    train.add_parsers(sub)  # train, jobs: managed training jobs (issue 13)
     return p
 
 

@@ -94,7 +94,7 @@ class AdminInterceptor(grpc.aio.ServerInterceptor):
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Any],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method not in ADMIN_METHODS:

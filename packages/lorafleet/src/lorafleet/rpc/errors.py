@@ -9,6 +9,8 @@ gateway, and the user, unchanged.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from lorafleet import errors
@@ -44,7 +46,7 @@ _CATEGORY = {
 def status_code_for(exc: errors.LorafleetError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in _TO_CODE:
-            return _TO_CODE[cls]  # type: ignore[index]
+            return _TO_CODE[cls]
     return grpc.StatusCode.INTERNAL
 
 
@@ -85,7 +87,9 @@ def exception_from_info(
 def from_rpc_error(exc: grpc.RpcError) -> errors.LorafleetError:
     """The domain exception a failed call stands for (field, message and retry-after kept)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    md = dict(exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else {}
+    # (key, value) pairs: grpc.aio.Metadata or the sync API's tuples of _Metadatum.
+    pairs: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
+    md = dict(pairs or ())
     cls = _FROM_CODE.get(code, errors.Internal)
     raw = md.get(ERROR_INFO_KEY)
     if raw:

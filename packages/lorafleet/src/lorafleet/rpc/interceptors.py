@@ -120,6 +120,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
             handler.request_deserializer,
             handler.response_serializer,
         )
+    assert handler.stream_stream is not None  # every handler has exactly one behaviour
     return grpc.stream_stream_rpc_method_handler(
         streaming_result(handler.stream_stream),
         handler.request_deserializer,
@@ -134,8 +135,8 @@ class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Any],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
-            return handler
+            return None
         return _wrap(handler, handler_call_details.method)
