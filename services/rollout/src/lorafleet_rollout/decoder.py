@@ -1,12 +1,13 @@
 """The torch engine's forward pass: a Llama-family decoder written for CPU decoding.
 
 Why not transformers' forward: profiled on the bench model (py-spy, bench/sampling.py), ~60 %
-of a decode step was `nn.Linear` at 16 rows, where MKL's `x @ W^T` runs at half the speed of
-`x @ W` with W stored [in, out] (58 vs 121 GFLOP/s for 16x512 @ 512x1536, one thread);
-the rest went to per-layer mask, rotary and cache bookkeeping. Here the weights are copied
-once into [in, out] layout, q/k/v and gate/up are fused into one matmul each, the rotary
-tables are precomputed, and the KV cache is a set of per-sequence slots written in place
-(`SlotCache`): a decode step is a fixed, short list of torch ops per layer.
+of a decode step was `nn.Linear` at 16 rows and ~20 % attention; decode is bound by the bytes
+it streams (every weight once per step, every row's keys/values), so what pays is moving fewer
+bytes per token and fewer ops around them. Here the weights are packed once (`pack`), q/k/v and
+gate/up are fused into one GEMM each, the rotary tables are precomputed, the KV cache is a set
+of per-sequence slots written in place (`SlotCache`), and prompt prefixes that several rows
+share are read once per step (`Segment`, `Decoder._cascade`): a decode step is a fixed, short
+list of torch ops per layer.
 
 The arithmetic is transformers' (the same RMSNorm, rotate-half rotary from the model's own
 rotary module, so rope scaling variants match, scaled-dot-product attention with the same
@@ -35,11 +36,32 @@ _GROUPS = {
 }
 
 
+#: oneDNN's prepacked fp32 GEMM: decode is weight-bandwidth bound at a few dozen rows, and
+#: a weight packed once into oneDNN's blocked layout streams faster than MKL's `x @ W`, which
+#: repacks W on every call (decode steps of the bench model ~1.2x faster, measured side by
+#: side; vLLM's CPU backend does the same).
+_ONEDNN = torch.backends.mkldnn.is_available()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight [out, in] in the layout `linear` multiplies fastest."""
+    if _ONEDNN:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
+    return weight.t().contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] times a `pack`ed weight (+ bias): [M, out]."""
+    if _ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return x @ weight if bias is None else torch.addmm(bias, x, weight)
+
+
 class Projection:
-    """A (fused) linear layer: weight [in, out], optional bias, and its LoRA stacks."""
+    """A (fused) linear layer: packed weight, optional bias, and its LoRA stacks."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
-        self.weight = torch.cat([m.weight.detach().t() for m in linears], dim=1).contiguous()
+        self.weight = pack(torch.cat([m.weight.detach() for m in linears]))
         biases = [m.bias for m in linears]
         self.bias = (
             None
@@ -51,10 +73,10 @@ class Projection:
                 ]
             )
         )
-        self.lora = LoraStacks(self.weight.shape[0], tuple(m.out_features for m in linears))
+        self.lora = LoraStacks(linears[0].in_features, tuple(m.out_features for m in linears))
 
     def __call__(self, x: torch.Tensor, adapter: int | Route | None) -> torch.Tensor:
-        out = x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+        out = linear(x, self.weight, self.bias)
         if isinstance(adapter, Route):
             self.lora.add_routed(out, x, adapter)
         elif adapter:
@@ -159,7 +181,7 @@ class Decoder:
         self.max_positions = int(cfg.max_position_embeddings)
         self.embed = model.get_input_embeddings().weight.detach()
         self.norm = model.model.norm.weight.detach()
-        self.lm_head = model.get_output_embeddings().weight.detach().t().contiguous()
+        self.lm_head = pack(model.get_output_embeddings().weight.detach())
         with torch.inference_mode():
             positions = torch.arange(self.max_positions)[None]
             cos, sin = rotary(self.embed[:1], positions)
@@ -276,7 +298,7 @@ class Decoder:
         return x + layer.down(F.silu(gate) * up, adapter)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self._rms(x, self.norm) @ self.lm_head
+        return linear(self._rms(x, self.norm), self.lm_head, None)
 
     def prefill(
         self,
