@@ -98,16 +98,11 @@ def _modules(cfg: dict[str, Any], key: str) -> list[str]:
 
 
 def parse_adapter(files: dict[str, bytes]) -> PeftAdapter:
-    """Check a PEFT LoRA folder's files; raises InvalidArgument naming the file or field."""
+    """Check a PEFT LoRA folder's files (others, such as PEFT's README.md, are ignored);
+    raises InvalidArgument naming the file or field."""
     for name in (CONFIG, WEIGHTS):
         if name not in files:
             raise errors.InvalidArgument(f"the adapter folder has no {name}", field=f"files.{name}")
-    extra = sorted(set(files) - {CONFIG, WEIGHTS})
-    if extra:
-        raise errors.InvalidArgument(
-            f"unexpected file {extra[0]!r} (a LoRA folder holds {CONFIG} and {WEIGHTS})",
-            field="files",
-        )
     try:
         cfg = json.loads(files[CONFIG])
     except (ValueError, UnicodeDecodeError):
@@ -273,7 +268,8 @@ class Importer:
         if rep is None:
             raise errors.Unavailable(f"trainer replica {rec.replica} is gone")
         trainer = c.pool.trainer(rep.address)
-        await trainer.import_adapter(f"{rid}#import", rec.slot, rid, files)
+        adapter_files = {n: files[n] for n in (CONFIG, WEIGHTS)}
+        await trainer.import_adapter(f"{rid}#import", rec.slot, rid, adapter_files)
         save_op = f"{rid}#save"
         manifest = await trainer.save_state(save_op, rec.slot, rid, name, True)
         path = f"{contract.TINKER_SCHEME}{rid}/{contract.CheckpointKind.WEIGHTS}/{name}"
