@@ -22,6 +22,7 @@ from lorafleet_gateway.auth import AuthCache
 from lorafleet_gateway.controller import ControllerClient
 from lorafleet_gateway.middleware import GatewayMiddleware
 from lorafleet_gateway.routers import (
+    adapters,
     checkpoints,
     futures,
     jobs,
@@ -36,7 +37,7 @@ from lorafleet_gateway.serving.jobs import JobsServing
 from lorafleet_gateway.settings import GatewaySettings
 from lorafleet_gateway.signing import Signer
 
-ROUTERS = (service, sessions, training, futures, weights, sampling, checkpoints, jobs)
+ROUTERS = (service, sessions, training, futures, weights, sampling, checkpoints, jobs, adapters)
 # Routes whose bodies carry training data or prompts; every other route takes small bodies.
 DATA_ROUTES = frozenset(
     {
@@ -44,6 +45,7 @@ DATA_ROUTES = frozenset(
         "/api/v1/forward",
         "/api/v1/asample",
         *jobs.DATA_ROUTES,
+        adapters.IMPORT,
     }
 )
 

@@ -54,6 +54,7 @@ CREATE_REGISTRATION_DEADLINE = 30.0
 DELETE_DEADLINE = 30.0
 CREATE_SAMPLER_DEADLINE = 60.0
 DOWNLOAD_DEADLINE = 300.0
+IMPORT_DEADLINE = 600.0
 POLL_MARGIN = 5.0
 
 Req = TypeVar("Req")
@@ -169,6 +170,11 @@ class ControllerClient:
         self, request: cpb.UpdateCheckpointRequest
     ) -> cpb.UpdateCheckpointResponse:
         return await self._call(self._stub.UpdateCheckpoint, request)
+
+    async def import_peft_adapter(
+        self, request: cpb.ImportPeftAdapterRequest
+    ) -> cpb.ImportPeftAdapterResponse:
+        return await self._call(self._stub.ImportPeftAdapter, request, IMPORT_DEADLINE)
 
     async def download_checkpoint(
         self, request: cpb.DownloadCheckpointRequest
