@@ -61,7 +61,7 @@ def _params(pairs: list[str]) -> dict[str, str]:
 
 def _follow(c: httpx.Client, job: dict[str, Any]) -> dict[str, Any]:
     """Show the job's progress until it ends; the finished job."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type stubs
 
     bar = tqdm(total=job.get("maxUpdates") or None, unit="update", file=sys.stderr,
                desc=job["jobId"])  # fmt: skip
@@ -90,10 +90,10 @@ def save_curve(job: dict[str, Any], stem: Path) -> Path:
     """The loss per optimizer update: `<stem>.png` with matplotlib, else `<stem>.csv`."""
     points = job.get("curve", [])
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found]  # optional, not a dependency
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found]  # optional
     except ImportError:
         path = stem.with_suffix(".csv")
         with path.open("w", newline="") as f:

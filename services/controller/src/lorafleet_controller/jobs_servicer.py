@@ -32,8 +32,9 @@ STATES = {
 def job_message(rec: JobRecord, curve: bool = True) -> jobs_pb2.Job:
     cursor = rec.cursor or {}
     points = [*cursor.get("curve", []), *rec.live]
+    kind = KIND_ENUM.get(rec.kind, jobs_pb2.JOB_KIND_UNSPECIFIED)
     job = jobs_pb2.Job(
-        job_id=rec.job_id, tenant=rec.tenant, kind=KIND_ENUM.get(rec.kind, 0),
+        job_id=rec.job_id, tenant=rec.tenant, kind=kind,
         registration_id=rec.registration_id, base_model=rec.base_model,
         state=STATES[rec.state], params=rec.params,
         passes=cursor.get("passes", 0), updates=points[-1]["update"] if points else 0,
@@ -99,7 +100,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         limit = request.limit if request.limit > 0 else 20
         if request.offset < 0:
             raise errors.InvalidArgument("must be >= 0", field="offset")
-        recs, total = await self.runner.records.list(request.tenant, min(limit, 1000),
+        recs, total = await self.runner.records.list_jobs(request.tenant, min(limit, 1000),
                                                      request.offset)  # fmt: skip
         return jobs_pb2.ListJobsResponse(
             jobs=[job_message(r, curve=False) for r in recs], total=total

@@ -61,7 +61,7 @@ class JobRecord:
         return self.state in FINISHED
 
 
-def _json(raw: bytes | None) -> Any:
+def _json(raw: bytes | str | None) -> Any:
     return json.loads(raw) if raw else None
 
 
@@ -138,7 +138,7 @@ class Records:
                 except TimeoutError:
                     return await self.get(tenant, job_id)
 
-    async def list(self, tenant: str, limit: int, offset: int) -> tuple[list[JobRecord], int]:
+    async def list_jobs(self, tenant: str, limit: int, offset: int) -> tuple[list[JobRecord], int]:
         key = self.keys.tenant_jobs(tenant)
         ids = await self.redis.zrevrange(key, offset, offset + limit - 1)
         total = int(await self.redis.zcard(key))
@@ -146,8 +146,8 @@ class Records:
 
     async def update(self, job_id: str, **fields: Any) -> None:
         """Write fields (dicts as JSON), bump the version and wake watchers."""
-        mapping = {k: json.dumps(v) if isinstance(v, dict | list) else v
-                   for k, v in fields.items()}  # fmt: skip
+        mapping: dict[Any, Any] = {k: json.dumps(v) if isinstance(v, dict | list) else v
+                                   for k, v in fields.items()}  # fmt: skip
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.job(job_id), mapping=mapping)
             pipe.hincrby(self.keys.job(job_id), "version", 1)
@@ -156,8 +156,8 @@ class Records:
 
     async def finish(self, rec: JobRecord, state: JobState, **fields: Any) -> None:
         """End a job: its state, its last fields, and out of the run's queue."""
-        mapping = {k: json.dumps(v) if isinstance(v, dict | list) else v
-                   for k, v in fields.items()}  # fmt: skip
+        mapping: dict[Any, Any] = {k: json.dumps(v) if isinstance(v, dict | list) else v
+                                   for k, v in fields.items()}  # fmt: skip
         mapping.update(state=state.value, finished_at=self.clock(), live="[]")
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.job(rec.job_id), mapping=mapping)
@@ -185,7 +185,8 @@ class Records:
         return {text(k): text(v) for k, v in raw.items()}
 
     async def set_default_run(self, tenant: str, **fields: str) -> None:
-        await self.redis.hset(self.keys.default_run(tenant), mapping=fields)
+        mapping: dict[Any, Any] = fields
+        await self.redis.hset(self.keys.default_run(tenant), mapping=mapping)
 
     async def clear_default_run(self, tenant: str) -> None:
         await self.redis.delete(self.keys.default_run(tenant))

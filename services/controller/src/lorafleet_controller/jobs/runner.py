@@ -53,7 +53,9 @@ def job_error(exc: errors.LorafleetError) -> dict[str, str]:
             "reason": exc.reason or type(exc).__name__}  # fmt: skip
 
 
-def _tensor(fmt: str, dtype: int, values: Sequence[float]) -> common_pb2.Tensor:
+def _tensor(
+    fmt: str, dtype: common_pb2.DType.ValueType, values: Sequence[float]
+) -> common_pb2.Tensor:
     return common_pb2.Tensor(
         dtype=dtype, shape=[len(values)], data=struct.pack(f"<{len(values)}{fmt}", *values)
     )
