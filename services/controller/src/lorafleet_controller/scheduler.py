@@ -445,7 +445,9 @@ def round_robin(batch: list[Claim]) -> list[Claim]:
 
 
 def _server_failure(exc: errors.LorafleetError, replica: str) -> errors.LorafleetError:
-    if isinstance(exc, errors.Unavailable):
+    """Name the trainer when it could not be reached; a rollout that refused a publish
+    (PUBLISH_INCOMPLETE) is already named by the error and is not the trainer's fault."""
+    if isinstance(exc, errors.Unavailable) and exc.reason != "PUBLISH_INCOMPLETE":
         return errors.Unavailable(
             f"trainer replica {replica} could not be reached: {exc.message}",
             reason="TRAINER_UNREACHABLE",
