@@ -178,6 +178,9 @@ async def test_trainer_sigkill_mid_run_is_replayed_bit_for_bit_or_fails_loudly(p
                 await broken.submit(100, fb_payload(tokens(0)))
             assert refused.value.reason == "RUN_CORRUPTED"
             assert lost in refused.value.message and broken.rid in refused.value.message
+            reg = (await client("GetRegistration", K.GetRegistrationRequest(
+                tenant=T, registration_id=broken.rid))).registration  # type: ignore[attr-defined]  # fmt: skip
+            assert reg.state == K.REGISTRATION_STATE_RETIRED and lost in reg.corrupted
     finally:
         await r.aclose()
         await client.close()

@@ -35,6 +35,7 @@ def registration(rec: RegRecord) -> controller_pb2.Registration:
         user_metadata=rec.user_metadata,
         unavailable_reason=rec.unavailable_reason if rec.state == RegState.UNAVAILABLE else "",
         optimizer=rec.optimizer,
+        corrupted=rec.corrupted,
     )
 
 

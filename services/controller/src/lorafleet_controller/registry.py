@@ -70,6 +70,7 @@ class RegRecord:
     pending: int
     dirty: bool
     restore: bool
+    corrupted: str  # what a lost trainer took that replay could not rebuild (recovery.py)
 
     @property
     def placed(self) -> bool:
@@ -348,6 +349,7 @@ def _record(rid: str, raw: dict[bytes, bytes], position: int) -> RegRecord:
         pending=int(raw.get(b"pending", b"0")),
         dirty=raw.get(b"dirty") == b"1",
         restore=raw.get(b"restore") == b"1",
+        corrupted=text(raw.get(b"corrupted")),
     )
 
 

@@ -75,6 +75,7 @@ def training_run(reg: cpb.Registration) -> TrainingRun:
         base_model=reg.base_model,
         model_owner=reg.tenant,
         lora_rank=reg.lora_config.rank,
+        corrupted=bool(reg.corrupted),
         last_request_time=iso(reg.last_request_time or reg.created_at) or iso(_EPOCH) or "",
         user_metadata=dict(reg.user_metadata) or None,
     )

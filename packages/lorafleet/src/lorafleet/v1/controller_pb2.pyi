@@ -714,6 +714,7 @@ class Registration(_message.Message):
     USER_METADATA_FIELD_NUMBER: _builtins.int
     UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
     OPTIMIZER_FIELD_NUMBER: _builtins.int
+    CORRUPTED_FIELD_NUMBER: _builtins.int
     registration_id: _builtins.str
     """Equal to the Tinker model id "<session_id>:train:<model_seq_id>"."""
     tenant: _builtins.str
@@ -730,6 +731,10 @@ class Registration(_message.Message):
     last_request_time: _builtins.float
     unavailable_reason: _builtins.str
     optimizer: _builtins.str
+    corrupted: _builtins.str
+    """Set when the run lost its trainer and its history could not be replayed: what was lost.
+    Such a run is RETIRED and refuses every call (RUN_CORRUPTED); empty = not corrupted.
+    """
     @_builtins.property
     def lora_config(self) -> _common_pb2.LoraConfig: ...
     @_builtins.property
@@ -753,10 +758,11 @@ class Registration(_message.Message):
         user_metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         unavailable_reason: _builtins.str = ...,
         optimizer: _builtins.str = ...,
+        corrupted: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lora_config", b"lora_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "created_at", b"created_at", "last_checkpoint", b"last_checkpoint", "last_request_time", b"last_request_time", "lora_config", b"lora_config", "optim_steps", b"optim_steps", "optimizer", b"optimizer", "published_version", b"published_version", "queue_position", b"queue_position", "registration_id", b"registration_id", "slot", b"slot", "state", b"state", "tenant", b"tenant", "trainer_replica", b"trainer_replica", "unavailable_reason", b"unavailable_reason", "user_metadata", b"user_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "corrupted", b"corrupted", "created_at", b"created_at", "last_checkpoint", b"last_checkpoint", "last_request_time", b"last_request_time", "lora_config", b"lora_config", "optim_steps", b"optim_steps", "optimizer", b"optimizer", "published_version", b"published_version", "queue_position", b"queue_position", "registration_id", b"registration_id", "slot", b"slot", "state", b"state", "tenant", b"tenant", "trainer_replica", b"trainer_replica", "unavailable_reason", b"unavailable_reason", "user_metadata", b"user_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
