@@ -17,8 +17,12 @@ import redis.asyncio as aioredis
 from lorafleet import errors
 from lorafleet.testing import start_redis
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
+from lorafleet_controller.controller import Controller
+from lorafleet_controller.registry import Replica
+from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store.keys import Keys
 
+from .conftest import Clock
 from .fleet import (
     Client,
     Proc,
@@ -225,3 +229,29 @@ async def test_a_redis_stall_longer_than_the_heartbeat_timeout_fails_nothing(pro
         assert "missed heartbeats" not in log and "restored" not in log
     finally:
         await client.close()
+
+
+async def test_silence_while_redis_was_out_of_reach_is_not_a_lost_replica(redis_server) -> None:
+    """Heartbeats go through Redis: a sweep that finds the previous good sweep longer ago than
+    a heartbeat interval (Redis out of reach, or this process starved) judges silence afresh,
+    and only a full heartbeat timeout of silence after that loses the replica."""
+    clock = Clock()
+    settings = ControllerSettings(
+        redis_url=redis_server.url, heartbeat_interval_seconds=1, heartbeat_timeout_seconds=3,
+        session_timeout_seconds=0,
+    )  # fmt: skip
+    controller = Controller(settings, clock=clock)
+    await controller.start(lead=False)
+    await controller.store.take_epoch()  # sweep by hand, without the sweeper loop
+    try:
+        rep = Replica("trainer", "tr-a", "127.0.0.1:1", "tiny", 2, "inc", 0, True)
+        await controller.registry.register_replica(rep)
+        clock.now += 10  # ten seconds without a heartbeat ...
+        controller._swept_at -= 10  # ... because the sweeper could not reach Redis either
+        await controller.sweep_once()
+        assert (await controller.registry.replica("tr-a")).healthy  # type: ignore[union-attr]
+        controller._heard_since -= settings.heartbeat_timeout_seconds  # Redis back that long
+        await controller.sweep_once()
+        assert not (await controller.registry.replica("tr-a")).healthy  # type: ignore[union-attr]
+    finally:
+        await controller.stop()
