@@ -131,17 +131,76 @@ def test_one_process_state_resumes_in_a_group(tiny_model_dir, engine_for, tmp_pa
     assert_same_state(group["state"], cont["state"])
 
 
-def _datum(n: int, gen: torch.Generator):
-    from lorafleet.v1 import common_pb2
+def _service_env(port: int, model_dir: Path, tmp_path: Path) -> dict[str, str]:
+    from lorafleet.testing import child_env
+
+    return child_env(
+        LORAFLEET_TRAINER_PORT=str(port),
+        LORAFLEET_TRAINER_MODEL_PATH=str(model_dir),
+        LORAFLEET_TRAINER_NUM_SLOTS="2",
+        LORAFLEET_TRAINER_MAX_RANK="8",
+        LORAFLEET_TRAINER_STORAGE_ROOT=str(tmp_path / "states"),
+        LORAFLEET_TRAINER_TORCH_THREADS="1",
+        LORAFLEET_TRAINER_GROUP_TIMEOUT_SECONDS="30",
+        LORAFLEET_TRAINER_GROUP_KEEPALIVE_SECONDS="1",
+    )
+
+
+async def _serving_stub(channel):
+    """The group's TrainerService stub once rank 0 serves, with slot 0 bound to "r"."""
+    from lorafleet.testing import wait_serving
+    from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+    await wait_serving(channel, "lorafleet.v1.TrainerService", within=120)
+    stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    cfg = common_pb2.LoraConfig(rank=4, seed=3, train_attn=True, train_mlp=True)
+    await stub.BindSlot(
+        trainer_pb2.BindSlotRequest(slot=0, registration_id="r", lora_config=cfg), timeout=60
+    )
+    await stub.ForwardBackward(_request("warm", 1), timeout=60)  # the group serves
+    return stub
+
+
+def _request(op: str, rows: int):
+    """A cross-entropy ForwardBackward of `rows` random 256-token datums on slot 0."""
+    from lorafleet.v1 import common_pb2, trainer_pb2
     from lorafleet_trainer import convert
 
-    return common_pb2.Datum(
-        tokens=torch.randint(0, 2048, (n,), generator=gen).tolist(),
-        loss_fn_inputs={
-            "target_tokens": convert.tensor_to_proto(torch.randint(0, 2048, (n,), generator=gen)),
-            "weights": convert.tensor_to_proto(torch.ones(n)),
-        },
+    gen = torch.Generator().manual_seed(rows)
+    data = [
+        common_pb2.Datum(
+            tokens=torch.randint(0, 2048, (256,), generator=gen).tolist(),
+            loss_fn_inputs={
+                "target_tokens": convert.tensor_to_proto(
+                    torch.randint(0, 2048, (256,), generator=gen)
+                ),
+                "weights": convert.tensor_to_proto(torch.ones(256)),
+            },
+        )
+        for _ in range(rows)
+    ]
+    item = trainer_pb2.ForwardBackwardItem(
+        operation_id=op,
+        slot=0,
+        registration_id="r",
+        input=common_pb2.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
     )
+    return trainer_pb2.ForwardBackwardRequest(items=[item])
+
+
+def _start_service_group(model_dir: Path, tmp_path: Path) -> tuple[int, list[subprocess.Popen]]:
+    from lorafleet.testing import wait_for_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "lorafleet_trainer"]
+    procs = launch_ranks(argv, 2, tmp_path, _service_env(port, model_dir, tmp_path))
+    try:
+        wait_for_port(port, timeout=120, proc=procs[0])
+    except BaseException:
+        for p in procs:
+            stop_process(p, grace=2.0)
+        raise
+    return port, procs
 
 
 async def test_rank_killed_mid_step_takes_the_replica_down(tiny_model_dir, tmp_path) -> None:
@@ -152,46 +211,12 @@ async def test_rank_killed_mid_step_takes_the_replica_down(tiny_model_dir, tmp_p
 
     import grpc
 
-    from lorafleet.testing import child_env, wait_for_port, wait_serving
-    from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-
-    port = free_port()
-    env = child_env(
-        LORAFLEET_TRAINER_PORT=str(port),
-        LORAFLEET_TRAINER_MODEL_PATH=str(tiny_model_dir),
-        LORAFLEET_TRAINER_NUM_SLOTS="2",
-        LORAFLEET_TRAINER_MAX_RANK="8",
-        LORAFLEET_TRAINER_STORAGE_ROOT=str(tmp_path / "states"),
-        LORAFLEET_TRAINER_TORCH_THREADS="1",
-        LORAFLEET_TRAINER_GROUP_TIMEOUT_SECONDS="30",
-        LORAFLEET_TRAINER_GROUP_KEEPALIVE_SECONDS="1",
-    )
-    procs = launch_ranks([sys.executable, "-m", "lorafleet_trainer"], 2, tmp_path, env)
+    port, procs = _start_service_group(tiny_model_dir, tmp_path)
     rank0, rank1 = procs
     try:
-        wait_for_port(port, timeout=120, proc=rank0)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            await wait_serving(channel, "lorafleet.v1.TrainerService", within=120)
-            stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-            cfg = common_pb2.LoraConfig(rank=4, seed=3, train_attn=True, train_mlp=True)
-            await stub.BindSlot(
-                trainer_pb2.BindSlotRequest(slot=0, registration_id="r", lora_config=cfg),
-                timeout=60,
-            )
-            gen = torch.Generator().manual_seed(0)
-
-            def request(op: str, rows: int) -> trainer_pb2.ForwardBackwardRequest:
-                data = [_datum(256, gen) for _ in range(rows)]
-                item = trainer_pb2.ForwardBackwardItem(
-                    operation_id=op,
-                    slot=0,
-                    registration_id="r",
-                    input=common_pb2.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
-                )
-                return trainer_pb2.ForwardBackwardRequest(items=[item])
-
-            await stub.ForwardBackward(request("warm", 1), timeout=60)  # the group serves
-            call = asyncio.ensure_future(stub.ForwardBackward(request("big", 48), timeout=120))
+            stub = await _serving_stub(channel)
+            call = asyncio.ensure_future(stub.ForwardBackward(_request("big", 48), timeout=120))
             await asyncio.sleep(0.5)
             rank1.send_signal(signal.SIGKILL)
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -201,6 +226,32 @@ async def test_rank_killed_mid_step_takes_the_replica_down(tiny_model_dir, tmp_p
         code = await loop.run_in_executor(None, lambda: rank0.wait(timeout=60))
         assert code == 3, (tmp_path / "rank0.log").read_text()[-3000:]
         assert "trainer group lost" in (tmp_path / "rank0.log").read_text()
+    finally:
+        for p in procs:
+            stop_process(p, grace=2.0)
+
+
+async def test_sigterm_to_every_rank_drains_and_exits_cleanly(tiny_model_dir, tmp_path) -> None:
+    """As torchrun and Kubernetes do: SIGTERM to all ranks while a step runs. Rank 0 drains
+    (the step completes with the other rank's help), releases it, and both exit 0."""
+    import asyncio
+    import signal
+
+    import grpc
+
+    port, procs = _start_service_group(tiny_model_dir, tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = await _serving_stub(channel)
+            call = asyncio.ensure_future(stub.ForwardBackward(_request("big", 16), timeout=120))
+            await asyncio.sleep(0.5)
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            reply = await call
+            assert not reply.results[0].HasField("error"), reply
+        loop = asyncio.get_running_loop()
+        codes = await loop.run_in_executor(None, lambda: [p.wait(timeout=120) for p in procs])
+        assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
     finally:
         for p in procs:
             stop_process(p, grace=2.0)

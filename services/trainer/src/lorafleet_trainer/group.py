@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -292,7 +293,13 @@ def exit_lost(exc: BaseException) -> None:
 
 
 def serve_worker(engine: Any, group: Group) -> None:
-    """A rank > 0 of a service: follow rank 0 until it stops (exit 0) or is lost (exit 3)."""
+    """A rank > 0 of a service: follow rank 0 until it stops (exit 0) or is lost (exit 3).
+
+    Stop signals are ignored: torchrun and Kubernetes signal every rank at once, and rank 0
+    drains its in-flight operations (which need this rank) before it releases the others.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker_loop(engine, group)
     except GroupLost as exc:
