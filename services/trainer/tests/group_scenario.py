@@ -26,7 +26,7 @@ from lorafleet_trainer.domain import (
 
 SPECS = {
     0: LoraSpec(rank=4, alpha=8, seed=1),
-    1: LoraSpec(rank=2, seed=2, dropout=0.1, target_modules=("q_proj", "v_proj", "down_proj")),
+    1: LoraSpec(rank=2, seed=2, dropout=0.1, target_modules=("q_proj", "v_proj", "o_proj")),
 }
 HP = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 STEPS = 3

@@ -74,7 +74,12 @@ def assert_same_state(got: dict, want: dict) -> None:
             assert close(got[slot]["moments"][i][1], v)
 
 
-def test_two_ranks_equal_one_process_and_resume_in_one(tiny_model_dir, engine_for, tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_two_ranks_equal_one_process_and_resume_in_one(model, request, engine_for, tmp_path):
+    """On the dense tiny model and on the MoE one (per-expert LoRA on sharded expert banks)."""
+    tiny_model_dir = request.getfixturevalue(
+        "tiny_model_dir" if model == "tiny" else "moe_model_dir"
+    )
     storage, out = tmp_path / "group-states", tmp_path / "out"
     out.mkdir()
     argv = [sys.executable, str(HERE / "group_scenario.py"), str(tiny_model_dir), str(storage)]
