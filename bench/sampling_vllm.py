@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def workloads(
 
 # ------------------------------------------------------------------ the vLLM server
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterator[str]:
+def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterator[tuple[str, int]]:
     port = free_port()
     env = child_env(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
@@ -108,7 +109,7 @@ def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterato
     with log.open("w") as out:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         stop_process(proc, grace=30)
 
@@ -117,14 +118,46 @@ def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterato
 Runner = Callable[[SampleRequest], Awaitable[SampleResult]]
 
 
-async def timed(run: Runner, workload: Workload) -> tuple[float, list[SampleResult]]:
-    start = time.perf_counter()
-    results = await asyncio.gather(*(run(r) for r in workload.requests))
-    elapsed = time.perf_counter() - start
+@dataclass(frozen=True)
+class Side:
+    """An engine under test: how to sample, and a clock of the CPU seconds it has used."""
+
+    run: Runner
+    cpu: Callable[[], float]
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds used so far by process `root` and its live descendants
+    (vLLM's API server, engine core and worker processes)."""
+    parents: dict[int, int] = {}
+    used: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        used[int(entry.name)] = int(fields[11]) + int(fields[12])
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(used.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+async def timed(side: Side, workload: Workload) -> tuple[float, float, list[SampleResult]]:
+    """Wall seconds, CPU seconds and results of one pass over the workload."""
+    cpu, start = side.cpu(), time.perf_counter()
+    results = await asyncio.gather(*(side.run(r) for r in workload.requests))
+    elapsed, cpu = time.perf_counter() - start, side.cpu() - cpu
     for request, result in zip(workload.requests, results, strict=True):
         assert len(result.sequences) == request.num_samples
         assert all(len(s.tokens) == request.params.max_tokens for s in result.sequences)
-    return elapsed, results
+    return elapsed, cpu, results
 
 
 def gemm_peak(threads: int) -> float:
@@ -159,19 +192,23 @@ def workload_flops(model_dir: Path, workload: Workload) -> float:
 
 
 async def compare(
-    ours: dict[str, Runner], theirs: Runner, loads: list[Workload], rounds: int
+    ours: dict[str, Side], theirs: Side, loads: list[Workload], rounds: int
 ) -> dict[str, object]:
-    """Alternate every side of `ours` with vLLM for each workload; ratios vs vLLM."""
+    """Alternate every side of `ours` with vLLM for each workload; ratios vs vLLM, of wall
+    time and of CPU time (the latter robust to a loaded host's scheduling)."""
     report: dict[str, object] = {}
+    sides = {**ours, "vllm": theirs}
     for load in loads:
-        for run in [*ours.values(), theirs]:
-            await run(load.requests[0])  # warm-up (compilation, allocations, prefix caches)
-        seconds: dict[str, list[float]] = {name: [] for name in [*ours, "vllm"]}
+        for side in sides.values():
+            await side.run(load.requests[0])  # warm-up (allocations, prefix caches)
+        seconds: dict[str, list[float]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
         firsts: dict[str, list[SampleResult]] = {}
         for _ in range(rounds):
-            for name, run in [*ours.items(), ("vllm", theirs)]:
-                elapsed, results = await timed(run, load)
+            for name, side in sides.items():
+                elapsed, used, results = await timed(side, load)
                 seconds[name].append(elapsed)
+                cpu[name].append(used)
                 firsts.setdefault(name, results)
         entry: dict[str, object] = {
             "new_tokens": load.new_tokens,
@@ -182,6 +219,8 @@ async def compare(
             ratios = [v / o for o, v in zip(seconds[name], seconds["vllm"], strict=True)]
             entry[f"{name}_vs_vllm"] = round(statistics.median(ratios), 3)
             entry[f"{name}_vs_vllm_per_round"] = [round(x, 3) for x in ratios]
+            cpu_ratios = [v / o for o, v in zip(cpu[name], cpu["vllm"], strict=True)]
+            entry[f"{name}_vs_vllm_cpu_time"] = round(statistics.median(cpu_ratios), 3)
         ours_first = firsts[next(iter(ours))]
         if load.requests[0].params.temperature == 0:
             same = sum(
@@ -219,7 +258,7 @@ async def side(
     log = work / f"vllm-{'lora' if lora else 'base'}.log"
     report: dict[str, object] = {}
     try:
-        with vllm_server(model_dir, args.threads, lora, log) as url:
+        with vllm_server(model_dir, args.threads, lora, log) as (url, pid):
             vllm = VLLMEngine(url, model_dir, ready_timeout=600)
             try:
                 await vllm.start()
@@ -228,10 +267,11 @@ async def side(
             for name, folder in zip(names, adapters, strict=False):
                 if name is not None:
                     await vllm.load_adapter(name, folder, spec)
-            ours = {key: engine.sample for key, engine in engines.items()}
+            ours = {key: Side(e.sample, time.process_time) for key, e in engines.items()}
+            theirs = Side(vllm.sample, lambda: tree_cpu_seconds(pid))
             for temperature in (0.0, 1.0):
                 loads = workloads(names, temperature, args.workloads, args.scale)
-                result = await compare(ours, vllm.sample, loads, args.rounds)
+                result = await compare(ours, theirs, loads, args.rounds)
                 for load in loads:
                     entry = result[load.name]
                     assert isinstance(entry, dict)

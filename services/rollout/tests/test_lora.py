@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from rollout_helpers import load_base, make_adapter, reference_model
 
 from lorafleet.errors import InvalidArgument
-from lorafleet_rollout.decoder import Decoder, Segment, SlotCache
+from lorafleet_rollout.decoder import Decoder, PrefillPart, Segment, SlotCache
 from lorafleet_rollout.lora import AdapterWeights, adapter_weights, make_route
 from lorafleet_rollout.peft_io import WEIGHTS_FILE, check_fits, linear_shapes, read_peft_dir
 
@@ -68,7 +68,7 @@ def mixed_logprobs(
         shape = (dec.kv_heads, length - 1, dec.head_dim)
         keys = [torch.zeros(shape) for _ in dec.layers]
         values = [torch.zeros(shape) for _ in dec.layers]
-        hidden = dec.prefill(ids[r, :-1], 0, keys, values, dec.slot(name))
+        hidden = dec.prefill([PrefillPart(ids[r, :-1], 0, keys, values, dec.slot(name))])
         prefilled.append(dec.logits(hidden))
         base = shared if r < 2 else 0
         if r == 0 and shared:

@@ -36,6 +36,22 @@ _GROUPS = {
 }
 
 
+#: Rows [first, last) of a prefill batch that go through adapter slot `slot` (others: base).
+Spans = list[tuple[int, int, int]]
+
+
+@dataclass
+class PrefillPart:
+    """Prompt tokens [T] at positions start.. of one sequence whose first `start` keys and
+    values are in keys/values (per layer [kv_heads, >= start + T, dim], written in place)."""
+
+    tokens: torch.Tensor
+    start: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    slot: int
+
+
 #: oneDNN's prepacked fp32 GEMM: decode is weight-bandwidth bound at a few dozen rows, and
 #: a weight packed once into oneDNN's blocked layout streams faster than MKL's `x @ W`, which
 #: repacks W on every call (decode steps of the bench model ~1.2x faster, measured side by
@@ -75,12 +91,13 @@ class Projection:
         )
         self.lora = LoraStacks(linears[0].in_features, tuple(m.out_features for m in linears))
 
-    def __call__(self, x: torch.Tensor, adapter: int | Route | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, adapter: Route | Spans | None) -> torch.Tensor:
         out = linear(x, self.weight, self.bias)
         if isinstance(adapter, Route):
             self.lora.add_routed(out, x, adapter)
         elif adapter:
-            self.lora.add_one(out, x, adapter)
+            for first, last, slot in adapter:
+                self.lora.add_one(out[first:last], x[first:last], slot)
         return out
 
 
@@ -275,7 +292,7 @@ class Decoder:
         self,
         layer: Layer,
         x: torch.Tensor,
-        adapter: int | Route | None,
+        adapter: Route | Spans | None,
         rotary: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [M, heads, dim], k and v [M, kv_heads, dim] for rows x (rotary from `_rotary`)."""
@@ -290,7 +307,7 @@ class Decoder:
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def _rest(
-        self, layer: Layer, x: torch.Tensor, attn: torch.Tensor, adapter: int | Route | None
+        self, layer: Layer, x: torch.Tensor, attn: torch.Tensor, adapter: Route | Spans | None
     ) -> torch.Tensor:
         x = x + layer.o(attn, adapter)
         gate_up = layer.gate_up(self._rms(x, layer.ln2), adapter)
@@ -300,39 +317,44 @@ class Decoder:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self._rms(x, self.norm), self.lm_head, None)
 
-    def prefill(
-        self,
-        tokens: torch.Tensor,
-        start: int,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        adapter: int,
-    ) -> torch.Tensor:
-        """Run tokens [T] at positions start.. of one sequence whose first `start` keys and
-        values are in keys/values (per layer [kv_heads, capacity, dim], written in place);
-        returns the final hidden states [T, hidden]."""
-        length = tokens.shape[0]
-        end = start + length
-        pos = torch.arange(start, end)
-        mask = torch.arange(end)[None, :] <= pos[:, None]  # [T, end]
+    def prefill(self, parts: list[PrefillPart]) -> torch.Tensor:
+        """Run the parts (chunks of several prompts) as one batch: every projection is one
+        GEMM over all their tokens, attention runs per part. Returns the final hidden states
+        [sum of part lengths, hidden], part after part."""
         group = self.heads // self.kv_heads
-        x = self.embed[tokens]
-        rotary = self._rotary(pos)
-        for layer, k_store, v_store in zip(self.layers, keys, values, strict=True):
-            q, k, v = self._qkv(layer, x, adapter, rotary)
-            k_store[:, start:end] = k.transpose(0, 1)
-            v_store[:, start:end] = v.transpose(0, 1)
-            # [kv_heads, group * T, dim]: the query heads sharing a kv head, one after another.
-            q = q.transpose(0, 1).reshape(self.kv_heads, group * length, self.head_dim)
-            out = F.scaled_dot_product_attention(
-                q,
-                k_store[:, :end],
-                v_store[:, :end],
-                attn_mask=mask.repeat(group, 1),
-                scale=self.scaling,
-            )
-            attn = out.view(self.heads, length, self.head_dim).transpose(0, 1).reshape(length, -1)
-            x = self._rest(layer, x, attn, adapter)
+        bounds: list[tuple[int, int]] = []
+        masks: list[torch.Tensor] = []
+        spans: Spans = []
+        for part in parts:
+            first = bounds[-1][1] if bounds else 0
+            bounds.append((first, first + len(part.tokens)))
+            end = part.start + len(part.tokens)
+            pos = torch.arange(part.start, end)
+            # [group * T, end]: the query heads sharing a kv head, one after another.
+            masks.append((torch.arange(end)[None, :] <= pos[:, None]).repeat(group, 1))
+            if part.slot:
+                spans.append((first, first + len(part.tokens), part.slot))
+        x = self.embed[torch.cat([p.tokens for p in parts])]
+        rotary = self._rotary(
+            torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in parts])
+        )
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, spans, rotary)
+            outs = []
+            for part, (first, last), mask in zip(parts, bounds, masks, strict=True):
+                length, end = last - first, part.start + last - first
+                k_store, v_store = part.keys[i], part.values[i]
+                k_store[:, part.start : end] = k[first:last].transpose(0, 1)
+                v_store[:, part.start : end] = v[first:last].transpose(0, 1)
+                out = F.scaled_dot_product_attention(
+                    q[first:last].transpose(0, 1).reshape(self.kv_heads, -1, self.head_dim),
+                    k_store[:, :end],
+                    v_store[:, :end],
+                    attn_mask=mask,
+                    scale=self.scaling,
+                )
+                outs.append(out.view(self.heads, length, -1).transpose(0, 1).reshape(length, -1))
+            x = self._rest(layer, x, torch.cat(outs), spans)
         return x
 
     def decode(
