@@ -18,6 +18,7 @@ from lorafleet import errors
 from lorafleet.testing import start_redis
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
 from lorafleet_controller.controller import Controller
+from lorafleet_controller.recovery import Corrupted, Recovery
 from lorafleet_controller.registry import Replica
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store.keys import Keys
@@ -255,3 +256,52 @@ async def test_silence_while_redis_was_out_of_reach_is_not_a_lost_replica(redis_
         assert not (await controller.registry.replica("tr-a")).healthy  # type: ignore[union-attr]
     finally:
         await controller.stop()
+
+
+async def test_the_replay_log_keeps_what_a_snapshot_does_not_cover(domain) -> None:
+    """The log itself (one redis-server and a Redis Cluster): only weight-changing kinds,
+    each once, in seq_id order; a newer snapshot drops what it covers; a missing link, or a
+    log gone although steps were applied, is corruption instead of a shorter history."""
+    keys = domain.store.keys
+    recovery = Recovery(domain.client, keys.replay, keys.reg, _no_manifest, _no_retire)
+    rid = await domain.ready_registration()
+    fb, opt = fb_payload(tokens(1)), optim_payload()
+    forward = fb_payload(tokens(2), forward_only=True)
+    kinds = {"fb": K.OPERATION_KIND_FORWARD_BACKWARD, "optim": K.OPERATION_KIND_OPTIM_STEP,
+             "forward": K.OPERATION_KIND_FORWARD}  # fmt: skip
+    entries = [(rid, 1, kinds["fb"], fb), (rid, 2, kinds["optim"], opt),
+               (rid, 3, kinds["forward"], forward), (rid, 4, kinds["fb"], fb)]  # fmt: skip
+    raw = [(r, s, k, p.SerializeToString()) for r, s, k, p in entries]
+    await recovery.log(raw)
+    await recovery.log(raw[1:2])  # a re-dispatched operation is logged once
+    plan = await recovery.plan(rid)
+    assert plan.snapshot is None and [(s, p) for s, p in plan.ops] == [(1, fb), (2, opt), (4, fb)]
+
+    snapshot = trainer_pb2.SlotSnapshot(
+        operation_id=f"{rid}#2", manifest=common_pb2.BlobRef(uri="file:///states/snap")
+    )
+    await recovery.record_snapshot(rid, snapshot)
+    await recovery.record_snapshot(rid, trainer_pb2.SlotSnapshot(operation_id=f"{rid}#1"))
+    await recovery.log(raw[1:2])  # covered by the snapshot: not kept again
+    plan = await recovery.plan(rid)
+    assert plan.snapshot == snapshot and plan.snapshot_seq == 2
+    assert [s for s, _ in plan.ops] == [4]
+    assert sorted(await domain.client.hkeys(keys.replay(rid))) == [b"4", b"snap", b"snap_seq"]
+
+    await domain.client.hdel(keys.replay(rid), "4")  # a payload expired
+    await recovery.log([(rid, 5, kinds["optim"], opt.SerializeToString())])
+    with pytest.raises(Corrupted, match="the payload of seq_id 4 is gone"):
+        await recovery.plan(rid)
+
+    other = await domain.ready_registration(seq=1)
+    await domain.client.hset(keys.reg(other), "optim_steps", 3)  # steps, but no log at all
+    with pytest.raises(Corrupted, match="replay log is gone although 3 optimizer steps"):
+        await recovery.plan(other)
+
+
+async def _no_manifest(path: str) -> None:
+    raise AssertionError(f"no checkpoint is loaded here ({path})")
+
+
+async def _no_retire(rid: str, error: errors.LorafleetError) -> None:
+    raise AssertionError(f"nothing is corrupted here ({rid}: {error})")

@@ -34,6 +34,7 @@ and the same batch shapes; otherwise it reproduces the run to floating-point tol
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -126,15 +127,16 @@ class Recovery:
 
         Call before recording their outcomes; kinds that change no weights are skipped.
         """
-        entries = [(rid, seq, body) for rid, seq, kind, body in applied if kind in LOGGED_KINDS]
-        if not entries:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for rid, seq, body in entries:
-                await self._log(
-                    keys=[self.replay_key(rid), self.reg_key(rid)], args=[seq, body], client=pipe
-                )
-            await pipe.execute()
+        by_run: dict[str, list[tuple[int, bytes]]] = {}
+        for rid, seq, kind, body in sorted(applied, key=lambda a: a[1]):
+            if kind in LOGGED_KINDS:
+                by_run.setdefault(rid, []).append((seq, body))
+        await asyncio.gather(*(self._log_run(rid, entries) for rid, entries in by_run.items()))
+
+    async def _log_run(self, rid: str, entries: list[tuple[int, bytes]]) -> None:
+        """One run's entries in seq_id order: each names the one before it."""
+        for seq, body in entries:
+            await self._log(keys=[self.replay_key(rid), self.reg_key(rid)], args=[seq, body])
 
     async def record_snapshot(self, rid: str, snapshot: trainer_pb2.SlotSnapshot) -> None:
         """Record the trainer's newest complete snapshot of a run (from an OptimStep answer)."""
