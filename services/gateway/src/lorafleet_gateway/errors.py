@@ -13,14 +13,12 @@ import logging
 import math
 from collections.abc import Sequence
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lorafleet import errors
-from lorafleet.rpc.errors import from_rpc_error
 from lorafleet_gateway.auth import tenant_of
 
 log = logging.getLogger(__name__)
@@ -108,10 +106,6 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(errors.LorafleetError)
     async def _domain(_: Request, exc: errors.LorafleetError) -> JSONResponse:
         return error_response(exc)
-
-    @app.exception_handler(grpc.aio.AioRpcError)
-    async def _rpc(_: Request, exc: grpc.aio.AioRpcError) -> JSONResponse:
-        return error_response(from_rpc_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
