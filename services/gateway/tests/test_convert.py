@@ -34,6 +34,11 @@ def datum_json(tokens: list[int], **inputs: dict) -> dict:
     }
 
 
+def fb_request_from_proto(raw: bytes) -> tuple[str, int, pb.ForwardBackwardInput]:
+    model_id, seq_id, convert_input = convert.fb_request_parts_from_proto(raw)
+    return model_id, seq_id, convert_input()
+
+
 def raises(field: str):
     """pytest.raises(InvalidArgument) that also checks the named field."""
 
@@ -203,7 +208,7 @@ def _proto_request(**kw: object) -> tpb.ForwardBackwardRequest:
 def test_proto_request_prefers_loss_fn_config_v2() -> None:
     req = _proto_request(forward_only=True, loss_fn_config={"clip_low_threshold": 0.5})
     req.loss_fn_config_v2["clip_low_threshold"].number = 0.8
-    model_id, seq_id, fb = convert.fb_request_from_proto(req.SerializeToString())
+    model_id, seq_id, fb = fb_request_from_proto(req.SerializeToString())
     assert (model_id, seq_id, fb.forward_only) == ("s:train:0", 4, True)
     # v2 wins; the loss's other config keys get the contract's defaults.
     assert dict(fb.loss_fn_config) == {
@@ -213,16 +218,16 @@ def test_proto_request_prefers_loss_fn_config_v2() -> None:
     assert list(fb.data[0].tokens) == [3, 4]
     req.loss_fn_config_v2["mode"].text = "x"
     with raises("loss_fn_config_v2.mode"):
-        convert.fb_request_from_proto(req.SerializeToString())
+        fb_request_from_proto(req.SerializeToString())
 
 
 def test_garbage_protobuf_is_rejected() -> None:
     with raises("body"):
-        convert.fb_request_from_proto(b"\xff\xff\xff\xff")
+        fb_request_from_proto(b"\xff\xff\xff\xff")
     with raises("data[0].model_input[0].encoded_text.tokens"):
         req = _proto_request()
         req.data[0].model_input[0].encoded_text.tokens = b"\x01\x02\x03"
-        convert.fb_request_from_proto(req.SerializeToString())
+        fb_request_from_proto(req.SerializeToString())
 
 
 def test_adam_params_must_be_finite_and_in_range() -> None:

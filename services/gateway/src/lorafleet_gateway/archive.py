@@ -9,7 +9,6 @@ adapter_config.json, adapter_model.safetensors and an empty `checkpoint_complete
 from __future__ import annotations
 
 import hashlib
-import io
 import tarfile
 import time
 from collections.abc import AsyncIterator
@@ -62,9 +61,3 @@ async def tar_stream(
         yield _member(name, data)
     yield _member(COMPLETE_MARKER, b"")
     yield b"\0" * (2 * tarfile.BLOCKSIZE)
-
-
-def read_tar(raw: bytes) -> dict[str, bytes]:
-    """The members of a tar (for tests and tools)."""
-    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
-        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]

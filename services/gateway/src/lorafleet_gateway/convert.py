@@ -234,12 +234,6 @@ def fb_input_from_json(
     )
 
 
-def fb_request_from_proto(raw: bytes) -> tuple[str, int, pb.ForwardBackwardInput]:
-    """A tinker_public.ForwardBackwardRequest body → (model_id, seq_id, input)."""
-    model_id, seq_id, convert_input = fb_request_parts_from_proto(raw)
-    return model_id, seq_id, convert_input()
-
-
 def fb_request_parts_from_proto(
     raw: bytes,
 ) -> tuple[str, int, Callable[[], pb.ForwardBackwardInput]]:
