@@ -71,7 +71,11 @@ async def cancel_job(job_id: str, tenant: Tenant, jobs: Jobs) -> Any:
     return await jobs.cancel(tenant, job_id)
 
 
-@router.get("/jobs/{job_id}/events")
+@router.get(
+    "/jobs/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+)
 async def job_events(job_id: str, tenant: Tenant, jobs: Jobs) -> StreamingResponse:
     events = jobs.events(tenant, job_id)
     first = await anext(events)  # an unknown job is a 404 here, before the stream starts
