@@ -9,6 +9,7 @@ tenant-checked (another tenant's path is NotFound) unless the checkpoint is publ
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import shutil
 import time
@@ -20,7 +21,7 @@ from urllib.parse import unquote, urlparse
 from lorafleet import errors
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.clients import file_chunks
-from lorafleet_controller.store import Store, named, text
+from lorafleet_controller.store import Store, blob, named, text
 from lorafleet_controller.validate import parse_tinker_path
 
 TRAINING, SAMPLER = 1, 2
@@ -125,8 +126,8 @@ class Catalog:
             expires_at=float(raw.get(b"expires_at", b"0")),
             user_metadata=json.loads(raw.get(b"metadata", b"{}")),
             base_model=text(raw.get(b"base_model")),
-            lora=common_pb2.LoraConfig.FromString(raw.get(b"lora", b"")),
-            manifest=common_pb2.BlobRef.FromString(raw.get(b"manifest", b"")),
+            lora=common_pb2.LoraConfig.FromString(blob(raw.get(b"lora"))),
+            manifest=common_pb2.BlobRef.FromString(blob(raw.get(b"manifest"))),
             has_optimizer=raw.get(b"has_optimizer") == b"1",
             files_dir=text(raw.get(b"files_dir")),
             version=int(raw.get(b"version", b"0")),
@@ -196,7 +197,7 @@ class Catalog:
             if rec is not None:
                 await self._remove(rec)
             else:
-                await self.store.redis.zrem(self.keys.ckpt_ttl, path)
+                await self.store.redis.zrem(self.keys.ckpt_ttl, text(path))
         return len(paths)
 
     async def read_files(self, rec: CheckpointRecord) -> dict[str, bytes]:
@@ -204,7 +205,7 @@ class Catalog:
         in a worker thread so the event loop keeps serving."""
         return await asyncio.to_thread(_read_adapter_files, rec)
 
-    async def chunks(self, rec: CheckpointRecord) -> list[common_pb2.FileChunk]:
+    async def chunks(self, rec: CheckpointRecord) -> builtins.list[common_pb2.FileChunk]:
         return file_chunks(await self.read_files(rec))
 
 

@@ -19,16 +19,16 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from lorafleet import errors
 from lorafleet.v1 import controller_pb2
 from lorafleet_controller import metrics
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.settings import ControllerSettings
-from lorafleet_controller.store import TERMINAL, OpState, RegState, Store, named, text
+from lorafleet_controller.store import TERMINAL, OpState, RegState, Store, blob, named, text
 
-WaitingFor = controller_pb2.WaitingFor.ValueType
+WaitingFor: TypeAlias = controller_pb2.WaitingFor.ValueType
 BACKPRESSURE_SCOPES = {
     "registration": "open operations of this registration",
     "tenant": "open operations of this tenant",
@@ -264,7 +264,7 @@ class Ledger:
         raw = await self.store.redis.hgetall(self.keys.op(opid))
         return await self._record(opid, raw) if raw else None
 
-    async def _record(self, opid: str, raw: dict[bytes, bytes]) -> OpRecord:
+    async def _record(self, opid: str, raw: dict[Any, Any]) -> OpRecord:
         state = OpState(int(raw[b"state"]))
         finished = float(raw.get(b"finished_at", b"0"))
         ttl_over = finished + self.settings.result_ttl_seconds < self.clock()
@@ -369,7 +369,7 @@ class Ledger:
         slot = text(reg["slot"])
         return Claim(
             operation_id=opid, registration_id=text(op["rid"]), seq_id=int(op["seq"] or 0),
-            kind=int(op["kind"] or 0), payload=op["payload"] or b"", replica=text(reg["replica"]),
+            kind=int(op["kind"] or 0), payload=blob(op["payload"]), replica=text(reg["replica"]),
             slot=int(slot) if slot not in ("", "-1") else -1, dirty=text(reg["dirty"]) == "1",
             base_model=text(reg["base_model"]), tenant=text(op["tenant"]),
             submitted_at=float(op["submitted_at"] or 0),

@@ -29,7 +29,7 @@ from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Claim
 from lorafleet_controller.registry import ROLLOUT, Registry, Replica
 from lorafleet_controller.samplers import SamplerRecord, Samplers
-from lorafleet_controller.store import RegState, Store, named, text
+from lorafleet_controller.store import RegState, Store, blob, named, text
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +176,10 @@ class Publisher:
         """Give a (re)started rollout the newest live versions of every registration."""
         newest: dict[str, list[str]] = {}
         for raw_id in await self.store.redis.zrevrange(self.keys.live(rollout.base_model), 0, -1):
-            aid = AdapterId.parse(text(raw_id))
-            versions = newest.setdefault(aid.registration_id, [])
+            parsed = AdapterId.parse(text(raw_id))
+            versions = newest.setdefault(parsed.registration_id, [])
             if len(versions) < self.resident_versions:
-                versions.append(str(aid))
+                versions.append(str(parsed))
         for rid, aids in newest.items():
             state = await self.store.redis.hget(self.keys.reg(rid), "state")
             if text(state) == RegState.RETIRED:
@@ -190,7 +190,7 @@ class Publisher:
                     continue
                 files = await asyncio.to_thread(_read_folder, Path(text(raw[b"files_dir"])))
                 ref = common_pb2.AdapterRef(registration_id=rid, version=int(raw[b"version"]))
-                lora = common_pb2.LoraConfig.FromString(raw[b"lora"])
+                lora = common_pb2.LoraConfig.FromString(blob(raw[b"lora"]))
                 try:
                     await self.pool.rollout(rollout.address).load_adapter(ref, lora, files)
                 except errors.LorafleetError as exc:
@@ -199,7 +199,7 @@ class Publisher:
     async def forget(self, rid: str, base_model: str) -> None:
         """A retired registration's versions are no longer pushed to new rollouts."""
         live = self.keys.live(base_model)
-        aids = [a for a in await self.store.redis.zrange(live, 0, -1)
+        aids = [text(a) for a in await self.store.redis.zrange(live, 0, -1)
                 if AdapterId.parse(text(a)).registration_id == rid]  # fmt: skip
         if aids:
             await self.store.redis.zrem(live, *aids)

@@ -24,7 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lorafleet_controller.store.keys import Keys
-from lorafleet_controller.store.scripts import Client, Scripts, StaleEpoch, named, text
+from lorafleet_controller.store.scripts import Client, Scripts, StaleEpoch, blob, named, text
 from lorafleet_controller.store.states import DATA_KINDS, OPEN, TERMINAL, OpState, RegState
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Scripts",
     "StaleEpoch",
     "Store",
+    "blob",
     "connect",
     "named",
     "text",

@@ -84,11 +84,24 @@ def named(out: Sequence[Any]) -> dict[str, Any]:
     return {text(out[i]): out[i + 1] for i in range(0, len(out), 2)}
 
 
-def text(value: bytes | str | None, default: str = "") -> str:
-    """The one bytes → str codec of the store (Redis answers bytes; absent is None)."""
+def text(value: object, default: str = "") -> str:
+    """The one bytes → str codec of the store (Redis answers bytes; absent is None).
+
+    Takes `object` because redis-py types every reply as a union of all it may return."""
     if value is None:
         return default
-    return value.decode() if isinstance(value, bytes) else value
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value)
+
+
+def blob(value: object) -> bytes:
+    """A stored binary field (a serialized protobuf) as bytes; absent is empty."""
+    if value is None:
+        return b""
+    if isinstance(value, bytes):
+        return value
+    return str(value).encode()
 
 
 class Scripts:
