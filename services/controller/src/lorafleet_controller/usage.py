@@ -16,8 +16,8 @@ once, so it is counted once; a failed one is not counted).
 - stored_bytes: bytes of the tenant's checkpoints in the catalog now (derived on read).
 
 Totals live in `usage:<tenant>` hashes, so they survive controller restarts and failovers;
-the Prometheus counters are read from them (a restarted controller exports the same totals,
-never a reset).
+the leading controller exports them as Prometheus counters, read back at every sweep (a new
+leader exports the same totals, never a reset).
 """
 
 from __future__ import annotations
@@ -90,8 +90,11 @@ class Usage:
         _COLLECTOR.snapshot = await self.totals()
 
     def forget_tick(self) -> None:
-        """Residency restarts from the next tick (this controller stopped leading)."""
+        """This controller stopped leading: residency restarts from its next tick, and it
+        exports nothing until then (the new leader exports the totals; two exporters would
+        be summed twice)."""
         self._last = None
+        _COLLECTOR.snapshot = []
 
     async def _add_residency(self, dt: float) -> None:
         trainers = await self.registry.replicas(TRAINER)
