@@ -194,13 +194,12 @@ def trainer_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
 
 
 def group_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
-    from lorafleet_trainer.group import GroupEngine, GroupEnv, load_group_engine
+    from lorafleet_trainer.group import GroupEngine, GroupEnv, launcher_env, load_group_engine
 
     config = llama8b_config(args.layers, args.smoke)
     folder = work / "group-model"
     build(config, device, dtype).save_pretrained(folder)
-    launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    os.environ.update(launcher, MASTER_PORT=str(free_port()))
+    os.environ.update(launcher_env(0, 1, free_port()))
     kwargs = {"num_slots": 1, "max_rank": RANK, "storage_root": work / "group-states"}
     sharded, group = load_group_engine(
         folder, GroupEnv.from_environ(), device=device, dtype=str(dtype).split(".")[-1],

@@ -39,6 +39,7 @@ from lorafleet_trainer.domain import (
     ForwardBackwardItem,
     LoraSpec,
 )
+from lorafleet_trainer.group import launcher_env
 
 RANK = 8
 
@@ -134,11 +135,7 @@ def run_world(model_dir: Path, world: int, args: argparse.Namespace) -> list[dic
         for rank in range(world):
             env = {
                 **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
+                **launcher_env(rank, world, port),
                 "OMP_NUM_THREADS": "1",
                 # One heap arena and mmap for large blocks: freed tensors leave the RSS, so
                 # it shows live memory rather than what glibc kept (gloo adds threads/arenas).

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lorafleet.testing import free_port, stop_process
+from lorafleet_trainer.group import launcher_env
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("group_scenario", HERE / "group_scenario.py")
@@ -41,11 +42,7 @@ def launch_ranks(
     for rank in range(world):
         env = {
             **(base_env or os.environ),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            **launcher_env(rank, world, port),
             "OMP_NUM_THREADS": "1",
         }
         log = (log_dir / f"rank{rank}.log").open("w")

@@ -71,6 +71,19 @@ class GroupEnv:
         )
 
 
+def launcher_env(
+    rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1"
+) -> dict[str, str]:
+    """The variables torchrun sets for `rank` of a one-node group (what from_environ reads)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
 class GroupLost(RuntimeError):
     """A collective failed: another rank died, hung past the timeout, or left."""
 
