@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from lorafleet.errors import FailedPrecondition
+from lorafleet.v1 import common_pb2, trainer_pb2
 from lorafleet_trainer.domain import ForwardBackwardInput, ForwardBackwardItem
 from lorafleet_trainer.servicer import TrainerServicer
 from lorafleet_trainer.snapshots import KEEP, PREFIX, Snapshotter
@@ -65,3 +68,34 @@ def test_repeated_step_ids_and_disabled_snapshots_capture_nothing(make_engine) -
     _, snap = on._optim_step("step2", 0, "reg", HP)  # a repeated id: its first result
     on.snapshots.close()
     assert snap is None and on.snapshots.latest(0, "reg") is None
+
+
+async def test_a_request_for_another_trainer_process_changes_nothing(make_engine) -> None:
+    """A call addressed to a previous incarnation (a retry that outlived its trainer) is
+    refused by the restarted one, which may be rebuilding that very slot by replay."""
+    engine = make_engine()
+    servicer = TrainerServicer(engine, "trainer-0")
+    engine.bind(0, "reg", SPEC)
+    item = ForwardBackwardItem("fb", 0, "reg", ForwardBackwardInput(batch(1), "cross_entropy"))
+    stale = "0" * 32
+    calls = [
+        (servicer.ForwardBackward, trainer_pb2.ForwardBackwardRequest(
+            items=[trainer_pb2.ForwardBackwardItem(
+                operation_id=item.operation_id, slot=0, registration_id="reg",
+                input=common_pb2.ForwardBackwardInput(loss_fn="cross_entropy"))],
+            incarnation=stale)),
+        (servicer.OptimStep, trainer_pb2.OptimStepRequest(
+            operation_id="step", slot=0, registration_id="reg", incarnation=stale)),
+        (servicer.SaveState, trainer_pb2.SaveStateRequest(
+            operation_id="save", slot=0, registration_id="reg", name="s", incarnation=stale)),
+        (servicer.LoadState, trainer_pb2.LoadStateRequest(
+            operation_id="load", slot=0, registration_id="reg", incarnation=stale)),
+    ]  # fmt: skip
+    for method, request in calls:
+        with pytest.raises(FailedPrecondition) as refused:
+            await method(request, None)
+        assert refused.value.reason == "STALE_INCARNATION"
+    binding = engine.slots.bindings[0]
+    assert binding.ops.ids() == [] and not binding.optimizer.has_gradients()
+    (out,) = engine.forward_backward([item])  # this process's own calls still work
+    assert not isinstance(out, Exception)

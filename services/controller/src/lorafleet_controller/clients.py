@@ -92,36 +92,59 @@ class TrainerClient(_Base):
         await self.call(lambda: self.stub.UnbindSlot(req, timeout=30))
 
     async def forward_backward(
-        self, items: list[trainer_pb2.ForwardBackwardItem]
+        self, items: list[trainer_pb2.ForwardBackwardItem], *, incarnation: str = ""
     ) -> trainer_pb2.ForwardBackwardResponse:
-        req = trainer_pb2.ForwardBackwardRequest(items=items)
+        """`incarnation`: the trainer process meant; another one refuses (STALE_INCARNATION),
+        so a retry that reaches a restarted trainer never applies there."""
+        req = trainer_pb2.ForwardBackwardRequest(items=items, incarnation=incarnation)
         return await self.call(lambda: self.stub.ForwardBackward(req, timeout=self.timeout))
 
     async def optim_step(
-        self, opid: str, slot: int, rid: str, adam: common_pb2.AdamParams
+        self,
+        opid: str,
+        slot: int,
+        rid: str,
+        adam: common_pb2.AdamParams,
+        *,
+        incarnation: str = "",
     ) -> trainer_pb2.OptimStepResponse:
         """The step's output, and the slot's newest complete snapshot (recovery.py)."""
         req = trainer_pb2.OptimStepRequest(
-            operation_id=opid, slot=slot, registration_id=rid, adam_params=adam
-        )
+            operation_id=opid, slot=slot, registration_id=rid, adam_params=adam,
+            incarnation=incarnation,
+        )  # fmt: skip
         return await self.call(lambda: self.stub.OptimStep(req, timeout=120))
 
     async def save_state(
-        self, opid: str, slot: int, rid: str, name: str, include_optimizer: bool
+        self,
+        opid: str,
+        slot: int,
+        rid: str,
+        name: str,
+        include_optimizer: bool,
+        *,
+        incarnation: str = "",
     ) -> common_pb2.BlobRef:
         req = trainer_pb2.SaveStateRequest(
             operation_id=opid, slot=slot, registration_id=rid, name=name,
-            include_optimizer=include_optimizer,
+            include_optimizer=include_optimizer, incarnation=incarnation,
         )  # fmt: skip
         resp = await self.call(lambda: self.stub.SaveState(req, timeout=300))
         return resp.manifest
 
     async def load_state(
-        self, opid: str, slot: int, rid: str, manifest: common_pb2.BlobRef, with_optimizer: bool
+        self,
+        opid: str,
+        slot: int,
+        rid: str,
+        manifest: common_pb2.BlobRef,
+        with_optimizer: bool,
+        *,
+        incarnation: str = "",
     ) -> None:
         req = trainer_pb2.LoadStateRequest(
             operation_id=opid, slot=slot, registration_id=rid, manifest=manifest,
-            include_optimizer=with_optimizer,
+            include_optimizer=with_optimizer, incarnation=incarnation,
         )  # fmt: skip
         await self.call(lambda: self.stub.LoadState(req, timeout=300))
 

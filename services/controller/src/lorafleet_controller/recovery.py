@@ -187,11 +187,13 @@ class Recovery:
             if plan.snapshot is not None:
                 opid = f"{rid}#restore@{replica_id}:{incarnation}"
                 await _or_corrupted(
-                    trainer.load_state(opid, slot, rid, plan.snapshot.manifest, True),
+                    trainer.load_state(
+                        opid, slot, rid, plan.snapshot.manifest, True, incarnation=incarnation
+                    ),
                     f"its last snapshot (seq_id {plan.snapshot_seq}) no longer loads",
                 )
             for seq, payload in plan.ops:
-                await self._apply(trainer, rid, slot, seq, payload)
+                await self._apply(trainer, incarnation, rid, slot, seq, payload)
         except Corrupted as exc:
             await self.corrupt(rid, str(exc))
             return False
@@ -202,8 +204,9 @@ class Recovery:
         return True
 
     async def _apply(
-        self, trainer: Any, rid: str, slot: int, seq: int, payload: controller_pb2.OperationPayload
-    ) -> None:
+        self, trainer: Any, incarnation: str, rid: str, slot: int, seq: int,
+        payload: controller_pb2.OperationPayload,
+    ) -> None:  # fmt: skip
         opid = f"{rid}#{seq}"
         which = payload.WhichOneof("kind")
         lost = f"replaying seq_id {seq} ({which}) failed"
@@ -211,19 +214,29 @@ class Recovery:
             item = trainer_pb2.ForwardBackwardItem(
                 operation_id=opid, slot=slot, registration_id=rid, input=payload.forward_backward
             )
-            resp = await trainer.forward_backward([item])
+            resp = await trainer.forward_backward([item], incarnation=incarnation)
             result = resp.results[0]
             if result.WhichOneof("outcome") != "output":
                 _corrupted_unless_retryable(exception_from_info(result.error), lost)
         elif which == "optim_step":
-            await _or_corrupted(trainer.optim_step(opid, slot, rid, payload.optim_step), lost)
+            await _or_corrupted(
+                trainer.optim_step(opid, slot, rid, payload.optim_step, incarnation=incarnation),
+                lost,
+            )
         elif which == "load_state":
             manifest = await self.manifest_for(payload.load_state.path)
             if manifest is None:
                 raise Corrupted(f"the checkpoint {payload.load_state.path} it loaded at seq_id "
                                 f"{seq} is gone")  # fmt: skip
             await _or_corrupted(
-                trainer.load_state(opid, slot, rid, manifest, payload.load_state.with_optimizer),
+                trainer.load_state(
+                    opid,
+                    slot,
+                    rid,
+                    manifest,
+                    payload.load_state.with_optimizer,
+                    incarnation=incarnation,
+                ),
                 lost,
             )
         else:
@@ -247,7 +260,7 @@ class Recovery:
         await self.redis.delete(self.replay_key(rid))
 
 
-_LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH"})
+_LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH", "STALE_INCARNATION"})
 
 
 async def _or_corrupted(call: Awaitable[Any], lost: str) -> Any:

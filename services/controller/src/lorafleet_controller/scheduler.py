@@ -61,7 +61,8 @@ K = controller_pb2
 # trainer executes by operation id. Publishing also involves rollouts and fails as before.
 TRAINER_KINDS = frozenset({*DATA_KINDS, K.OPERATION_KIND_OPTIM_STEP, K.OPERATION_KIND_SAVE_STATE,
                            K.OPERATION_KIND_LOAD_STATE})  # fmt: skip
-LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH"})  # the trainer lost the slot
+# The trainer does not hold the slot (any more), or is not the process the claim was sent to.
+LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH", "STALE_INCARNATION"})
 PublishFn = Callable[
     [Claim, controller_pb2.SaveWeightsForSamplerPayload],
     Awaitable[tuple[controller_pb2.OperationResult, Effects]],
@@ -203,7 +204,9 @@ class Scheduler:
                 )
             )  # fmt: skip
         try:
-            resp = await self.pool.trainer(rep.address).forward_backward(items)
+            resp = await self.pool.trainer(rep.address).forward_backward(
+                items, incarnation=rep.incarnation
+            )
         except errors.LorafleetError as exc:
             if in_doubt(exc):
                 self.doubt(batch, exc)
@@ -271,8 +274,9 @@ class Scheduler:
         kind = claim.kind
         if kind == controller_pb2.OPERATION_KIND_OPTIM_STEP:
             resp = await trainer.optim_step(
-                claim.operation_id, claim.slot, claim.registration_id, payload.optim_step
-            )
+                claim.operation_id, claim.slot, claim.registration_id, payload.optim_step,
+                incarnation=rep.incarnation,
+            )  # fmt: skip
             out = resp.output
             await self._keep_applied([claim])
             if resp.HasField("snapshot"):
@@ -292,16 +296,17 @@ class Scheduler:
                 reason="GRADIENTS_PENDING",
             )
         if saving:
-            return await self._save_state(claim, payload.save_state, trainer)
+            return await self._save_state(claim, payload.save_state, trainer, rep.incarnation)
         if loading:
-            return await self._load_state(claim, payload.load_state, trainer)
+            return await self._load_state(claim, payload.load_state, trainer, rep.incarnation)
         if kind == controller_pb2.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER:
             return await self.publish(claim, payload.save_weights_for_sampler)
         raise errors.InvalidArgument(f"unsupported operation kind {kind}", field="payload")
 
     async def _save_state(
-        self, claim: Claim, save: controller_pb2.SaveStatePayload, trainer: TrainerClient
-    ) -> tuple[controller_pb2.OperationResult, Effects]:
+        self, claim: Claim, save: controller_pb2.SaveStatePayload, trainer: TrainerClient,
+        incarnation: str,
+    ) -> tuple[controller_pb2.OperationResult, Effects]:  # fmt: skip
         path = f"tinker://{claim.registration_id}/weights/{save.name}"
         owner = await self.catalog.owner(path)
         if owner is not None and owner != claim.operation_id:
@@ -309,8 +314,9 @@ class Scheduler:
                 f"{path} already exists (named states are immutable)", field="name"
             )
         manifest = await trainer.save_state(
-            claim.operation_id, claim.slot, claim.registration_id, save.name, True
-        )
+            claim.operation_id, claim.slot, claim.registration_id, save.name, True,
+            incarnation=incarnation,
+        )  # fmt: skip
         reg = await self.registry.get_any(claim.registration_id)
         assert reg is not None
         await self.catalog.add(
@@ -324,8 +330,9 @@ class Scheduler:
         return result, [("set", "last_checkpoint", path)]
 
     async def _load_state(
-        self, claim: Claim, load: controller_pb2.LoadStatePayload, trainer: TrainerClient
-    ) -> tuple[controller_pb2.OperationResult, Effects]:
+        self, claim: Claim, load: controller_pb2.LoadStatePayload, trainer: TrainerClient,
+        incarnation: str,
+    ) -> tuple[controller_pb2.OperationResult, Effects]:  # fmt: skip
         ckpt = await self.catalog.get(claim.tenant, load.path)
         if ckpt.type != TRAINING:
             raise errors.InvalidArgument(
@@ -333,7 +340,7 @@ class Scheduler:
             )
         await trainer.load_state(
             claim.operation_id, claim.slot, claim.registration_id, ckpt.manifest,
-            load.with_optimizer,
+            load.with_optimizer, incarnation=incarnation,
         )  # fmt: skip
         await self._keep_applied([claim])
         result = controller_pb2.OperationResult(

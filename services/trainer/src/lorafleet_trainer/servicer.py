@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lorafleet.errors import InvalidArgument, LorafleetError
+from lorafleet.errors import FailedPrecondition, InvalidArgument, LorafleetError
 from lorafleet.rpc.errors import error_info
 from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from lorafleet_trainer import convert
@@ -74,7 +74,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         await self._run(self.engine.unbind, request.slot, request.registration_id)
         return trainer_pb2.UnbindSlotResponse()
 
+    def _addressed(self, incarnation: str) -> None:
+        """A request addressed to another process of this trainer (one that died, whose slots
+        this one may be rebuilding by replay) must change nothing here."""
+        mine = self.engine.incarnation
+        if incarnation and incarnation != mine:
+            raise FailedPrecondition(
+                f"addressed to trainer incarnation {incarnation}, this process is {mine}",
+                field="incarnation",
+                reason="STALE_INCARNATION",
+            )
+
     async def ForwardBackward(self, request, context):
+        self._addressed(request.incarnation)
         items: list[ForwardBackwardItem] = []
         results: list[Any] = [None] * len(request.items)
         positions = []
@@ -99,6 +111,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return response
 
     async def OptimStep(self, request, context):
+        self._addressed(request.incarnation)
         result, snapshot = await self._run(
             self._optim_step,
             request.operation_id,
@@ -125,6 +138,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return result, self.snapshots.latest(slot, registration_id)
 
     async def SaveState(self, request, context):
+        self._addressed(request.incarnation)
         ref = await self._run(
             self.engine.save_state,
             request.operation_id,
@@ -136,6 +150,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.SaveStateResponse(manifest=convert.ref_to_proto(ref))
 
     async def LoadState(self, request, context):
+        self._addressed(request.incarnation)
         await self._run(
             self.engine.load_state,
             request.operation_id,

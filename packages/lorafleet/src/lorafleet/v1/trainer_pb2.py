@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from lorafleet.v1 import common_pb2 as lorafleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alorafleet/v1/trainer.proto\x12\x0clorafleet.v1\x1a\x19lorafleet/v1/common.proto\"\x17\n\x15GetTrainerInfoRequest\"\xe1\x01\n\x16GetTrainerInfoResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x05\x12\x10\n\x08max_rank\x18\x04 \x01(\x05\x12\x10\n\x08loss_fns\x18\x05 \x03(\t\x12\x12\n\noptimizers\x18\x06 \x03(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x08 \x01(\x05\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x0f\n\x07modules\x18\n \x03(\t\"\x12\n\x10ListSlotsRequest\"\xac\x01\n\x08SlotInfo\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12-\n\x0blora_config\x18\x03 \x01(\x0b\x32\x18.lorafleet.v1.LoraConfig\x12\x13\n\x0boptim_steps\x18\x04 \x01(\x03\x12\x1d\n\x15has_pending_gradients\x18\x05 \x01(\x08\x12\x16\n\x0etokens_trained\x18\x06 \x01(\x03\":\n\x11ListSlotsResponse\x12%\n\x05slots\x18\x01 \x03(\x0b\x32\x16.lorafleet.v1.SlotInfo\"g\n\x0f\x42indSlotRequest\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12-\n\x0blora_config\x18\x03 \x01(\x0b\x32\x18.lorafleet.v1.LoraConfig\"8\n\x10\x42indSlotResponse\x12$\n\x04slot\x18\x01 \x01(\x0b\x32\x16.lorafleet.v1.SlotInfo\":\n\x11UnbindSlotRequest\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\"\x14\n\x12UnbindSlotResponse\"\x85\x01\n\x13\x46orwardBackwardItem\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\x12\x31\n\x05input\x18\x04 \x01(\x0b\x32\".lorafleet.v1.ForwardBackwardInput\"J\n\x16\x46orwardBackwardRequest\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.lorafleet.v1.ForwardBackwardItem\"\x9d\x01\n\x19\x46orwardBackwardItemResult\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x35\n\x06output\x18\x02 \x01(\x0b\x32#.lorafleet.v1.ForwardBackwardOutputH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.lorafleet.v1.ErrorInfoH\x00\x42\t\n\x07outcome\"S\n\x17\x46orwardBackwardResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.lorafleet.v1.ForwardBackwardItemResult\"~\n\x10OptimStepRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\x12-\n\x0b\x61\x64\x61m_params\x18\x04 \x01(\x0b\x32\x18.lorafleet.v1.AdamParams\"p\n\x11OptimStepResponse\x12-\n\x06output\x18\x01 \x01(\x0b\x32\x1d.lorafleet.v1.OptimStepOutput\x12,\n\x08snapshot\x18\x02 \x01(\x0b\x32\x1a.lorafleet.v1.SlotSnapshot\"M\n\x0cSlotSnapshot\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\'\n\x08manifest\x18\x02 \x01(\x0b\x32\x15.lorafleet.v1.BlobRef\"x\n\x10SaveStateRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x19\n\x11include_optimizer\x18\x05 \x01(\x08\"<\n\x11SaveStateResponse\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.lorafleet.v1.BlobRef\"\x93\x01\n\x10LoadStateRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\x12\'\n\x08manifest\x18\x04 \x01(\x0b\x32\x15.lorafleet.v1.BlobRef\x12\x19\n\x11include_optimizer\x18\x05 \x01(\x08\"\x13\n\x11LoadStateResponse\"=\n\x14\x45xportAdapterRequest\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\"<\n\x12\x45xportAdapterChunk\x12&\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.lorafleet.v1.FileChunk\"R\n\x13ImportAdapterHeader\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\"{\n\x12ImportAdapterChunk\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32!.lorafleet.v1.ImportAdapterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.lorafleet.v1.FileChunkH\x00\x42\x06\n\x04part\"\x17\n\x15ImportAdapterResponse2\xd4\x06\n\x0eTrainerService\x12[\n\x0eGetTrainerInfo\x12#.lorafleet.v1.GetTrainerInfoRequest\x1a$.lorafleet.v1.GetTrainerInfoResponse\x12L\n\tListSlots\x12\x1e.lorafleet.v1.ListSlotsRequest\x1a\x1f.lorafleet.v1.ListSlotsResponse\x12I\n\x08\x42indSlot\x12\x1d.lorafleet.v1.BindSlotRequest\x1a\x1e.lorafleet.v1.BindSlotResponse\x12O\n\nUnbindSlot\x12\x1f.lorafleet.v1.UnbindSlotRequest\x1a .lorafleet.v1.UnbindSlotResponse\x12^\n\x0f\x46orwardBackward\x12$.lorafleet.v1.ForwardBackwardRequest\x1a%.lorafleet.v1.ForwardBackwardResponse\x12L\n\tOptimStep\x12\x1e.lorafleet.v1.OptimStepRequest\x1a\x1f.lorafleet.v1.OptimStepResponse\x12L\n\tSaveState\x12\x1e.lorafleet.v1.SaveStateRequest\x1a\x1f.lorafleet.v1.SaveStateResponse\x12L\n\tLoadState\x12\x1e.lorafleet.v1.LoadStateRequest\x1a\x1f.lorafleet.v1.LoadStateResponse\x12W\n\rExportAdapter\x12\".lorafleet.v1.ExportAdapterRequest\x1a .lorafleet.v1.ExportAdapterChunk0\x01\x12X\n\rImportAdapter\x12 .lorafleet.v1.ImportAdapterChunk\x1a#.lorafleet.v1.ImportAdapterResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alorafleet/v1/trainer.proto\x12\x0clorafleet.v1\x1a\x19lorafleet/v1/common.proto\"\x17\n\x15GetTrainerInfoRequest\"\xe1\x01\n\x16GetTrainerInfoResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x05\x12\x10\n\x08max_rank\x18\x04 \x01(\x05\x12\x10\n\x08loss_fns\x18\x05 \x03(\t\x12\x12\n\noptimizers\x18\x06 \x03(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x08 \x01(\x05\x12\x13\n\x0bincarnation\x18\t \x01(\t\x12\x0f\n\x07modules\x18\n \x03(\t\"\x12\n\x10ListSlotsRequest\"\xac\x01\n\x08SlotInfo\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12-\n\x0blora_config\x18\x03 \x01(\x0b\x32\x18.lorafleet.v1.LoraConfig\x12\x13\n\x0boptim_steps\x18\x04 \x01(\x03\x12\x1d\n\x15has_pending_gradients\x18\x05 \x01(\x08\x12\x16\n\x0etokens_trained\x18\x06 \x01(\x03\":\n\x11ListSlotsResponse\x12%\n\x05slots\x18\x01 \x03(\x0b\x32\x16.lorafleet.v1.SlotInfo\"g\n\x0f\x42indSlotRequest\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\x12-\n\x0blora_config\x18\x03 \x01(\x0b\x32\x18.lorafleet.v1.LoraConfig\"8\n\x10\x42indSlotResponse\x12$\n\x04slot\x18\x01 \x01(\x0b\x32\x16.lorafleet.v1.SlotInfo\":\n\x11UnbindSlotRequest\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\"\x14\n\x12UnbindSlotResponse\"\x85\x01\n\x13\x46orwardBackwardItem\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\x12\x31\n\x05input\x18\x04 \x01(\x0b\x32\".lorafleet.v1.ForwardBackwardInput\"_\n\x16\x46orwardBackwardRequest\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.lorafleet.v1.ForwardBackwardItem\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"\x9d\x01\n\x19\x46orwardBackwardItemResult\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x35\n\x06output\x18\x02 \x01(\x0b\x32#.lorafleet.v1.ForwardBackwardOutputH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.lorafleet.v1.ErrorInfoH\x00\x42\t\n\x07outcome\"S\n\x17\x46orwardBackwardResponse\x12\x38\n\x07results\x18\x01 \x03(\x0b\x32\'.lorafleet.v1.ForwardBackwardItemResult\"\x93\x01\n\x10OptimStepRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\x12-\n\x0b\x61\x64\x61m_params\x18\x04 \x01(\x0b\x32\x18.lorafleet.v1.AdamParams\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\"p\n\x11OptimStepResponse\x12-\n\x06output\x18\x01 \x01(\x0b\x32\x1d.lorafleet.v1.OptimStepOutput\x12,\n\x08snapshot\x18\x02 \x01(\x0b\x32\x1a.lorafleet.v1.SlotSnapshot\"M\n\x0cSlotSnapshot\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\'\n\x08manifest\x18\x02 \x01(\x0b\x32\x15.lorafleet.v1.BlobRef\"\x8d\x01\n\x10SaveStateRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x19\n\x11include_optimizer\x18\x05 \x01(\x08\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"<\n\x11SaveStateResponse\x12\'\n\x08manifest\x18\x01 \x01(\x0b\x32\x15.lorafleet.v1.BlobRef\"\xa8\x01\n\x10LoadStateRequest\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\x12\'\n\x08manifest\x18\x04 \x01(\x0b\x32\x15.lorafleet.v1.BlobRef\x12\x19\n\x11include_optimizer\x18\x05 \x01(\x08\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"\x13\n\x11LoadStateResponse\"=\n\x14\x45xportAdapterRequest\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x02 \x01(\t\"<\n\x12\x45xportAdapterChunk\x12&\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.lorafleet.v1.FileChunk\"R\n\x13ImportAdapterHeader\x12\x14\n\x0coperation_id\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x17\n\x0fregistration_id\x18\x03 \x01(\t\"{\n\x12ImportAdapterChunk\x12\x33\n\x06header\x18\x01 \x01(\x0b\x32!.lorafleet.v1.ImportAdapterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.lorafleet.v1.FileChunkH\x00\x42\x06\n\x04part\"\x17\n\x15ImportAdapterResponse2\xd4\x06\n\x0eTrainerService\x12[\n\x0eGetTrainerInfo\x12#.lorafleet.v1.GetTrainerInfoRequest\x1a$.lorafleet.v1.GetTrainerInfoResponse\x12L\n\tListSlots\x12\x1e.lorafleet.v1.ListSlotsRequest\x1a\x1f.lorafleet.v1.ListSlotsResponse\x12I\n\x08\x42indSlot\x12\x1d.lorafleet.v1.BindSlotRequest\x1a\x1e.lorafleet.v1.BindSlotResponse\x12O\n\nUnbindSlot\x12\x1f.lorafleet.v1.UnbindSlotRequest\x1a .lorafleet.v1.UnbindSlotResponse\x12^\n\x0f\x46orwardBackward\x12$.lorafleet.v1.ForwardBackwardRequest\x1a%.lorafleet.v1.ForwardBackwardResponse\x12L\n\tOptimStep\x12\x1e.lorafleet.v1.OptimStepRequest\x1a\x1f.lorafleet.v1.OptimStepResponse\x12L\n\tSaveState\x12\x1e.lorafleet.v1.SaveStateRequest\x1a\x1f.lorafleet.v1.SaveStateResponse\x12L\n\tLoadState\x12\x1e.lorafleet.v1.LoadStateRequest\x1a\x1f.lorafleet.v1.LoadStateResponse\x12W\n\rExportAdapter\x12\".lorafleet.v1.ExportAdapterRequest\x1a .lorafleet.v1.ExportAdapterChunk0\x01\x12X\n\rImportAdapter\x12 .lorafleet.v1.ImportAdapterChunk\x1a#.lorafleet.v1.ImportAdapterResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,35 +53,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDBACKWARDITEM']._serialized_start=825
   _globals['_FORWARDBACKWARDITEM']._serialized_end=958
   _globals['_FORWARDBACKWARDREQUEST']._serialized_start=960
-  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=1034
-  _globals['_FORWARDBACKWARDITEMRESULT']._serialized_start=1037
-  _globals['_FORWARDBACKWARDITEMRESULT']._serialized_end=1194
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=1196
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1279
-  _globals['_OPTIMSTEPREQUEST']._serialized_start=1281
-  _globals['_OPTIMSTEPREQUEST']._serialized_end=1407
-  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1409
-  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1521
-  _globals['_SLOTSNAPSHOT']._serialized_start=1523
-  _globals['_SLOTSNAPSHOT']._serialized_end=1600
-  _globals['_SAVESTATEREQUEST']._serialized_start=1602
-  _globals['_SAVESTATEREQUEST']._serialized_end=1722
-  _globals['_SAVESTATERESPONSE']._serialized_start=1724
-  _globals['_SAVESTATERESPONSE']._serialized_end=1784
-  _globals['_LOADSTATEREQUEST']._serialized_start=1787
-  _globals['_LOADSTATEREQUEST']._serialized_end=1934
-  _globals['_LOADSTATERESPONSE']._serialized_start=1936
-  _globals['_LOADSTATERESPONSE']._serialized_end=1955
-  _globals['_EXPORTADAPTERREQUEST']._serialized_start=1957
-  _globals['_EXPORTADAPTERREQUEST']._serialized_end=2018
-  _globals['_EXPORTADAPTERCHUNK']._serialized_start=2020
-  _globals['_EXPORTADAPTERCHUNK']._serialized_end=2080
-  _globals['_IMPORTADAPTERHEADER']._serialized_start=2082
-  _globals['_IMPORTADAPTERHEADER']._serialized_end=2164
-  _globals['_IMPORTADAPTERCHUNK']._serialized_start=2166
-  _globals['_IMPORTADAPTERCHUNK']._serialized_end=2289
-  _globals['_IMPORTADAPTERRESPONSE']._serialized_start=2291
-  _globals['_IMPORTADAPTERRESPONSE']._serialized_end=2314
-  _globals['_TRAINERSERVICE']._serialized_start=2317
-  _globals['_TRAINERSERVICE']._serialized_end=3169
+  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=1055
+  _globals['_FORWARDBACKWARDITEMRESULT']._serialized_start=1058
+  _globals['_FORWARDBACKWARDITEMRESULT']._serialized_end=1215
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=1217
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1300
+  _globals['_OPTIMSTEPREQUEST']._serialized_start=1303
+  _globals['_OPTIMSTEPREQUEST']._serialized_end=1450
+  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1452
+  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1564
+  _globals['_SLOTSNAPSHOT']._serialized_start=1566
+  _globals['_SLOTSNAPSHOT']._serialized_end=1643
+  _globals['_SAVESTATEREQUEST']._serialized_start=1646
+  _globals['_SAVESTATEREQUEST']._serialized_end=1787
+  _globals['_SAVESTATERESPONSE']._serialized_start=1789
+  _globals['_SAVESTATERESPONSE']._serialized_end=1849
+  _globals['_LOADSTATEREQUEST']._serialized_start=1852
+  _globals['_LOADSTATEREQUEST']._serialized_end=2020
+  _globals['_LOADSTATERESPONSE']._serialized_start=2022
+  _globals['_LOADSTATERESPONSE']._serialized_end=2041
+  _globals['_EXPORTADAPTERREQUEST']._serialized_start=2043
+  _globals['_EXPORTADAPTERREQUEST']._serialized_end=2104
+  _globals['_EXPORTADAPTERCHUNK']._serialized_start=2106
+  _globals['_EXPORTADAPTERCHUNK']._serialized_end=2166
+  _globals['_IMPORTADAPTERHEADER']._serialized_start=2168
+  _globals['_IMPORTADAPTERHEADER']._serialized_end=2250
+  _globals['_IMPORTADAPTERCHUNK']._serialized_start=2252
+  _globals['_IMPORTADAPTERCHUNK']._serialized_end=2375
+  _globals['_IMPORTADAPTERRESPONSE']._serialized_start=2377
+  _globals['_IMPORTADAPTERRESPONSE']._serialized_end=2400
+  _globals['_TRAINERSERVICE']._serialized_start=2403
+  _globals['_TRAINERSERVICE']._serialized_end=3255
 # @@protoc_insertion_point(module_scope)

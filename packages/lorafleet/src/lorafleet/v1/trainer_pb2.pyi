@@ -282,16 +282,24 @@ class ForwardBackwardRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ITEMS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.str
+    """The incarnation of this trainer process the caller addressed (GetTrainerInfo); when set
+    and not this process's, the call is refused (FAILED_PRECONDITION, STALE_INCARNATION) and
+    nothing changes: a request sent to a process that died must never apply to its successor
+    (which may be rebuilding the same slot by replay).
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___ForwardBackwardItem]: ...
     def __init__(
         self,
         *,
         items: _abc.Iterable[Global___ForwardBackwardItem] | None = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "items", b"items"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -354,9 +362,12 @@ class OptimStepRequest(_message.Message):
     SLOT_FIELD_NUMBER: _builtins.int
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     ADAM_PARAMS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     operation_id: _builtins.str
     slot: _builtins.int
     registration_id: _builtins.str
+    incarnation: _builtins.str
+    """The incarnation of this trainer process the caller addressed (see ForwardBackwardRequest)."""
     @_builtins.property
     def adam_params(self) -> _common_pb2.AdamParams: ...
     def __init__(
@@ -366,10 +377,11 @@ class OptimStepRequest(_message.Message):
         slot: _builtins.int = ...,
         registration_id: _builtins.str = ...,
         adam_params: _common_pb2.AdamParams | None = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adam_params", b"adam_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adam_params", b"adam_params", "operation_id", b"operation_id", "registration_id", b"registration_id", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adam_params", b"adam_params", "incarnation", b"incarnation", "operation_id", b"operation_id", "registration_id", b"registration_id", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -440,6 +452,7 @@ class SaveStateRequest(_message.Message):
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     operation_id: _builtins.str
     slot: _builtins.int
     registration_id: _builtins.str
@@ -447,6 +460,8 @@ class SaveStateRequest(_message.Message):
     """Immutable name within the registration ([A-Za-z0-9._-]{1,128})."""
     include_optimizer: _builtins.bool
     """Also write the optimizer state (save_state); false for sampler-only exports."""
+    incarnation: _builtins.str
+    """The incarnation of this trainer process the caller addressed (see ForwardBackwardRequest)."""
     def __init__(
         self,
         *,
@@ -455,10 +470,11 @@ class SaveStateRequest(_message.Message):
         registration_id: _builtins.str = ...,
         name: _builtins.str = ...,
         include_optimizer: _builtins.bool = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_optimizer", b"include_optimizer", "name", b"name", "operation_id", b"operation_id", "registration_id", b"registration_id", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "include_optimizer", b"include_optimizer", "name", b"name", "operation_id", b"operation_id", "registration_id", b"registration_id", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -495,10 +511,13 @@ class LoadStateRequest(_message.Message):
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
     MANIFEST_FIELD_NUMBER: _builtins.int
     INCLUDE_OPTIMIZER_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     operation_id: _builtins.str
     slot: _builtins.int
     registration_id: _builtins.str
     include_optimizer: _builtins.bool
+    incarnation: _builtins.str
+    """The incarnation of this trainer process the caller addressed (see ForwardBackwardRequest)."""
     @_builtins.property
     def manifest(self) -> _common_pb2.BlobRef: ...
     def __init__(
@@ -509,10 +528,11 @@ class LoadStateRequest(_message.Message):
         registration_id: _builtins.str = ...,
         manifest: _common_pb2.BlobRef | None = ...,
         include_optimizer: _builtins.bool = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_optimizer", b"include_optimizer", "manifest", b"manifest", "operation_id", b"operation_id", "registration_id", b"registration_id", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "include_optimizer", b"include_optimizer", "manifest", b"manifest", "operation_id", b"operation_id", "registration_id", b"registration_id", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
