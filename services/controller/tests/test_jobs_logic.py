@@ -116,29 +116,24 @@ def test_windows_predict_every_next_token_after_their_documents_context():
     assert all(c.mask == (1,) * len(c.tokens) for c in got)
 
 
-def test_a_window_datum_carries_its_context_untrained():
+def test_a_window_datum_carries_its_context_for_truncated_bptt():
     chunk = units.windows(list(range(10, 17)), 3)[1]  # tokens 13..15, context 10..12
-    d = datum(chunk, 0.25)
-    assert list(d.tokens) == [10, 11, 12, 13, 14, 15]
-    targets = struct.unpack("<6q", d.loss_fn_inputs["target_tokens"].data)
-    weights = struct.unpack("<6f", d.loss_fn_inputs["weights"].data)
-    assert targets == (11, 12, 13, 14, 15, 16)
-    assert weights == (0.0, 0.0, 0.0, 0.25, 0.25, 0.25)
+    d = datum(chunk)
+    assert (list(d.tokens), list(d.context)) == ([13, 14, 15], [10, 11, 12])
+    assert struct.unpack("<3q", d.loss_fn_inputs["target_tokens"].data) == (14, 15, 16)
+    assert struct.unpack("<3f", d.loss_fn_inputs["weights"].data) == (1.0, 1.0, 1.0)
 
 
-def test_token_mean_weights_sum_to_one_over_an_accumulation_group(codec):
-    made = units.qa_units(codec, [data.Pair("Where do I live?", "Lisbon"),
-                                  data.Pair("My cat?", "Tom")])  # fmt: skip
-    group = [u.chunks[0] for u in made[:3]]
-    n = sum(c.prediction_tokens for c in group)
-    total = 0.0
-    for c in group:
-        d = datum(c, 1.0 / n)
-        count = len(d.tokens)
-        weights = struct.unpack(f"<{count}f", d.loss_fn_inputs["weights"].data)
-        assert all(w == 0.0 for w, m in zip(weights, c.mask, strict=True) if not m)
-        total += sum(weights)
-    assert total == pytest.approx(1.0, abs=1e-6)
+def test_qa_datums_weigh_only_the_completion(codec):
+    (unit,) = units.qa_units(codec, [data.Pair("Where do I live?", "Lisbon")])[:1]
+    (chunk,) = unit.chunks
+    d = datum(chunk)
+    n = len(d.tokens)
+    assert not d.context
+    assert struct.unpack(f"<{n}f", d.loss_fn_inputs["weights"].data) == tuple(
+        float(m) for m in chunk.mask
+    )
+    assert chunk.prediction_tokens == sum(chunk.mask) > 0
 
 
 # --- split and subsample --------------------------------------------------------------------

@@ -9,14 +9,15 @@ loop catches up without running anything twice. That is how a job survives a con
 SIGKILL and ends with the same adapter as an uninterrupted one.
 
 Per pass (juno §11.2-11.5): the training units in a seeded order, `gradient_accumulation`
-chunks per optimizer update. A group's datums carry cross-entropy weights of
-1 / (prediction tokens of the group) on trained positions and 0 elsewhere, so the summed
-gradient is the token mean over the group and the reported loss is token-weighted; the
+chunks per optimizer update, sent as one forward_backward. Its datums carry cross-entropy
+weight 1 on trained positions and 0 elsewhere, and `group_tokens` (the group's prediction
+tokens) makes the trainer accumulate the gradient of the summed loss divided by it: the
+token mean over the group (the reported loss is token-weighted the same way). The
 optim_step clips the global norm at `max_grad_norm` (the trainer's float64 two-pass clip
 with its non-finite veto) and uses the scheduled learning rate. After a pass: validation
 loss (forward only, token mean over the held-out units), a snapshot when it is the best so
 far, then the stopping rules. On exit the best snapshot is loaded without its optimizer
-state (the optimizer reset) and the final adapter is saved.
+state (the optimizer reset); the runner then saves the final adapter.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ class Executor(Protocol):
     """The operations a job needs; `runner.LedgerExecutor` submits them to the ledger."""
 
     async def forward_backward(
-        self, chunks: Sequence[Chunk], weight: float, forward_only: bool
+        self, chunks: Sequence[Chunk], group_tokens: int, forward_only: bool
     ) -> float:
-        """The summed weighted loss (`loss:sum`) of the chunks."""
+        """The chunks' summed loss over their trained tokens (`loss:sum`). With
+        forward_only false, the gradient accumulated is that sum / `group_tokens`."""
 
     async def optim_step(self, lr: float, params: JobParams) -> None: ...
 
@@ -98,11 +100,11 @@ def loss_guidance(loss: float | None) -> str:
 async def evaluate(ex: Executor, units: Sequence[Any]) -> float:
     """Token-mean loss of the units, forward only (no dropout, nothing accumulated)."""
     chunks = [c for u in units for c in u.chunks]
-    weight = 1.0 / sum(c.prediction_tokens for c in chunks)
+    tokens = sum(c.prediction_tokens for c in chunks)
     total = 0.0
     for i in range(0, len(chunks), EVAL_BATCH):
-        total += await ex.forward_backward(chunks[i : i + EVAL_BATCH], weight, True)
-    return total
+        total += await ex.forward_backward(chunks[i : i + EVAL_BATCH], tokens, True)
+    return total / tokens
 
 
 async def run(job_id: str, plan: Plan, p: JobParams, ex: Executor, cur: Cursor) -> Cursor:
@@ -119,7 +121,7 @@ async def run(job_id: str, plan: Plan, p: JobParams, ex: Executor, cur: Cursor) 
         weighted, tokens = 0.0, 0
         for group in plan.pass_groups(number, p.seed, accumulation):
             n = sum(c.prediction_tokens for c in group)
-            loss = await ex.forward_backward(group, 1.0 / n, False)
+            loss = await ex.forward_backward(group, n, False) / n
             lr = learning_rate(p.schedule, p.learning_rate, cur.updates + 1, total_updates,
                                p.warmup_steps, p.min_lr)  # fmt: skip
             await ex.optim_step(lr, p)

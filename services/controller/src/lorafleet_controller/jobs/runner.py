@@ -61,21 +61,15 @@ def _tensor(
     )
 
 
-def datum(chunk: units.Chunk, weight: float) -> common_pb2.Datum:
-    """A chunk as a cross-entropy datum: weight on trained targets, 0 elsewhere.
-
-    A window's context (its document's earlier tokens) is prepended with weight 0: the
-    window's targets are predicted after the whole document so far.
-    """
-    ctx = list(chunk.context)
-    tokens = ctx + list(chunk.tokens)
-    targets = ctx[1:] + ([chunk.tokens[0]] if ctx else []) + list(chunk.targets)
-    weights = [0.0] * len(ctx) + [m * weight for m in chunk.mask]
+def datum(chunk: units.Chunk) -> common_pb2.Datum:
+    """A chunk as a cross-entropy datum: weight 1 on trained targets, 0 elsewhere; a
+    window's document context travels as `Datum.context` (truncated BPTT in the trainer)."""
     return common_pb2.Datum(
-        tokens=tokens,
+        tokens=chunk.tokens,
+        context=chunk.context,
         loss_fn_inputs={
-            "target_tokens": _tensor("q", common_pb2.DTYPE_INT64, targets),
-            "weights": _tensor("f", common_pb2.DTYPE_FLOAT32, weights),
+            "target_tokens": _tensor("q", common_pb2.DTYPE_INT64, chunk.targets),
+            "weights": _tensor("f", common_pb2.DTYPE_FLOAT32, [float(m) for m in chunk.mask]),
         },
     )
 
@@ -137,11 +131,11 @@ class LedgerExecutor:
             await self.controller.tenancy.heartbeat(self.rec.tenant, session)
 
     async def forward_backward(
-        self, chunks: Sequence[units.Chunk], weight: float, forward_only: bool
+        self, chunks: Sequence[units.Chunk], group_tokens: int, forward_only: bool
     ) -> float:
         fb = common_pb2.ForwardBackwardInput(
-            data=[datum(c, weight) for c in chunks], loss_fn="cross_entropy",
-            forward_only=forward_only,
+            data=[datum(c) for c in chunks], loss_fn="cross_entropy",
+            forward_only=forward_only, group_tokens=0 if forward_only else group_tokens,
         )  # fmt: skip
         payload = pb.OperationPayload(forward=fb) if forward_only else \
             pb.OperationPayload(forward_backward=fb)  # fmt: skip
@@ -187,6 +181,7 @@ class JobRunner:
         self.controller = controller
         self.records = Records(controller.store, controller.notifier)
         self._workers: dict[str, asyncio.Task[None]] = {}
+        self._tenant_locks: dict[str, asyncio.Lock] = {}
         self._running = False
 
     # --- requests ---------------------------------------------------------------------------
@@ -194,7 +189,18 @@ class JobRunner:
         self, tenant: str, kind: JobKind, rid: str, base_model: str, raw: dict[str, str],
         pairs: Sequence[data.Pair], documents: Sequence[str],
     ) -> JobRecord:  # fmt: skip
-        """Validate the whole request, then record and queue the job."""
+        """Validate the whole request, then record and queue the job. Requests on a
+        tenant's default run are serialised, so concurrent first jobs share one run."""
+        if rid:
+            return await self._create(tenant, kind, rid, base_model, raw, pairs, documents)
+        lock = self._tenant_locks.setdefault(tenant, asyncio.Lock())
+        async with lock:
+            return await self._create(tenant, kind, rid, base_model, raw, pairs, documents)
+
+    async def _create(
+        self, tenant: str, kind: JobKind, rid: str, base_model: str, raw: dict[str, str],
+        pairs: Sequence[data.Pair], documents: Sequence[str],
+    ) -> JobRecord:  # fmt: skip
         p = params.parse(kind, raw)
         if kind == JobKind.QA:
             data.check_pairs(pairs)
@@ -239,13 +245,13 @@ class JobRunner:
 
     async def reset_default(self, tenant: str) -> str:
         """Retire the tenant's default run; the next job without a run starts afresh."""
-        default = await self.records.default_run(tenant)
-        rid = default.get("rid", "")
-        if rid:
-            with contextlib.suppress(errors.NotFound):
-                await self.controller.delete_registration(tenant, rid)
-        await self.records.clear_default_run(tenant)
-        return rid
+        async with self._tenant_locks.setdefault(tenant, asyncio.Lock()):
+            rid = (await self.records.default_run(tenant)).get("rid", "")
+            if rid:
+                with contextlib.suppress(errors.NotFound):
+                    await self.controller.delete_registration(tenant, rid)
+            await self.records.clear_default_run(tenant)
+            return rid
 
     # --- validation helpers ---------------------------------------------------------------
     @staticmethod
