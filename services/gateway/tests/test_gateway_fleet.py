@@ -292,7 +292,7 @@ def test_unknown_checkpoint_routes_are_404(client: Client, model: dict) -> None:
     assert client.http.get(f"/training_runs/{run}/checkpoints/weights/nope").status_code == 404
 
 
-def test_lora_options_from_user_metadata(client: Client, model: dict) -> None:
+def test_lora_options_from_user_metadata(fleet: object, client: Client, model: dict) -> None:
     caps = client.http.get("/get_server_capabilities").json()["supported_models"]
     base = next(m["model_name"] for m in caps if m["trainable"])
     body = {"session_id": model["session_id"], "base_model": base, "lora_config": {"rank": 2}}
@@ -314,6 +314,13 @@ def test_lora_options_from_user_metadata(client: Client, model: dict) -> None:
     run_id = created.json()["model_id"]
     run = client.http.get(f"/training_runs/{run_id}").json()
     assert run["user_metadata"] == {"team": "a"}  # options are not the user's metadata
+    with fleet.admin_channel() as channel:  # type: ignore[attr-defined]
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        key = cpb.AuthenticateRequest(api_key=fleet.api_key)  # type: ignore[attr-defined]
+        tenant = stub.Authenticate(key, timeout=10).tenant
+        lookup = cpb.GetRegistrationRequest(tenant=tenant, registration_id=run_id)
+        lora = stub.GetRegistration(lookup, timeout=10).registration.lora_config
+    assert (lora.rank, lora.alpha, list(lora.target_modules)) == (2, 16.0, ["q_proj", "v_proj"])
     assert client.post("/unload_model", {"model_id": run_id}).status_code == 200
 
 

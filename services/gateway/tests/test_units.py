@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lorafleet import errors
+from lorafleet import contract, errors
 from lorafleet.contract import TinkerPath
 from lorafleet.settings import SettingsError
 from lorafleet.testing import child_env
@@ -24,6 +24,7 @@ from lorafleet.v1 import common_pb2 as pb
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway import archive, views
 from lorafleet_gateway.serving import futures
+from lorafleet_gateway.settings import GatewaySettings
 from lorafleet_gateway.signing import Signer, load_secret
 from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
 
@@ -41,6 +42,21 @@ def test_bad_setting_is_one_line_and_exit_2() -> None:
     assert proc.stderr.strip().splitlines() == [
         "error: LORAFLEET_GATEWAY_LONG_POLL_SECONDS=99.0: must be <= 40.0"
     ]
+
+
+def test_lora_option_defaults_are_a_validated_setting() -> None:
+    settings = GatewaySettings(lora_defaults="alpha=16; target_modules=q_proj,v_proj")
+    assert settings.lora_option_defaults == contract.LoraOptions(
+        alpha=16.0, target_modules=("q_proj", "v_proj")
+    )
+    assert GatewaySettings().lora_option_defaults == contract.LoraOptions()
+    env = child_env(LORAFLEET_GATEWAY_LORA_DEFAULTS="alpha=0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorafleet_gateway"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("error: LORAFLEET_GATEWAY_LORA_DEFAULTS='alpha=0': ")
+    assert "lorafleet.alpha" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_download_tokens_are_signed_and_expire() -> None:

@@ -9,8 +9,11 @@ Kubernetes Secret) or from a key file that the first gateway on a machine create
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from lorafleet.settings import setting
+from lorafleet import contract
+from lorafleet.errors import InvalidArgument
+from lorafleet.settings import SettingsError, setting
 
 ENV_PREFIX = "LORAFLEET_GATEWAY_"
 
@@ -97,3 +100,24 @@ class GatewaySettings:
     log_level: str = setting(
         "INFO", doc="Log level.", choices=("DEBUG", "INFO", "WARNING", "ERROR")
     )
+    lora_defaults: str = setting(
+        "",
+        doc="Server-wide defaults of the LoRA options a run may set with user_metadata "
+        "lorafleet.* keys, as 'name=value' pairs separated by ';' (for example "
+        "'alpha=16;target_modules=q_proj,v_proj'); empty = the contract's defaults.",
+    )
+
+    def __post_init__(self) -> None:
+        try:
+            self.lora_option_defaults  # noqa: B018  # parse now: a bad value fails at start-up
+        except InvalidArgument as exc:
+            raise SettingsError(
+                f"{ENV_PREFIX}LORA_DEFAULTS={self.lora_defaults!r}: {exc}"
+            ) from None
+
+    @cached_property
+    def lora_option_defaults(self) -> contract.LoraOptions:
+        """`lora_defaults` as the LoRA options a run gets when it names none."""
+        pairs = [p.partition("=") for p in self.lora_defaults.split(";") if p.strip()]
+        metadata = {f"{contract.METADATA_PREFIX}{k.strip()}": v.strip() for k, _, v in pairs}
+        return contract.split_lora_options(metadata)[0]

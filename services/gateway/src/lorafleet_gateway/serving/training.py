@@ -43,6 +43,7 @@ class TrainingServing:
         self._controller = controller
         self._ledger = ledger
         self._max_body = settings.max_body_bytes
+        self._lora_defaults = settings.lora_option_defaults
 
     async def create_model(self, tenant: str, body: CreateModelRequest) -> UntypedAPIFuture:
         if body.optimizer_config and body.optimizer_config.type not in contract.OPTIMIZERS:
@@ -51,7 +52,9 @@ class TrainingServing:
                 f"({', '.join(contract.OPTIMIZERS)} only)",
                 field="optimizer_config.type",
             )
-        options, user_metadata = contract.split_lora_options(convert.metadata(body.user_metadata))
+        options, user_metadata = contract.split_lora_options(
+            convert.metadata(body.user_metadata), self._lora_defaults
+        )
         model = await resolve_base_model(self._controller, body.base_model)
         if model is not None:
             contract.check_rank(body.lora_config.rank, model.max_rank or contract.MAX_RANK)
