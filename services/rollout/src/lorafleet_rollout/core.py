@@ -112,7 +112,7 @@ class RolloutCore:
             self._in_flight -= 1
             metrics.QUEUE_DEPTH.set(self._in_flight)
             metrics.REQUESTS.labels(outcome).inc()
-            if self.registry.release(engine_id):
+            if engine_id is not None and self.registry.release(engine_id):
                 self._unload_later(engine_id)
 
     # ------------------------------------------------------------------ publishing

@@ -54,6 +54,9 @@ def adapter_weights(config: LoraConfig, tensors: dict[str, torch.Tensor]) -> Ada
         stem = key.removeprefix(_PREFIX)
         module, _, kind = stem.removesuffix(".weight").rpartition(".")
         pairs.setdefault(module, {})[kind] = tensor
+    # PEFT types both patterns Optional: a config saved with `null` loads them as None.
+    rank_pattern = config.rank_pattern or {}
+    alpha_pattern = config.alpha_pattern or {}
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, pair in sorted(pairs.items()):
         if set(pair) != {"lora_A", "lora_B"}:
@@ -61,10 +64,8 @@ def adapter_weights(config: LoraConfig, tensors: dict[str, torch.Tensor]) -> Ada
                 f"{module} has {sorted(pair)} but needs both lora_A and lora_B", field=WEIGHTS_FILE
             )
         a, b = pair["lora_A"], pair["lora_B"]
-        rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern, module), config.r)
-        alpha = config.alpha_pattern.get(
-            get_pattern_key(config.alpha_pattern, module), config.lora_alpha
-        )
+        rank = rank_pattern.get(get_pattern_key(list(rank_pattern), module), config.r)
+        alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), module), config.lora_alpha)
         if a.shape[0] != rank or b.shape[1] != rank:
             raise InvalidArgument(
                 f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not have "

@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,7 +255,9 @@ class TorchEngine:
         else:
             config = LoraConfig(
                 r=lora.rank,
-                lora_alpha=lora.alpha,
+                # PEFT annotates lora_alpha as int, but fractional alphas are valid Tinker
+                # options and PEFT only divides by them (scale = alpha / r).
+                lora_alpha=lora.alpha,  # type: ignore[arg-type]
                 target_modules=list(lora.target_modules) or None,
                 inference_mode=True,
             )
@@ -595,7 +597,7 @@ class TorchEngine:
         if self._decoder is not None:
             self._decoder.cache.clear()
 
-    def _decode_tokens(self, tokens: list[int]) -> str:
+    def _decode_tokens(self, tokens: Sequence[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=False)
 
 

@@ -64,6 +64,14 @@ def merge(slices: Mapping[str, list[Endpoint]]) -> list[Endpoint]:
     return sorted(best.values())
 
 
+def _name(item: client.V1EndpointSlice) -> str:
+    """A listed slice's name; the API server names every stored object, so none is a bug."""
+    name = item.metadata.name if item.metadata is not None else None
+    if not name:
+        raise ValueError("the API server listed an EndpointSlice without metadata.name")
+    return name
+
+
 class KubernetesDiscovery:
     """Discovery through `DiscoveryV1Api` EndpointSlices in one namespace.
 
@@ -94,8 +102,11 @@ class KubernetesDiscovery:
         result = self._api.list_namespaced_endpoint_slice(
             self._namespace, label_selector=self.selector
         )
-        slices = {item.metadata.name: self._endpoints(item) for item in result.items or []}
-        return slices, result.metadata.resource_version
+        slices = {_name(item): self._endpoints(item) for item in result.items or []}
+        # A list response always carries the collection's version; "" (watch from now) is the
+        # API's own default should one lack it.
+        meta = result.metadata
+        return slices, (meta.resource_version if meta is not None else None) or ""
 
     def _endpoints(self, item: client.V1EndpointSlice) -> list[Endpoint]:
         raw = self._api.api_client.sanitize_for_serialization(item)
