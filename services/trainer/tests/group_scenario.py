@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
+from lorafleet.errors import LorafleetError
 from lorafleet_trainer.domain import (
     AdamParams,
     Datum,
@@ -89,10 +91,19 @@ def state(engine) -> dict:
 
 
 def run(engine) -> dict:
-    """Bind, train STEPS steps, save each slot as "after"; returns the record and refs."""
+    """Bind; import where refused (slot 1 takes slot 0's export: another rank) and where
+    accepted (slot 0 its own); train STEPS steps; save each slot as "after"."""
     for slot, spec in SPECS.items():
         engine.bind(slot, f"r{slot}", spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.export_adapter(0, "r0", Path(tmp))
+        try:
+            engine.import_adapter("import", 1, "r1", Path(tmp))
+        except LorafleetError as exc:
+            refused = exc.reason
+        engine.import_adapter("import", 0, "r0", Path(tmp))
     record = train(engine, 0, STEPS)
+    record["refused_import"] = refused
     record["refs"] = {
         slot: engine.save_state("save", slot, f"r{slot}", "after", True) for slot in SPECS
     }

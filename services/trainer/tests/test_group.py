@@ -101,6 +101,7 @@ def test_two_ranks_equal_one_process_and_resume_in_one(model, request, engine_fo
         for key in want_step:
             assert close(got_step[key], want_step[key]), key
     assert_same_state(group["state"], want["state"])
+    assert group["refused_import"] == want["refused_import"] == "R_MISMATCH"  # rank 4 vs 2
 
     # The group's saved state resumes in one process and continues like the uninterrupted run.
     resumed = engine_for(tiny_model_dir, storage_root=storage)

@@ -17,8 +17,9 @@ the float64 clip and hashed dropout are unchanged and identical on every rank, a
 any rank could write is the single-process state (rank 0 writes it). Rank 0 serves the gRPC
 contract through `GroupEngine`: each call that runs the model or changes slot state is first
 broadcast to the other ranks (`worker_loop`) on a gloo control group, then run locally;
-after it every rank meets at a barrier. A rank that died or hangs makes a collective fail
-(peer connection closed, or the group timeout), and the survivor exits the process
+after it every rank shares its outcome (`Group.agree`, which is also the barrier). A rank
+that died or hangs makes a collective fail (peer connection closed, or the group timeout),
+and a rank whose outcome differs has diverged; either way the survivor exits the process
 (`on_lost`): the replica goes down as a whole, its heartbeat stops, and the controller's
 replica-loss policy applies. Idle workers are kept from timing out by pings.
 
@@ -29,14 +30,15 @@ parallel) with an all-reduce of LoRA gradients is the next step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,7 +52,8 @@ log = logging.getLogger(__name__)
 EXIT_LOST = 3  # exit status of a rank whose group broke
 
 # Engine methods every rank runs, in rank 0's order: they run the model or change slot state.
-BROADCAST = ("bind", "unbind", "forward_backward", "optim_step", "load_state", "import_adapter")
+# (import_adapter too, with its files: GroupEngine.import_adapter.)
+BROADCAST = ("bind", "unbind", "forward_backward", "optim_step", "load_state")
 
 
 @dataclass(frozen=True)
@@ -119,15 +122,44 @@ class Group:
             raise GroupLost(f"control broadcast failed: {exc}") from exc
         return box[0]
 
-    def barrier(self) -> None:
+    def agree(self, outcome: Any) -> None:
+        """Every rank's outcome of the call just run; GroupLost unless all are rank 0's.
+
+        This is also the barrier after each call: a rank that died or diverged (an error
+        only it saw, so its slots no longer match) takes the replica down, never silently.
+        """
+        outcomes: list[Any] = [None] * self.env.world_size
         try:
-            dist.barrier(group=self.control)
+            dist.all_gather_object(outcomes, outcome, group=self.control)
         except Exception as exc:
             raise GroupLost(f"barrier failed: {exc}") from exc
+        if any(o != outcomes[0] for o in outcomes):
+            raise GroupLost(f"ranks disagree on the outcome of a call: {outcomes}")
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def outcome_of(result: Any) -> Any:
+    """What must be equal on every rank after a call: which items failed, and how."""
+
+    def one(r: Any) -> Any:
+        if isinstance(r, LorafleetError):
+            return (type(r).__name__, r.field)
+        if isinstance(r, BaseException):
+            return (type(r).__name__, str(r))
+        return "ok"
+
+    return [one(r) for r in result] if isinstance(result, list) else one(result)
+
+
+def run_call(engine: Any, name: str, args: tuple) -> tuple[Any, BaseException | None]:
+    """Run one engine call: (result, None) or (None, the exception it raised)."""
+    try:
+        return getattr(engine, name)(*args), None
+    except Exception as exc:
+        return None, exc
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -187,18 +219,31 @@ class GroupEngine:
         log.error("trainer group lost (rank %d): %s", self.group.rank, exc)
         self.on_lost(exc)
 
-    def _everywhere(self, name: str, args: tuple) -> Any:
+    def _everywhere(self, name: str, args: tuple, sent: tuple | None = None) -> Any:
+        """Send (name, sent or args) to the others, run (name, args) here, agree on it."""
         with self._lock:
             try:
-                self.group.send((name, args))
+                self.group.send((name, args if sent is None else sent))
                 self._last = time.monotonic()
-                try:
-                    return getattr(self.engine, name)(*args)
-                finally:
-                    self.group.barrier()
+                result, error = run_call(self.engine, name, args)
+                self.group.agree(outcome_of(error or result))
             except GroupLost as exc:
                 self._lost(exc)
                 raise
+            if error is not None:
+                raise error
+            return result
+
+    def import_adapter(
+        self, operation_id: str, slot: int, registration_id: str, folder: Path
+    ) -> Any:
+        """The adapter's files travel with the call: the other ranks may be on other nodes."""
+        files = {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+        return self._everywhere(
+            "import_adapter",
+            (operation_id, slot, registration_id, folder),
+            (operation_id, slot, registration_id, files),
+        )
 
     def save_state(self, operation_id: str, slot: int, registration_id: str, *rest: Any) -> Any:
         """Rank 0 writes; the others record the operation id and result, as it did."""
@@ -206,7 +251,7 @@ class GroupEngine:
             ref = self.engine.save_state(operation_id, slot, registration_id, *rest)
             try:
                 self.group.send(("record", (slot, registration_id, operation_id, ref)))
-                self.group.barrier()
+                self.group.agree("ok")
             except GroupLost as exc:
                 self._lost(exc)
                 raise
@@ -241,8 +286,8 @@ class GroupEngine:
 def worker_loop(engine: Any, group: Group) -> None:
     """Ranks > 0: run rank 0's calls until it says stop; GroupLost when the group breaks.
 
-    Domain errors are rank 0's to report: validation is deterministic, so this rank raised
-    the same one and changed nothing.
+    Domain errors are rank 0's to report (validation is deterministic: this rank raised the
+    same one and changed nothing); `agree` checks that it did.
     """
     while True:
         name, args = group.send(None)
@@ -253,10 +298,17 @@ def worker_loop(engine: Any, group: Group) -> None:
         if name == "record":
             slot, registration_id, operation_id, ref = args
             engine.slots.leased(slot, registration_id).ops.record(operation_id, ref)
+            group.agree("ok")
+        elif name == "import_adapter":
+            *call, files = args
+            with tempfile.TemporaryDirectory() as tmp:
+                for file, data in files.items():
+                    (Path(tmp) / file).write_bytes(data)
+                result, error = run_call(engine, name, (*call, Path(tmp)))
+            group.agree(outcome_of(error or result))
         else:
-            with contextlib.suppress(LorafleetError):
-                getattr(engine, name)(*args)
-        group.barrier()
+            result, error = run_call(engine, name, args)
+            group.agree(outcome_of(error or result))
 
 
 def load_group_engine(
