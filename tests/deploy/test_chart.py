@@ -214,6 +214,8 @@ def test_values_files_match_schema(name):
         ({"rollout": {"engine": "vllm"}}, "engine"),
         ({"trainer": {"gpu": {"count": -1}}}, "count"),
         ({"controller": {"logLevel": "verbose"}}, "logLevel"),
+        ({"controller": {"settings": {"sessionTimeout": 60}}}, "sessionTimeout"),
+        ({"trainer": {"settings": {"snapshotEverySteps": -1}}}, "snapshotEverySteps"),
     ],
 )
 def test_schema_rejects_bad_values(chart, override, path):
@@ -231,6 +233,8 @@ def test_schema_rejects_bad_values(chart, override, path):
         ({"redis": {"enabled": False}}, "redis.external"),
         ({"gateway": {"downloadSecret": {"value": "x", "existingSecret": "y"}}}, "not both"),
         ({"rollout": {"sglang": {"maxLorasPerBatch": 8, "maxLoadedLoras": 4}}}, "maxLoadedLoras"),
+        ({"rollout": {"numSlots": 32}}, "numSlots"),
+        ({"redis": {"external": {"cluster": True}}}, "Redis Cluster"),
     ],
 )
 def test_template_guards_fail_with_a_message(chart, override, message):
@@ -305,6 +309,95 @@ def test_service_env_vars(render):
         assert env[prefix + "LOG_LEVEL"] == "INFO"
 
 
+# What each service reads: its own prefix over these settings classes (see its --help).
+def _settings_classes() -> dict[str, tuple[str, list[type]]]:
+    from lorafleet.replica import ReplicaSettings
+    from lorafleet.settings import ServerSettings
+    from lorafleet_controller.settings import ControllerSettings
+    from lorafleet_gateway.settings import GatewaySettings
+    from lorafleet_rollout.settings import RolloutSettings
+    from lorafleet_trainer.settings import TrainerSettings
+
+    return {
+        "controller": ("LORAFLEET_CONTROLLER_", [ControllerSettings, ServerSettings]),
+        "trainer": ("LORAFLEET_TRAINER_", [TrainerSettings, ServerSettings, ReplicaSettings]),
+        "rollout": ("LORAFLEET_ROLLOUT_", [RolloutSettings, ServerSettings, ReplicaSettings]),
+        "gateway": ("LORAFLEET_GATEWAY_", [GatewaySettings]),
+    }
+
+
+# Stands in for what the kubelet fills in (pod name, Secret keys): long enough for any key.
+FROM_CLUSTER = "value-from-the-cluster-0123456789abcdef"
+
+
+@pytest.mark.parametrize("name", ["default", "full", "multinode"])
+def test_service_env_loads_through_the_services_own_settings(render, name):
+    """Every LORAFLEET_<SVC>_* variable the chart sets is a setting that service reads (a
+    misspelt or stale name would be silently ignored), and the values pass its validation."""
+    import dataclasses
+
+    from lorafleet.settings import TLS_PREFIX, TlsSettings, load_settings
+
+    rendered = render(load_values(name))
+    for component, (prefix, classes) in _settings_classes().items():
+        lws = rendered.workload(component)["kind"] == "LeaderWorkerSet"
+        for role in ("leader", "worker") if lws and component == "trainer" else ("leader",):
+            container = rendered.container(component, role=role)
+            names = [e["name"] for e in container["env"]]
+            assert len(names) == len(set(names)), f"{component}: a variable set twice"
+            env = {
+                k: v if isinstance(v, str) else FROM_CLUSTER
+                for k, v in env_of(container).items()
+                if k.startswith("LORAFLEET_")
+            }
+            read = {prefix + f.name.upper() for cls in classes for f in dataclasses.fields(cls)}
+            read |= {TLS_PREFIX + f.name.upper() for f in dataclasses.fields(TlsSettings)}
+            assert set(env) - read == set(), f"{component}: not settings it reads"
+            for cls in classes:
+                load_settings(cls, prefix, env)
+            load_settings(TlsSettings, TLS_PREFIX, env)
+
+
+def test_settings_values_become_env(render):
+    """Each component's `settings` map renders as <PREFIX><UPPER_SNAKE> (whole numbers stay
+    integers); null keys render nothing, and full-values sets every key."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    full = load_values("full")
+    rendered = render(full)
+    bare = render()
+    for component, (prefix, _) in _settings_classes().items():
+        keys = defaults[component]["settings"]
+        assert all(v is None for v in keys.values()), component
+        assert set(full[component]["settings"]) == set(keys), component
+        env = env_of(rendered.container(component))
+        for key, value in full[component]["settings"].items():
+            var = prefix + re.sub(r"(?<!^)(?=[A-Z])", "_", key).upper()
+            assert env[var] == str(value), var
+            assert var not in env_of(bare.container(component)), var
+    env = env_of(rendered.container("rollout"))
+    assert env["LORAFLEET_ROLLOUT_PREFIX_CACHE_BYTES"] == "268435456"
+    assert env["LORAFLEET_ROLLOUT_MAX_ADAPTER_BYTES"] == "2147483648"
+
+
+def test_rollout_adapters_live_where_sglang_reads_them(render):
+    """Pushed adapters go to the checkpoint volume (the root filesystem is read-only), which
+    the SGLang container mounts at the same path."""
+    rendered = render()
+    env = env_of(rendered.container("rollout"))
+    assert env["LORAFLEET_ROLLOUT_ADAPTER_DIR"] == "/checkpoints/rollout-adapters"
+    assert env["LORAFLEET_ROLLOUT_MAX_LOADED_ADAPTERS"] == "8"
+    sglang = rendered.container("rollout", "sglang")
+    assert "/checkpoints" in {m["mountPath"] for m in sglang["volumeMounts"]}
+
+
+def test_redis_cluster(render):
+    url = "redis://redis-cluster.data.svc:6379/0"
+    rendered = render({"redis": {"enabled": False, "external": {"url": url, "cluster": True}}})
+    env = env_of(rendered.container("controller"))
+    assert env["LORAFLEET_CONTROLLER_REDIS_CLUSTER"] == "true"
+    assert "LORAFLEET_CONTROLLER_REDIS_CLUSTER" not in env_of(render().container("controller"))
+
+
 def test_sglang_is_the_default_rollout_engine(render):
     rendered = render()
     rollout = env_of(rendered.container("rollout"))
@@ -368,7 +461,6 @@ def test_minimal_cpu_runs_the_torch_engine_without_gpus(render):
     assert [c["name"] for c in pod["containers"]] == ["rollout"]
     env = env_of(pod["containers"][0])
     assert env["LORAFLEET_ROLLOUT_ENGINE"] == "torch"
-    assert env["LORAFLEET_ROLLOUT_DEVICE"] == "cpu"
     assert "LORAFLEET_ROLLOUT_ENGINE_URL" not in env
     text = json.dumps(rendered.objects)
     assert "nvidia.com" not in text
@@ -383,7 +475,6 @@ def test_torch_engine_on_gpu_puts_the_gpu_on_the_rollout_container(render):
     rendered = render({"rollout": {"engine": "torch"}})
     rollout = rendered.container("rollout")
     assert rollout["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert env_of(rollout)["LORAFLEET_ROLLOUT_DEVICE"] == "cuda"
 
 
 @pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
@@ -632,7 +723,7 @@ def test_escape_hatches(render):
     rendered = render(load_values("full"))
     controller = rendered.container("controller")
     assert controller["args"] == ["--verbose"]
-    assert env_of(controller)["LORAFLEET_CONTROLLER_GAP_TIMEOUT_SECONDS"] == "300"
+    assert env_of(controller)["LORAFLEET_CONTROLLER_COALESCE_WINDOW_MS"] == "5"
     assert {"name": "ca", "mountPath": "/etc/ssl/corp", "readOnly": True} in controller[
         "volumeMounts"
     ]

@@ -120,7 +120,12 @@ imagePullSecrets:
 {{- end }}
 {{- end -}}
 
-{{/* Env shared by every lorafleet service: <PREFIX>PORT, METRICS_PORT, LOG_LEVEL, GRACE_SECONDS, pod identity. */}}
+{{/*
+Env shared by the lorafleet services, each variable only where the service reads it:
+<PREFIX>PORT, METRICS_PORT, LOG_LEVEL, HOST, GRACE_SECONDS, HEALTH_PORT (internal TLS on),
+REPLICA_ID (the pod name), NAMESPACE (the controller's Services and Lease), the component's
+`settings` map and the LORAFLEET_TLS_* identity. Pass ctx, prefix and the values map as v.
+*/}}
 {{- define "lorafleet.commonEnv" -}}
 - name: {{ .prefix }}PORT
   value: {{ .v.port | quote }}
@@ -130,16 +135,41 @@ imagePullSecrets:
 {{- end }}
 - name: {{ .prefix }}LOG_LEVEL
   value: {{ .v.logLevel | quote }}
-- name: {{ .prefix }}GRACE_SECONDS
-  value: {{ .v.graceSeconds | quote }}
 - name: {{ .prefix }}HOST
   value: "0.0.0.0"
+{{- if hasKey .v "graceSeconds" }}
+- name: {{ .prefix }}GRACE_SECONDS
+  value: {{ .v.graceSeconds | quote }}
+{{- end }}
+{{- if ne .prefix "LORAFLEET_GATEWAY_" }}
 - name: {{ .prefix }}REPLICA_ID
   valueFrom:
     fieldRef: {fieldPath: metadata.name}
+{{- end }}
+{{- if eq .prefix "LORAFLEET_CONTROLLER_" }}
 - name: {{ .prefix }}NAMESPACE
   valueFrom:
     fieldRef: {fieldPath: metadata.namespace}
+{{- end }}
+{{- include "lorafleet.settingsEnv" . }}
+{{- end -}}
+
+{{/*
+A component's `settings` map as env: each key that is not null becomes
+<PREFIX><KEY in UPPER_SNAKE> (sessionTimeoutSeconds -> SESSION_TIMEOUT_SECONDS). Whole numbers
+print as integers (values arrive as float64: 268435456 must not become 2.68435456e+08).
+*/}}
+{{- define "lorafleet.settingsEnv" -}}
+{{- range $key, $value := .v.settings }}
+{{- if not (kindIs "invalid" $value) }}
+- name: {{ printf "%s%s" $.prefix ($key | snakecase | upper) }}
+  {{- if and (kindIs "float64" $value) (eq (floor $value) $value) }}
+  value: {{ int64 $value | quote }}
+  {{- else }}
+  value: {{ toString $value | quote }}
+  {{- end }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "lorafleet.controllerAddress" -}}
@@ -160,6 +190,9 @@ imagePullSecrets:
 {{/* The Redis URL as an EnvVar body (value or secretKeyRef). */}}
 {{- define "lorafleet.redisUrlEnv" -}}
 {{- if .Values.redis.enabled -}}
+{{- if .Values.redis.external.cluster -}}
+{{- fail "redis.external.cluster needs an external Redis Cluster: the bundled Redis is one node" -}}
+{{- end -}}
 value: {{ printf "redis://%s:%d/0" (include "lorafleet.componentName" (dict "ctx" . "component" "redis")) (int .Values.redis.port) | quote }}
 {{- else if .Values.redis.external.existingSecret -}}
 valueFrom:

@@ -10,6 +10,9 @@ parallel; the leader also runs the lorafleet rollout container, workers only SGL
 {{- $s := $v.sglang -}}
 {{- $lws := $v.leaderWorkerSet -}}
 {{- $sglang := eq $v.engine "sglang" -}}
+{{- if and $sglang (gt (int $v.numSlots) (int $s.maxLoadedLoras)) -}}
+{{- fail "rollout.numSlots must be <= rollout.sglang.maxLoadedLoras: the SGLang server holds every resident adapter" -}}
+{{- end -}}
 {{- $probe := printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d/health', timeout=%d)" (int $s.port) (int $s.probes.liveness.timeoutSeconds) -}}
 automountServiceAccountToken: false
 enableServiceLinks: false
@@ -31,24 +34,23 @@ containers:
       - {name: grpc, containerPort: {{ $v.port }}, protocol: TCP}
       - {name: metrics, containerPort: {{ $v.metricsPort }}, protocol: TCP}
     env:
-      {{- include "lorafleet.commonEnv" (dict "prefix" "LORAFLEET_ROLLOUT_" "v" $v) | nindent 6 }}
+      {{- include "lorafleet.commonEnv" (dict "ctx" $ "prefix" "LORAFLEET_ROLLOUT_" "v" $v) | nindent 6 }}
       - name: LORAFLEET_ROLLOUT_ENGINE
         value: {{ $v.engine | quote }}
       {{- if $sglang }}
       - name: LORAFLEET_ROLLOUT_ENGINE_URL
         value: {{ printf "http://127.0.0.1:%d" (int $s.port) | quote }}
-      {{- else }}
-      - name: LORAFLEET_ROLLOUT_DEVICE
-        value: {{ ternary "cuda" "cpu" (gt (int $v.gpu.count) 0) | quote }}
       {{- end }}
       - name: LORAFLEET_ROLLOUT_MODEL_PATH
         value: {{ include "lorafleet.modelPath" $ | quote }}
       - name: LORAFLEET_ROLLOUT_BASE_MODEL_NAME
         value: {{ $.Values.model.name | quote }}
-      - name: LORAFLEET_ROLLOUT_NUM_SLOTS
+      - name: LORAFLEET_ROLLOUT_MAX_LOADED_ADAPTERS
         value: {{ $v.numSlots | quote }}
-      - name: LORAFLEET_ROLLOUT_STORAGE_ROOT
-        value: {{ $.Values.checkpoints.mountPath | quote }}
+      # Pushed adapters (the service adds its replica id): on the checkpoint volume, which the
+      # SGLang container (and, multi-node, every pod of the group) reads them from by path.
+      - name: LORAFLEET_ROLLOUT_ADAPTER_DIR
+        value: {{ printf "%s/rollout-adapters" (trimSuffix "/" $.Values.checkpoints.mountPath) | quote }}
       - name: LORAFLEET_ROLLOUT_CONTROLLER_ADDRESS
         value: {{ include "lorafleet.controllerAddress" $ | quote }}
       - name: LORAFLEET_ROLLOUT_ADVERTISE_ADDRESS

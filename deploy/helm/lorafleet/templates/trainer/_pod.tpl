@@ -53,7 +53,7 @@ containers:
       - {name: torch-master, containerPort: {{ $lws.masterPort }}, protocol: TCP}
       {{- end }}
     env:
-      {{- include "lorafleet.commonEnv" (dict "prefix" "LORAFLEET_TRAINER_" "v" $v) | nindent 6 }}
+      {{- include "lorafleet.commonEnv" (dict "ctx" $ "prefix" "LORAFLEET_TRAINER_" "v" $v) | nindent 6 }}
       - name: LORAFLEET_TRAINER_MODEL_PATH
         value: {{ include "lorafleet.modelPath" $ | quote }}
       - name: LORAFLEET_TRAINER_BASE_MODEL_NAME
