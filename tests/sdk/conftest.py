@@ -7,9 +7,11 @@ run when a venv is missing.
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import tarfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -110,3 +112,40 @@ def json_target(fleet: object, target: Target, tmp_path_factory: pytest.TempPath
         )
     finally:
         stop_process(proc)
+
+
+def _peft_logprobs(model_dir: Path, adapter_dir: Path, ids: list[int]) -> list[float]:
+    """Per-token logprobs of ids[1:] given ids[:-1], with transformers + PEFT in-process."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def _download_adapter(target: Target, run_id: str, checkpoint_id: str, dest: Path) -> set[str]:
+    """0.24.1's archive route: a signed URL, fetched without the API key, holding a tar."""
+    reply = target.get(f"/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}/archive")
+    assert reply.status_code == 200, reply.text
+    tar_bytes = httpx.get(reply.json()["url"], timeout=60)
+    assert tar_bytes.status_code == 200, tar_bytes.text
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes.content)) as tar:
+        tar.extractall(dest, filter="data")
+        return {m.name for m in tar.getmembers()}
+
+
+@pytest.fixture(scope="session")
+def peft_logprobs() -> Callable[[Path, Path, list[int]], list[float]]:
+    """peft_logprobs(model_dir, adapter_dir, ids): the in-process reference."""
+    return _peft_logprobs
+
+
+@pytest.fixture(scope="session")
+def download_adapter() -> Callable[[Target, str, str, Path], set[str]]:
+    """download_adapter(target, run_id, checkpoint_id, dest) → the tar's member names."""
+    return _download_adapter

@@ -35,7 +35,12 @@ def attempt(out, name, fn):
 def main() -> None:
     sc = tinker.ServiceClient()
     rest = tinker.RestClient() if NEW else sc.create_rest_client()
-    options = {"lorafleet.alpha": "16", "lorafleet.dropout": "0.0", "team": "a"}
+    options = {
+        "lorafleet.alpha": "16",
+        "lorafleet.target_modules": "q_proj,v_proj",
+        "lorafleet.dropout": "0.0",
+        "team": "a",
+    }
     # No LoRA on lm_head: the CPU rollout engine serves attention and MLP adapters only.
     tc = done(
         sc.create_lora_training_client(
@@ -145,6 +150,15 @@ def main() -> None:
         attempt(out, "unknown_checkpoint", lambda: rest.get_checkpoint_archive_url(
             tc.model_id, "checkpoint-123"
         ).result().url)  # fmt: skip
+
+    def saved():
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # custom's gradient
+        fwd = tc.forward([datum(weights=[1.0] * n)], "cross_entropy").result()
+        path = tc.save_state("options").result().path
+        return {"model_id": tc.model_id, "path": path, "ids": ids,
+                "logprobs": fwd.loss_fn_outputs[0]["logprobs"].tolist()}  # fmt: skip
+
+    attempt(out, "saved", saved)
     print("SMOKE OK " + json.dumps(out), flush=True)
     os._exit(0)  # skip waiting on the SDK's background threads
 

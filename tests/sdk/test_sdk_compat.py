@@ -8,9 +8,7 @@ Run: .venv/bin/pytest tests/sdk -m slow -x -q   (build the venvs first: tests/sd
 
 from __future__ import annotations
 
-import io
 import subprocess
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,33 +23,12 @@ RunSdk = Callable[..., dict]
 TEXT = "The capital of France is Paris."
 
 
-def peft_logprobs(model_dir: Path, adapter_dir: Path, ids: list[int]) -> list[float]:
-    """Per-token logprobs of ids[1:] given ids[:-1], with transformers + PEFT in-process."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter_dir).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([ids[:-1]])).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
-
-
-def download_adapter(target: Target, run_id: str, checkpoint_id: str, dest: Path) -> set[str]:
-    """0.24.1's archive route: a signed URL, fetched without the API key, holding a tar."""
-    reply = target.get(f"/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id}/archive")
-    assert reply.status_code == 200, reply.text
-    tar_bytes = httpx.get(reply.json()["url"], timeout=60)
-    assert tar_bytes.status_code == 200, tar_bytes.text
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes.content)) as tar:
-        tar.extractall(dest, filter="data")
-        return {m.name for m in tar.getmembers()}
-
-
 def test_reference_flow_0380_and_logprobs_match_peft(
-    target: Target, tmp_path: Path, run_sdk: RunSdk
+    target: Target,
+    tmp_path: Path,
+    run_sdk: RunSdk,
+    download_adapter: Callable[..., set[str]],
+    peft_logprobs: Callable[..., list[float]],
 ) -> None:
     out = run_sdk("0.38.0", "compat_script.py", target)
     assert out["model_id"].endswith(":train:0") and out["model_id2"].endswith(":train:1")

@@ -6,7 +6,9 @@ feature of its report, against the server's own numbers (loss:sum) or the SDK's.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,3 +94,23 @@ def test_lora_options_are_not_user_metadata(report: dict) -> None:
 def test_unknown_checkpoint_is_not_found(report: dict) -> None:
     error = report["unknown_checkpoint"]["error"]
     assert "404" in error or "NotFound" in error, error
+
+
+def test_lora_options_reach_the_exported_adapter(
+    report: dict,
+    target: Any,
+    tmp_path: Path,
+    download_adapter: Callable[..., set[str]],
+    peft_logprobs: Callable[..., list[float]],
+) -> None:
+    """alpha 16 on q_proj and v_proj only: adapter_config.json says so, and PEFT loading the
+    export computes the logprobs the fleet computed (1e-5)."""
+    if not report["version"].startswith("0.38"):
+        pytest.skip("checked once, with the 0.38 run")
+    saved = ok(report, "saved")
+    download_adapter(target, saved["model_id"], "weights/options", tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["lora_alpha"] == 16 and config["r"] == 4, config
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"], config
+    reference = peft_logprobs(target.model_dir, tmp_path, saved["ids"])
+    assert saved["logprobs"] == pytest.approx(reference, abs=1e-5)
