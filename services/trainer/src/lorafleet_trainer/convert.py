@@ -12,8 +12,10 @@ from lorafleet.v1 import common_pb2, trainer_pb2
 from lorafleet_trainer import domain
 
 # The wire dtype table is lorafleet.tensors'; torch shares its dtype names.
-_TO_TORCH = {code: getattr(torch, d.name) for code, d in WIRE_DTYPES.items()}
-_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_TO_TORCH: dict[int, torch.dtype] = {
+    code: getattr(torch, d.name) for code, d in WIRE_DTYPES.items()
+}
+_FROM_TORCH = {v: common_pb2.DType.ValueType(k) for k, v in _TO_TORCH.items()}
 
 
 def tensor_from_proto(t: common_pb2.Tensor, field: str) -> torch.Tensor:

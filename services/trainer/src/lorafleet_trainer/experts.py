@@ -22,6 +22,8 @@ else is reported as not adaptable by `sites.py` rather than skipped.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -30,6 +32,15 @@ from lorafleet.errors import FailedPrecondition
 from lorafleet_trainer.lora import LoraWeights, Router, init_weights
 
 BANKS = ("gate_up_proj", "down_proj")
+
+
+class _StandardExperts(Protocol):
+    """The parts of a transformers experts module that `is_standard_experts` checked."""
+
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 def is_standard_experts(module: nn.Module) -> bool:
@@ -113,8 +124,8 @@ class MultiLoraExperts(nn.Module):
         super().__init__()
         self.base = base
         self.router = router
-        self.num_experts = int(base.gate_up_proj.shape[0])
         self.banks = {p: ExpertBank(self, p) for p in BANKS}
+        self.num_experts = self.banks["gate_up_proj"].num_experts
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -130,7 +141,7 @@ class MultiLoraExperts(nn.Module):
         sizes = torch.tensor([g.size * seq for g in groups], device=hidden_states.device)
         ordinal = torch.arange(len(groups), device=sizes.device)
         group_of_token = torch.repeat_interleave(ordinal, sizes)
-        base = self.base
+        base = cast(_StandardExperts, self.base)  # checked by is_standard_experts before wrapping
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)

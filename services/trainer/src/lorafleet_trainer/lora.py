@@ -117,10 +117,11 @@ class Router:
 
 @dataclass
 class LoraWeights:
-    """One slot's adapter on one module (float32 whatever the base dtype)."""
+    """One slot's adapter on one module (float32 whatever the base dtype): the slot table's
+    trainable Parameters, or plain zeros standing in for an absent slot within a forward."""
 
-    A: nn.Parameter  # (rank, in_features)
-    B: nn.Parameter  # (out_features, rank)
+    A: torch.Tensor  # (rank, in_features)
+    B: torch.Tensor  # (out_features, rank)
 
 
 class MultiLoraLinear(nn.Module):
@@ -162,6 +163,8 @@ class MultiLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         routing = self.router.routing
+        if routing is None:
+            raise RuntimeError(f"{self.name} ran outside Router.route(): no rows are routed")
         if not any(g.slot in self.adapters for c in routing.classes for g in c.groups):
             return out
         xs = x.to(torch.float32)
@@ -180,14 +183,16 @@ class MultiLoraLinear(nn.Module):
 
     def _add_delta(self, c: RankClass, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out + scale * B(A(x))` for the rows of one rank class, unit by unit."""
-        weights = [self.adapters.get(g.slot) for g in c.groups]
-        if all(w is None for w in weights):
+        found = [self.adapters.get(g.slot) for g in c.groups]
+        if all(w is None for w in found):
             return out
-        if any(w is None for w in weights):
+        if any(w is None for w in found):
             zero = LoraWeights(
                 x.new_zeros(c.rank, self.in_features), x.new_zeros(self.out_features, c.rank)
             )
-            weights = [zero if w is None else w for w in weights]
+            weights = [zero if w is None else w for w in found]
+        else:
+            weights = [w for w in found if w is not None]
         a = torch.stack([w.A for w in weights])  # (groups, rank, in)
         b = torch.stack([w.B for w in weights])  # (groups, out, rank)
         if c.unit_group is not None:

@@ -190,8 +190,9 @@ def per_token_loss(cfg: LossConfig, logp: torch.Tensor, d: PreparedDatum) -> tor
     """Each target token's term of the datum's loss (shaped like `logp`, i.e. like
     target_tokens), differentiable; the datum's loss is exactly `.sum()` of it."""
     if cfg.loss_fn == "cross_entropy":
-        return -(logp * d.weights)
-    old, adv = d.sampling_logprobs, d.advantages
+        return -(logp * _prepared(d.weights, "weights"))
+    old = _prepared(d.sampling_logprobs, "sampling_logprobs")
+    adv = _prepared(d.advantages, "advantages")
     if cfg.loss_fn == "dro":
         return -(logp * adv) + cfg.beta / 2 * (logp - old) ** 2
     if cfg.loss_fn == "gspo":
@@ -206,6 +207,13 @@ def per_token_loss(cfg: LossConfig, logp: torch.Tensor, d: PreparedDatum) -> tor
     if cfg.loss_fn == "ppo":
         return -torch.minimum(ratio * adv, clipped * adv)
     return -(clipped.detach() * logp * adv)  # cispo
+
+
+def _prepared(value: torch.Tensor | None, name: str) -> torch.Tensor:
+    """An input `prepare_input` fills for this loss; None means the datum skipped it."""
+    if value is None:
+        raise ValueError(f"PreparedDatum.{name} is unset: the datum was not prepared for this loss")
+    return value
 
 
 def elementwise_output(terms: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,8 @@ def category(module_name: str, is_output: bool) -> str:
 
 def wrap_model(model: nn.Module, router: Router) -> tuple[dict[str, Adaptable], tuple[Site, ...]]:
     """Wrap every adaptable site of `model` in place; returns them by name, and the inventory."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output = getattr(model, "get_output_embeddings", None)  # transformers models have it
+    output = get_output() if get_output is not None else None
     sites: list[Site] = []
     wrappers: dict[str, Adaptable] = {}
     for name, module in list(model.named_modules()):
