@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
+from redis.typing import EncodableT, FieldT
+
 from lorafleet import errors
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.clients import Pool, TrainerClient
@@ -192,7 +194,8 @@ class Registry:
             for i, (rid, raw) in enumerate(zip(rids, raws, strict=True))
         ]
 
-    async def list(self, tenant: str, limit: int, offset: int) -> tuple[list[RegRecord], int]:
+    async def of_tenant(self, tenant: str, limit: int, offset: int) -> tuple[list[RegRecord], int]:
+        """A page of the tenant's registrations, newest first, and their total."""
         key = self.keys.tenant_regs(tenant)
         total = int(await self.store.redis.zcard(key))
         stop = offset + (limit if limit > 0 else 100) - 1
@@ -251,7 +254,7 @@ class Registry:
             change = "returned"
         else:
             change = "same"
-        mapping: dict[str | bytes, str | int | float | bytes] = {
+        mapping: dict[FieldT, EncodableT] = {
             "kind": rep.kind, "address": rep.address, "base_model": rep.base_model,
             "num_slots": rep.num_slots, "incarnation": rep.incarnation, "last_seen": now,
             "healthy": "1", "tokenizer_id": rep.tokenizer_id, "max_rank": rep.max_rank,

@@ -108,7 +108,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def ListRegistrations(
         self, request: pb.ListRegistrationsRequest, context: Context
     ) -> pb.ListRegistrationsResponse:
-        recs, total = await self.controller.registry.list(
+        recs, total = await self.controller.registry.of_tenant(
             request.tenant, request.limit, request.offset
         )
         return pb.ListRegistrationsResponse(
