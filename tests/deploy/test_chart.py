@@ -141,7 +141,7 @@ GRPC_SERVICES = {
     "rollout": "lorafleet.v1.RolloutService",
 }
 # CRD kinds kubernetes-validate has no schema for; asserted on structurally below.
-CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/")
+CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "cert-manager.io/")
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 METRIC_NAME = re.compile(r"\b((?:lorafleet|grpc_server)_[a-z0-9_]+)\b")
 
@@ -264,10 +264,21 @@ def test_every_pod_is_hardened(render, name):
 
 @pytest.mark.parametrize("name", values_names(), ids=lambda n: f"{n}-values")
 def test_grpc_services_use_native_grpc_probes(render, name):
-    rendered = render(load_values(name))
+    """On the gRPC port, or with internal TLS on the plaintext health port (the kubelet
+    cannot present a client certificate), which the service is told to open."""
+    values = load_values(name)
+    tls = values.get("tls", {}).get("enabled", False)
+    rendered = render(values)
     for component, service in GRPC_SERVICES.items():
         c = rendered.container(component)
         port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        health = env_of(c).get(f"LORAFLEET_{component.upper()}_HEALTH_PORT")
+        if tls:
+            assert port != int(health)
+            port = int(health)
+            assert {"name": "health", "containerPort": port, "protocol": "TCP"} in c["ports"]
+        else:
+            assert health is None and "health" not in {p["name"] for p in c["ports"]}
         assert c["livenessProbe"]["grpc"] == {"port": port, "service": ""}
         assert c["startupProbe"]["grpc"] == {"port": port, "service": ""}
         assert c["readinessProbe"]["grpc"] == {"port": port, "service": service}
@@ -913,3 +924,219 @@ def test_leader_worker_sets_validate_and_wire_the_group(render):
 def test_group_guards(chart, override, message):
     with pytest.raises(helm_python.HelmRenderError, match=message):
         chart.render(values=override, name=RELEASE, namespace=NAMESPACE)
+
+
+# --- internal mutual TLS ---------------------------------------------------------------------
+
+TLS_KINDS = ("controller", "trainer", "rollout", "gateway")
+EXISTING = {kind: f"corp-{kind}-tls" for kind in TLS_KINDS}
+# Each render with TLS on: cert-manager with the chart's CA, existing Secrets, multi-node.
+TLS_RENDERS = {
+    "cert-manager": load_values("tls"),
+    "existing-secrets": {"tls": {"enabled": True, "existingSecret": EXISTING}},
+    "multinode": deep_merge(load_values("multinode"), {"tls": {"enabled": True}}),
+}
+
+
+def _secret_volumes(pod: dict[str, Any]) -> dict[str, str]:
+    """volume name -> Secret name of a pod spec's secret volumes."""
+    return {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+
+
+@pytest.mark.parametrize("case", TLS_RENDERS)
+def test_every_lorafleet_container_gets_the_tls_identity(render, case):
+    """Every lorafleet container (and the helm test pod) has LORAFLEET_TLS_* naming files of
+    its kind's Secret, mounted read-only with a key only the pod's group reads; SGLang none."""
+    rendered = render(TLS_RENDERS[case])
+    seen = set()
+    for pod_name, pod in rendered.pod_specs():
+        volumes = _secret_volumes(pod)
+        for c in pod["containers"]:
+            env = env_of(c)
+            if c["name"] not in (*TLS_KINDS, "health"):
+                assert not any(k.startswith("LORAFLEET_TLS_") for k in env), c["name"]
+                assert "tls" not in {m["name"] for m in c.get("volumeMounts", [])}
+                continue
+            kind = "gateway" if c["name"] == "health" else c["name"]  # helm test dials as it
+            seen.add(kind)
+            assert env["LORAFLEET_TLS_CA_FILE"] == "/etc/lorafleet/tls/ca.crt"
+            assert env["LORAFLEET_TLS_CERT_FILE"] == "/etc/lorafleet/tls/tls.crt"
+            assert env["LORAFLEET_TLS_KEY_FILE"] == "/etc/lorafleet/tls/tls.key"
+            assert env["LORAFLEET_TLS_SERVER_NAME"] == f"{FULL}-internal"
+            assert env["LORAFLEET_TLS_ADMIN_NAMES"] == "lorafleet-admin"
+            (mount,) = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+            assert mount == {"name": "tls", "mountPath": "/etc/lorafleet/tls", "readOnly": True}
+            expected = EXISTING[kind] if case == "existing-secrets" else f"{FULL}-{kind}-tls"
+            assert volumes["tls"] == expected, pod_name
+            (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+            assert volume["secret"]["defaultMode"] == 0o440
+    assert seen == set(TLS_KINDS)
+
+
+@pytest.mark.parametrize("case", TLS_RENDERS)
+def test_the_admin_certificate_is_mounted_by_no_pod(render, case):
+    rendered = render(TLS_RENDERS[case])
+    admin = f"{FULL}-admin-tls"
+    for pod_name, pod in rendered.pod_specs():
+        assert admin not in json.dumps(pod), pod_name
+        for c in pod["containers"]:
+            assert "lorafleet-admin" not in {
+                e.get("value") for e in c.get("env", []) if e["name"] != "LORAFLEET_TLS_ADMIN_NAMES"
+            }
+
+
+def test_tls_via_cert_manager_with_the_charts_own_ca(render):
+    rendered = render(load_values("tls"))
+    certs = {c["metadata"]["name"]: c for c in rendered.of_kind("Certificate")}
+    assert set(certs) == {f"{FULL}-{k}-tls" for k in (*TLS_KINDS, "admin")} | {f"{FULL}-ca"}
+    for cert in certs.values():
+        assert cert["apiVersion"] == "cert-manager.io/v1"
+    ca = certs[f"{FULL}-ca"]["spec"]
+    assert ca["isCA"] is True and ca["privateKey"]["rotationPolicy"] == "Never"
+    issuers = {i["metadata"]["name"]: i["spec"] for i in rendered.of_kind("Issuer")}
+    assert issuers == {
+        f"{FULL}-selfsigned": {"selfSigned": {}},
+        f"{FULL}-ca": {"ca": {"secretName": ca["secretName"]}},
+    }
+    assert ca["issuerRef"]["name"] == f"{FULL}-selfsigned"
+    services = {s["metadata"]["name"] for s in rendered.of_kind("Service")}
+    for kind in TLS_KINDS:
+        spec = certs[f"{FULL}-{kind}-tls"]["spec"]
+        assert spec["secretName"] == f"{FULL}-{kind}-tls"
+        assert spec["commonName"] == kind
+        assert spec["usages"] == ["digital signature", "server auth", "client auth"]
+        assert spec["issuerRef"] == {
+            "name": f"{FULL}-ca",
+            "kind": "Issuer",
+            "group": "cert-manager.io",
+        }
+        names = spec["dnsNames"]
+        # The name peers check (pods are dialled by IP), and the kind's Services.
+        assert names[0] == f"{FULL}-internal"
+        assert {n for n in names if n in services} == {
+            s for s in services if s.startswith(f"{FULL}-{kind}") and "redis" not in s
+        }, kind
+    assert (
+        f"*.{FULL}-trainer-headless.{NAMESPACE}.svc"
+        in certs[f"{FULL}-trainer-tls"]["spec"]["dnsNames"]
+    )
+    admin = certs[f"{FULL}-admin-tls"]["spec"]
+    assert admin["commonName"] == "lorafleet-admin"
+    assert admin["usages"] == ["digital signature", "client auth"]
+    assert "dnsNames" not in admin
+    # Reloader rolls the Deployments/StatefulSets when their certificate is renewed.
+    for kind in TLS_KINDS:
+        workload = rendered.workload(kind)
+        annotations = workload["metadata"]["annotations"]
+        assert annotations["secret.reloader.stakater.com/reload"] == f"{FULL}-{kind}-tls"
+    assert not render().of_kind("Certificate")
+
+
+def test_tls_with_an_issuer_and_existing_secrets(render):
+    issuer = {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    rendered = render(
+        {
+            "tls": {
+                "enabled": True,
+                "existingSecret": {"trainer": "gpu-trainer-tls"},
+                "certManager": {"issuerRef": issuer},
+            }
+        }
+    )
+    certs = {c["metadata"]["name"]: c["spec"] for c in rendered.of_kind("Certificate")}
+    assert set(certs) == {f"{FULL}-{k}-tls" for k in ("controller", "rollout", "gateway", "admin")}
+    assert all(spec["issuerRef"] == issuer for spec in certs.values())
+    assert not rendered.of_kind("Issuer")
+    trainer = rendered.workload("trainer")["spec"]["template"]["spec"]
+    assert _secret_volumes(trainer)["tls"] == "gpu-trainer-tls"
+    # Every kind from existing Secrets: nothing for cert-manager to do.
+    every = render({"tls": {"enabled": True, "existingSecret": EXISTING}})
+    assert not every.of_kind("Certificate") and not every.of_kind("Issuer")
+    notes = every.files["lorafleet/templates/NOTES.txt"]
+    assert "mutual TLS" in notes and f"{FULL}-admin-tls" not in notes
+
+
+def test_tls_guards(chart):
+    partial = {"tls": {"enabled": True, "existingSecret": {"trainer": "t"}}}
+    with pytest.raises(helm_python.HelmRenderError, match="issuerRef"):
+        chart.render(values=partial, name=RELEASE, namespace=NAMESPACE)
+    with pytest.raises(helm_python.HelmValuesError, match="adminNames"):
+        chart.render(values={"tls": {"adminNames": []}}, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_gateway_pods_roll_when_the_charts_download_key_changes(render):
+    def checksum(values: dict) -> str | None:
+        meta = render(values).workload("gateway")["spec"]["template"]["metadata"]
+        return meta.get("annotations", {}).get("checksum/download-secret")
+
+    key = "k" * 32
+    assert checksum({"gateway": {"downloadSecret": {"value": key}}}) == checksum(
+        {"gateway": {"downloadSecret": {"value": key}, "replicaCount": 3}}
+    )
+    assert checksum({"gateway": {"downloadSecret": {"value": key}}}) != checksum(
+        {"gateway": {"downloadSecret": {"value": "j" * 32}}}
+    )
+    assert checksum(load_values("full")) is None  # an existing Secret is the operator's
+
+
+async def test_rendered_tls_wiring_authenticates_real_grpc_peers(render, tmp_path):
+    """Certificates made as the rendered Certificates specify (common name, DNS names), in
+    files where the rendered LORAFLEET_TLS_* env says, loaded by the services' own code: the
+    controller reaches a trainer dialled by IP (as discovery does) because every certificate
+    carries the shared server name; without that name, or without a certificate, the call is
+    refused; the kubelet's probe gets an answer in plaintext on the health port."""
+    import dataclasses
+
+    import grpc
+    import trustme
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from lorafleet.rpc.channel import make_channel
+    from lorafleet.rpc.server import ServiceSpec, start_server
+    from lorafleet.settings import TLS_PREFIX, ServerSettings, TlsSettings, load_settings
+    from lorafleet.testing import free_port
+    from lorafleet.tls import identity_from_settings
+
+    rendered = render(load_values("tls"))
+    ca = trustme.CA()
+    identities = {}
+    for kind in ("controller", "trainer"):
+        spec = rendered.get("Certificate", f"{FULL}-{kind}-tls")["spec"]
+        leaf = ca.issue_cert(*spec["dnsNames"], common_name=spec["commonName"])
+        folder = tmp_path / kind
+        folder.mkdir()
+        ca.cert_pem.write_to_path(str(folder / "ca.crt"))
+        leaf.cert_chain_pems[0].write_to_path(str(folder / "tls.crt"))
+        leaf.private_key_pem.write_to_path(str(folder / "tls.key"))
+        env = {
+            k: v.replace("/etc/lorafleet/tls", str(folder))
+            for k, v in env_of(rendered.container(kind)).items()
+            if k.startswith(TLS_PREFIX)
+        }
+        identities[kind] = identity_from_settings(load_settings(TlsSettings, TLS_PREFIX, env))
+
+    service = GRPC_SERVICES["trainer"]
+    trainer = await start_server(
+        ServerSettings(port=0, health_port=free_port()),
+        [ServiceSpec(None, lambda servicer, server: None, service)],
+        tls=identities["trainer"],
+    )
+
+    async def check(channel: grpc.aio.Channel) -> int:
+        async with channel:
+            request = health_pb2.HealthCheckRequest(service=service)
+            return (await health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)).status
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    address = f"127.0.0.1:{trainer.port}"
+    try:
+        assert await check(make_channel(address, tls=identities["controller"])) == serving
+        unnamed = dataclasses.replace(identities["controller"], server_name="")
+        for refused in (make_channel(address, tls=unnamed), grpc.aio.insecure_channel(address)):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await check(refused)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        probe = grpc.aio.insecure_channel(f"127.0.0.1:{trainer.health_port}")
+        assert await check(probe) == serving
+    finally:
+        await trainer.stop()

@@ -73,17 +73,84 @@ app.kubernetes.io/part-of: lorafleet
 {{- toYaml $res -}}
 {{- end -}}
 
-{{/* Native gRPC probes: liveness asks service "" (the process), readiness the named service. */}}
+{{/*
+Native gRPC probes: liveness asks service "" (the process), readiness the named service. With
+tls.enabled they ask the plaintext health port (v.healthPort): the kubelet cannot present a
+client certificate, and that port serves grpc.health.v1 alone, from the same health state.
+*/}}
 {{- define "lorafleet.grpcProbes" -}}
+{{- $port := ternary .v.healthPort .v.port .ctx.Values.tls.enabled -}}
 startupProbe:
-  grpc: {port: {{ .port }}, service: ""}
-  {{- toYaml .probes.startup | nindent 2 }}
+  grpc: {port: {{ $port }}, service: ""}
+  {{- toYaml .v.probes.startup | nindent 2 }}
 livenessProbe:
-  grpc: {port: {{ .port }}, service: ""}
-  {{- toYaml .probes.liveness | nindent 2 }}
+  grpc: {port: {{ $port }}, service: ""}
+  {{- toYaml .v.probes.liveness | nindent 2 }}
 readinessProbe:
-  grpc: {port: {{ .port }}, service: {{ .service | quote }}}
-  {{- toYaml .probes.readiness | nindent 2 }}
+  grpc: {port: {{ $port }}, service: {{ .service | quote }}}
+  {{- toYaml .v.probes.readiness | nindent 2 }}
+{{- end -}}
+
+{{/* The health container port (tls.enabled only); pass ctx and v. */}}
+{{- define "lorafleet.healthContainerPort" -}}
+{{- if .ctx.Values.tls.enabled -}}
+- {name: health, containerPort: {{ .v.healthPort }}, protocol: TCP}
+{{- end }}
+{{- end -}}
+
+{{/* The name every service certificate carries and every peer is checked against. */}}
+{{- define "lorafleet.tlsServerName" -}}
+{{- default (printf "%s-internal" (include "lorafleet.fullname" .)) .Values.tls.serverName -}}
+{{- end -}}
+
+{{/* The Secret holding a component's certificate (ca.crt, tls.crt, tls.key); "admin" too. */}}
+{{- define "lorafleet.tlsSecretName" -}}
+{{- $existing := index .ctx.Values.tls.existingSecret .component | default "" -}}
+{{- default (printf "%s-tls" (include "lorafleet.componentName" .)) $existing -}}
+{{- end -}}
+
+{{/* LORAFLEET_TLS_* of a lorafleet container (tls.enabled only). */}}
+{{- define "lorafleet.tlsEnv" -}}
+{{- $t := .Values.tls -}}
+{{- if $t.enabled -}}
+- name: LORAFLEET_TLS_CA_FILE
+  value: {{ printf "%s/ca.crt" $t.mountPath | quote }}
+- name: LORAFLEET_TLS_CERT_FILE
+  value: {{ printf "%s/tls.crt" $t.mountPath | quote }}
+- name: LORAFLEET_TLS_KEY_FILE
+  value: {{ printf "%s/tls.key" $t.mountPath | quote }}
+- name: LORAFLEET_TLS_SERVER_NAME
+  value: {{ include "lorafleet.tlsServerName" . | quote }}
+- name: LORAFLEET_TLS_ADMIN_NAMES
+  value: {{ join "," $t.adminNames | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The certificate's read-only mount (tls.enabled only). */}}
+{{- define "lorafleet.tlsMount" -}}
+{{- if .Values.tls.enabled -}}
+- {name: tls, mountPath: {{ .Values.tls.mountPath }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* The certificate volume of a component's pod (tls.enabled only); pass ctx and component. */}}
+{{- define "lorafleet.tlsVolume" -}}
+{{- if .ctx.Values.tls.enabled -}}
+- name: tls
+  secret:
+    secretName: {{ include "lorafleet.tlsSecretName" . }}
+    # 0440: the key is readable by the pod's group (fsGroup) only.
+    defaultMode: 288
+{{- end }}
+{{- end -}}
+
+{{/* Workload annotations: stakater Reloader rolls the pods when the certificate changes. */}}
+{{- define "lorafleet.workloadAnnotations" -}}
+{{- $t := .ctx.Values.tls -}}
+{{- if and $t.enabled $t.reloader -}}
+annotations:
+  secret.reloader.stakater.com/reload: {{ include "lorafleet.tlsSecretName" . | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "lorafleet.podSecurityContext" -}}
@@ -151,7 +218,14 @@ REPLICA_ID (the pod name), NAMESPACE (the controller's Services and Lease), the 
   valueFrom:
     fieldRef: {fieldPath: metadata.namespace}
 {{- end }}
+{{- if and .ctx.Values.tls.enabled (hasKey .v "healthPort") }}
+- name: {{ .prefix }}HEALTH_PORT
+  value: {{ .v.healthPort | quote }}
+{{- end }}
 {{- include "lorafleet.settingsEnv" . }}
+{{- with include "lorafleet.tlsEnv" .ctx }}
+{{ . }}
+{{- end }}
 {{- end -}}
 
 {{/*

@@ -33,6 +33,7 @@ containers:
     ports:
       - {name: grpc, containerPort: {{ $v.port }}, protocol: TCP}
       - {name: metrics, containerPort: {{ $v.metricsPort }}, protocol: TCP}
+      {{- with include "lorafleet.healthContainerPort" (dict "ctx" $ "v" $v) }}{{ . | nindent 6 }}{{ end }}
     env:
       {{- include "lorafleet.commonEnv" (dict "ctx" $ "prefix" "LORAFLEET_ROLLOUT_" "v" $v) | nindent 6 }}
       - name: LORAFLEET_ROLLOUT_ENGINE
@@ -63,7 +64,7 @@ containers:
       {{- with $v.extraEnv }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
-    {{- include "lorafleet.grpcProbes" (dict "port" $v.port "service" "lorafleet.v1.RolloutService" "probes" $v.probes) | nindent 4 }}
+    {{- include "lorafleet.grpcProbes" (dict "ctx" $ "v" $v "service" "lorafleet.v1.RolloutService") | nindent 4 }}
     resources:
       {{- if $sglang }}
       {{- toYaml $v.resources | nindent 6 }}
@@ -74,6 +75,7 @@ containers:
       {{- include "lorafleet.containerSecurityContext" $ | nindent 6 }}
     volumeMounts:
       {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v) | nindent 6 }}
+      {{- with include "lorafleet.tlsMount" $ }}{{ . | nindent 6 }}{{ end }}
       {{- with $v.extraVolumeMounts }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
@@ -150,4 +152,7 @@ containers:
   {{- end }}
 volumes:
   {{- include "lorafleet.workerVolumes" (dict "ctx" $ "v" $v) | nindent 2 }}
+  {{- if ne .role "worker" }}
+  {{- with include "lorafleet.tlsVolume" $c }}{{ . | nindent 2 }}{{ end }}
+  {{- end }}
 {{- end -}}

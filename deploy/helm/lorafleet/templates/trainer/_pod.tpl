@@ -49,6 +49,9 @@ containers:
       - {name: grpc, containerPort: {{ $v.port }}, protocol: TCP}
       {{- end }}
       - {name: metrics, containerPort: {{ $v.metricsPort }}, protocol: TCP}
+      {{- if $serves }}
+      {{- with include "lorafleet.healthContainerPort" (dict "ctx" $ "v" $v) }}{{ . | nindent 6 }}{{ end }}
+      {{- end }}
       {{- if eq .role "leader" }}
       - {name: torch-master, containerPort: {{ $lws.masterPort }}, protocol: TCP}
       {{- end }}
@@ -81,7 +84,7 @@ containers:
       {{- toYaml . | nindent 6 }}
       {{- end }}
     {{- if $serves }}
-    {{- include "lorafleet.grpcProbes" (dict "port" $v.port "service" "lorafleet.v1.TrainerService" "probes" $v.probes) | nindent 4 }}
+    {{- include "lorafleet.grpcProbes" (dict "ctx" $ "v" $v "service" "lorafleet.v1.TrainerService") | nindent 4 }}
     {{- end }}
     resources:
       {{- include "lorafleet.gpuResources" (dict "ctx" $ "resources" $v.resources "gpu" $gpu) | nindent 6 }}
@@ -89,9 +92,11 @@ containers:
       {{- include "lorafleet.containerSecurityContext" $ | nindent 6 }}
     volumeMounts:
       {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v) | nindent 6 }}
+      {{- with include "lorafleet.tlsMount" $ }}{{ . | nindent 6 }}{{ end }}
       {{- with $v.extraVolumeMounts }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
 volumes:
   {{- include "lorafleet.workerVolumes" (dict "ctx" $ "v" $v) | nindent 2 }}
+  {{- with include "lorafleet.tlsVolume" $c }}{{ . | nindent 2 }}{{ end }}
 {{- end -}}
