@@ -14,14 +14,13 @@ from pathlib import Path
 
 from lorafleet_cli import runs
 from lorafleet_cli.fleet import Fleet, FleetConfig, FleetError
+from lorafleet_cli.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[4]
 SDK_PYTHON = REPO / ".venvs" / "tinker-0.38.0" / "bin" / "python"
 
 
 def run_demo(model: str) -> int:
-    from lorafleet_cli.main import resolve_model
-
     started = time.monotonic()
     if not SDK_PYTHON.exists():
         print(f"lorafleet: the SDK venv is missing ({SDK_PYTHON}); run `make demo`",

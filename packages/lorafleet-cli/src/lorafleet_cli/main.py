@@ -19,6 +19,7 @@ from pathlib import Path
 from lorafleet.tls import TlsIdentity
 from lorafleet_cli import accounting, runs, train
 from lorafleet_cli.fleet import Fleet, FleetConfig, FleetError
+from lorafleet_cli.models import resolve_model
 
 
 def _err(message: str) -> None:
@@ -41,28 +42,6 @@ def _redis_answers(url: str) -> bool:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=2).ping())
     except (redis.RedisError, ValueError, OSError):
         return False
-
-
-def resolve_model(spec: str) -> Path:
-    """tiny | bench | smollm2 | a model folder → a validated local folder."""
-    from lorafleet.errors import LorafleetError
-    from lorafleet_models.cli import default_cache_root
-    from lorafleet_models.tiny import ensure_model
-    from lorafleet_models.validate import validate_model_dir
-
-    cache = default_cache_root()
-    try:
-        if spec in ("tiny", "bench"):
-            return ensure_model(spec, cache)
-        if spec == "smollm2":
-            from lorafleet_models.smollm2 import import_smollm2
-
-            return import_smollm2(cache / "smollm2-135m-instruct")
-        path = Path(spec).expanduser().resolve()
-        validate_model_dir(path)
-        return path
-    except LorafleetError as exc:
-        raise FleetError(str(exc)) from None
 
 
 def _exports(base_url: str, api_key: str) -> str:

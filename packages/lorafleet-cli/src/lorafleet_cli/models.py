@@ -1,0 +1,32 @@
+"""Model specs on the command line (`tiny`, `bench`, `smollm2`, or a folder) → local folders.
+
+Shared by `lorafleet up` and `lorafleet demo`, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lorafleet_cli.fleet import FleetError
+
+
+def resolve_model(spec: str) -> Path:
+    """tiny | bench | smollm2 | a model folder → a validated local folder."""
+    from lorafleet.errors import LorafleetError
+    from lorafleet_models.cli import default_cache_root
+    from lorafleet_models.tiny import ensure_model
+    from lorafleet_models.validate import validate_model_dir
+
+    cache = default_cache_root()
+    try:
+        if spec in ("tiny", "bench"):
+            return ensure_model(spec, cache)
+        if spec == "smollm2":
+            from lorafleet_models.smollm2 import import_smollm2
+
+            return import_smollm2(cache / "smollm2-135m-instruct")
+        path = Path(spec).expanduser().resolve()
+        validate_model_dir(path)
+        return path
+    except LorafleetError as exc:
+        raise FleetError(str(exc)) from None
