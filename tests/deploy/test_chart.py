@@ -369,6 +369,56 @@ def test_service_env_loads_through_the_services_own_settings(render, name):
             load_settings(TlsSettings, TLS_PREFIX, env)
 
 
+# Settings the chart leaves to the service's default (extraEnv sets them where needed): a
+# setting a service gains must be wired, exposed in `settings`, or listed here, by decision.
+LEFT_TO_DEFAULTS = {
+    "controller": {
+        "COALESCE_WINDOW_MS",
+        "HEARTBEAT_INTERVAL_SECONDS",
+        "MAX_MESSAGE_BYTES",
+        "PIPELINE_SUBMITS",
+        "RESIDENT_VERSIONS",
+        "SWEEP_INTERVAL_SECONDS",
+        "TRANSPORT_RETRY_SECONDS",
+    },
+    "trainer": {"GROUP_KEEPALIVE_SECONDS", "MAX_MESSAGE_BYTES", "REGISTER_INTERVAL_SECONDS"},
+    # ENGINE_LAUNCH: SGLang runs as its own container; SERVED_MODEL_NAME: vLLM only.
+    "rollout": {
+        "ENGINE_LAUNCH",
+        "MAX_MESSAGE_BYTES",
+        "REGISTER_INTERVAL_SECONDS",
+        "SERVED_MODEL_NAME",
+    },
+    # Wire-protocol switches keep their defaults; the key comes from DOWNLOAD_SECRET (a Secret).
+    "gateway": {
+        "ACK_RESULTS",
+        "COMPRESS_FWDBWD",
+        "DOWNLOAD_SECRET_FILE",
+        "METRICS_PORT",
+        "PROTO_FLAGS",
+    },
+}
+
+
+def test_every_service_setting_is_wired_exposed_or_left_by_decision(render):
+    import dataclasses
+
+    renders = [load_values(n) for n in values_names()]
+    renders.append({"redis": {"enabled": False, "external": {"url": "redis://r", "cluster": True}}})
+    for component, (prefix, classes) in _settings_classes().items():
+        chart_sets = set()
+        for values in renders:
+            extra = {e["name"] for e in values.get(component, {}).get("extraEnv", [])}
+            container = render(values).container(component)
+            chart_sets |= {e["name"] for e in container["env"]} - extra
+        settings = {f.name.upper() for cls in classes for f in dataclasses.fields(cls)}
+        unwired = {s for s in settings if prefix + s not in chart_sets}
+        assert unwired == LEFT_TO_DEFAULTS[component], (
+            f"{component}: wire new settings in the chart, or add them to its `settings` "
+            "values (and full-values), or to LEFT_TO_DEFAULTS"
+        )
+
+
 def test_settings_values_become_env(render):
     """Each component's `settings` map renders as <PREFIX><UPPER_SNAKE> (whole numbers stay
     integers); null keys render nothing, and full-values sets every key."""
