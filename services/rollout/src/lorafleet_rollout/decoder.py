@@ -118,8 +118,8 @@ class SlotCache:
 
     Row i of the running batch lives in slot i; a finished row's slot is refilled by moving
     the last rows down (a copy of those rows only), and a step writes one column per row in
-    place. Buffers grow (slots by doubling; zero-filled: masked columns must hold finite values, as
-    0 * inf would poison the attention output).
+    place. Buffers grow (slots by doubling) zero-filled: masked columns must hold finite
+    values, as 0 * inf would poison the attention output.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
