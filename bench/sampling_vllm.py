@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from lorafleet.errors import LorafleetError
 from lorafleet.testing import child_env, free_port, stop_process
 from lorafleet_rollout.torch_engine import TorchEngine
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SampleResult, SamplingSpec
@@ -199,17 +200,22 @@ async def compare(
     report: dict[str, object] = {}
     sides = {**ours, "vllm": theirs}
     for load in loads:
-        for side in sides.values():
-            await side.run(load.requests[0])  # warm-up (allocations, prefix caches)
         seconds: dict[str, list[float]] = {name: [] for name in sides}
         cpu: dict[str, list[float]] = {name: [] for name in sides}
         firsts: dict[str, list[SampleResult]] = {}
-        for _ in range(rounds):
-            for name, side in sides.items():
-                elapsed, used, results = await timed(side, load)
-                seconds[name].append(elapsed)
-                cpu[name].append(used)
-                firsts.setdefault(name, results)
+        try:
+            for side in sides.values():
+                await side.run(load.requests[0])  # warm-up (allocations, prefix caches)
+            for _ in range(rounds):
+                for name, side in sides.items():
+                    elapsed, used, results = await timed(side, load)
+                    seconds[name].append(elapsed)
+                    cpu[name].append(used)
+                    firsts.setdefault(name, results)
+        except LorafleetError as exc:  # vLLM failed: say so, measure the rest
+            report[load.name] = {"error": str(exc)[:400]}
+            print(f"({load.name}) failed: {exc}", file=sys.stderr, flush=True)
+            continue
         entry: dict[str, object] = {
             "new_tokens": load.new_tokens,
             "vllm_tok_s": round(load.new_tokens / statistics.median(seconds["vllm"]), 1),
@@ -275,6 +281,9 @@ async def side(
                 for load in loads:
                     entry = result[load.name]
                     assert isinstance(entry, dict)
+                    if "error" in entry:
+                        entry["vllm_log_tail"] = log.read_text()[-1500:]
+                        continue
                     flops = workload_flops(model_dir, load)
                     seconds = result[f"_{load.name}_seconds"]
                     assert isinstance(seconds, dict)
@@ -321,7 +330,8 @@ async def vs_vllm(
         if isinstance(section, dict):
             for temp in section.values():
                 for entry in temp.values():
-                    entry["torch_gemm_peak_fraction"] = round(entry["torch_gflop_s"] / peak, 3)
+                    if "torch_gflop_s" in entry:
+                        entry["torch_gemm_peak_fraction"] = round(entry["torch_gflop_s"] / peak, 3)
     return report
 
 
