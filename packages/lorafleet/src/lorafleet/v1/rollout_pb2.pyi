@@ -104,9 +104,31 @@ class AdapterHeader(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class FileRefsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.BlobRef: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.BlobRef | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     ADAPTER_FIELD_NUMBER: _builtins.int
     LORA_CONFIG_FIELD_NUMBER: _builtins.int
     FILE_SHA256_FIELD_NUMBER: _builtins.int
+    FILE_REFS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def adapter(self) -> _common_pb2.AdapterRef: ...
     @_builtins.property
@@ -115,16 +137,24 @@ class AdapterHeader(_message.Message):
     def file_sha256(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """path -> SHA-256 of every file that follows."""
 
+    @_builtins.property
+    def file_refs(self) -> _containers.MessageMap[_builtins.str, _common_pb2.BlobRef]:
+        """path -> where the file lies on storage this replica shares with the trainer (file:// URI
+        inside its shared adapter root), SHA-256 and size. When set, no chunks follow: the replica
+        reads and verifies the files itself, so the bytes never pass through the controller.
+        """
+
     def __init__(
         self,
         *,
         adapter: _common_pb2.AdapterRef | None = ...,
         lora_config: _common_pb2.LoraConfig | None = ...,
         file_sha256: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        file_refs: _abc.Mapping[_builtins.str, _common_pb2.BlobRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "lora_config", b"lora_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "file_sha256", b"file_sha256", "lora_config", b"lora_config"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "file_refs", b"file_refs", "file_sha256", b"file_sha256", "lora_config", b"lora_config"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -73,7 +73,7 @@ class RolloutServiceServicer:
 
     def LoadAdapter(self, request_iterator, context):
         """Push an adapter version: header, then PEFT file chunks; verified by SHA-256 before it
-        serves. Deadline 120 s. Idempotent (same id and digests: no-op).
+        serves. With shared storage the header names the files (file_refs) and no chunks follow. Deadline 120 s. Idempotent (same id and digests: no-op).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

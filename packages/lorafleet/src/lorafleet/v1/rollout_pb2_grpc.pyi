@@ -40,7 +40,7 @@ class RolloutServiceStub:
     """Engine kind, base model, capacity. Deadline 5 s. Idempotent."""
     LoadAdapter: _grpc.StreamUnaryMultiCallable[_rollout_pb2.LoadAdapterChunk, _rollout_pb2.LoadAdapterResponse]
     """Push an adapter version: header, then PEFT file chunks; verified by SHA-256 before it
-    serves. Deadline 120 s. Idempotent (same id and digests: no-op).
+    serves. With shared storage the header names the files (file_refs) and no chunks follow. Deadline 120 s. Idempotent (same id and digests: no-op).
     """
     UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.UnloadAdapterRequest, _rollout_pb2.UnloadAdapterResponse]
     """Retire a version once idle. Deadline 30 s. Idempotent."""
@@ -58,7 +58,7 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """Engine kind, base model, capacity. Deadline 5 s. Idempotent."""
     LoadAdapter: _aio.StreamUnaryMultiCallable[_rollout_pb2.LoadAdapterChunk, _rollout_pb2.LoadAdapterResponse]  # type: ignore[assignment]
     """Push an adapter version: header, then PEFT file chunks; verified by SHA-256 before it
-    serves. Deadline 120 s. Idempotent (same id and digests: no-op).
+    serves. With shared storage the header names the files (file_refs) and no chunks follow. Deadline 120 s. Idempotent (same id and digests: no-op).
     """
     UnloadAdapter: _aio.UnaryUnaryMultiCallable[_rollout_pb2.UnloadAdapterRequest, _rollout_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
     """Retire a version once idle. Deadline 30 s. Idempotent."""
@@ -85,7 +85,7 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.LoadAdapterResponse, _abc.Awaitable[_rollout_pb2.LoadAdapterResponse]]:
         """Push an adapter version: header, then PEFT file chunks; verified by SHA-256 before it
-        serves. Deadline 120 s. Idempotent (same id and digests: no-op).
+        serves. With shared storage the header names the files (file_refs) and no chunks follow. Deadline 120 s. Idempotent (same id and digests: no-op).
         """
 
     @_abc_1.abstractmethod

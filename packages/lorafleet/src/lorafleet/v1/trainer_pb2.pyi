@@ -596,6 +596,75 @@ class ExportAdapterChunk(_message.Message):
 Global___ExportAdapterChunk: _TypeAlias = ExportAdapterChunk  # noqa: Y015
 
 @_typing.final
+class WriteSharedAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLOT_FIELD_NUMBER: _builtins.int
+    REGISTRATION_ID_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    slot: _builtins.int
+    registration_id: _builtins.str
+    version: _builtins.int
+    """The version being published: the folder is <shared root>/adapters/<registration_id>/<version>."""
+    def __init__(
+        self,
+        *,
+        slot: _builtins.int = ...,
+        registration_id: _builtins.str = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["registration_id", b"registration_id", "slot", b"slot", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteSharedAdapterRequest: _TypeAlias = WriteSharedAdapterRequest  # noqa: Y015
+
+@_typing.final
+class WriteSharedAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class FilesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.BlobRef: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.BlobRef | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    FILES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def files(self) -> _containers.MessageMap[_builtins.str, _common_pb2.BlobRef]:
+        """path -> file:// URI, SHA-256 and size of every file of the adapter folder."""
+
+    def __init__(
+        self,
+        *,
+        files: _abc.Mapping[_builtins.str, _common_pb2.BlobRef] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteSharedAdapterResponse: _TypeAlias = WriteSharedAdapterResponse  # noqa: Y015
+
+@_typing.final
 class ImportAdapterHeader(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

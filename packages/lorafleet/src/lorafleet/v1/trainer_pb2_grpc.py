@@ -79,6 +79,11 @@ class TrainerServiceStub:
                 request_serializer=lorafleet_dot_v1_dot_trainer__pb2.ExportAdapterRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_trainer__pb2.ExportAdapterChunk.FromString,
                 _registered_method=True)
+        self.WriteSharedAdapter = channel.unary_unary(
+                '/lorafleet.v1.TrainerService/WriteSharedAdapter',
+                request_serializer=lorafleet_dot_v1_dot_trainer__pb2.WriteSharedAdapterRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_trainer__pb2.WriteSharedAdapterResponse.FromString,
+                _registered_method=True)
         self.ImportAdapter = channel.stream_unary(
                 '/lorafleet.v1.TrainerService/ImportAdapter',
                 request_serializer=lorafleet_dot_v1_dot_trainer__pb2.ImportAdapterChunk.SerializeToString,
@@ -155,6 +160,17 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WriteSharedAdapter(self, request, context):
+        """Write a slot's weights as an HF PEFT adapter folder into the shared adapter root (storage
+        the controller and every rollout also mount) and answer where each file is and what it
+        hashes to: publish by reference, no adapter bytes through the controller. FAILED_PRECONDITION
+        when this trainer has no shared adapter root. Deadline 120 s. Idempotent (a version's folder
+        is written once; a repeat answers the files already there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ImportAdapter(self, request_iterator, context):
         """Import an HF PEFT adapter into a bound slot (header first, then file chunks). Deadline 300 s.
         Idempotent per operation id.
@@ -210,6 +226,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ExportAdapter,
                     request_deserializer=lorafleet_dot_v1_dot_trainer__pb2.ExportAdapterRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_trainer__pb2.ExportAdapterChunk.SerializeToString,
+            ),
+            'WriteSharedAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteSharedAdapter,
+                    request_deserializer=lorafleet_dot_v1_dot_trainer__pb2.WriteSharedAdapterRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_trainer__pb2.WriteSharedAdapterResponse.SerializeToString,
             ),
             'ImportAdapter': grpc.stream_unary_rpc_method_handler(
                     servicer.ImportAdapter,
@@ -460,6 +481,33 @@ class TrainerService:
             '/lorafleet.v1.TrainerService/ExportAdapter',
             lorafleet_dot_v1_dot_trainer__pb2.ExportAdapterRequest.SerializeToString,
             lorafleet_dot_v1_dot_trainer__pb2.ExportAdapterChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteSharedAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.TrainerService/WriteSharedAdapter',
+            lorafleet_dot_v1_dot_trainer__pb2.WriteSharedAdapterRequest.SerializeToString,
+            lorafleet_dot_v1_dot_trainer__pb2.WriteSharedAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,13 @@ class TrainerServiceStub:
     """Restore adapter (+ optimizer) state into a slot, with fences. Deadline 300 s. Idempotent per operation id."""
     ExportAdapter: _grpc.UnaryStreamMultiCallable[_trainer_pb2.ExportAdapterRequest, _trainer_pb2.ExportAdapterChunk]
     """Stream a slot's weights as an HF PEFT adapter folder. Deadline 120 s. Idempotent."""
+    WriteSharedAdapter: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.WriteSharedAdapterRequest, _trainer_pb2.WriteSharedAdapterResponse]
+    """Write a slot's weights as an HF PEFT adapter folder into the shared adapter root (storage
+    the controller and every rollout also mount) and answer where each file is and what it
+    hashes to: publish by reference, no adapter bytes through the controller. FAILED_PRECONDITION
+    when this trainer has no shared adapter root. Deadline 120 s. Idempotent (a version's folder
+    is written once; a repeat answers the files already there).
+    """
     ImportAdapter: _grpc.StreamUnaryMultiCallable[_trainer_pb2.ImportAdapterChunk, _trainer_pb2.ImportAdapterResponse]
     """Import an HF PEFT adapter into a bound slot (header first, then file chunks). Deadline 300 s.
     Idempotent per operation id.
@@ -94,6 +101,13 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     """Restore adapter (+ optimizer) state into a slot, with fences. Deadline 300 s. Idempotent per operation id."""
     ExportAdapter: _aio.UnaryStreamMultiCallable[_trainer_pb2.ExportAdapterRequest, _trainer_pb2.ExportAdapterChunk]  # type: ignore[assignment]
     """Stream a slot's weights as an HF PEFT adapter folder. Deadline 120 s. Idempotent."""
+    WriteSharedAdapter: _aio.UnaryUnaryMultiCallable[_trainer_pb2.WriteSharedAdapterRequest, _trainer_pb2.WriteSharedAdapterResponse]  # type: ignore[assignment]
+    """Write a slot's weights as an HF PEFT adapter folder into the shared adapter root (storage
+    the controller and every rollout also mount) and answer where each file is and what it
+    hashes to: publish by reference, no adapter bytes through the controller. FAILED_PRECONDITION
+    when this trainer has no shared adapter root. Deadline 120 s. Idempotent (a version's folder
+    is written once; a repeat answers the files already there).
+    """
     ImportAdapter: _aio.StreamUnaryMultiCallable[_trainer_pb2.ImportAdapterChunk, _trainer_pb2.ImportAdapterResponse]  # type: ignore[assignment]
     """Import an HF PEFT adapter into a bound slot (header first, then file chunks). Deadline 300 s.
     Idempotent per operation id.
@@ -177,6 +191,19 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_trainer_pb2.ExportAdapterChunk], _abc.AsyncIterator[_trainer_pb2.ExportAdapterChunk]]:
         """Stream a slot's weights as an HF PEFT adapter folder. Deadline 120 s. Idempotent."""
+
+    @_abc_1.abstractmethod
+    def WriteSharedAdapter(
+        self,
+        request: _trainer_pb2.WriteSharedAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_pb2.WriteSharedAdapterResponse, _abc.Awaitable[_trainer_pb2.WriteSharedAdapterResponse]]:
+        """Write a slot's weights as an HF PEFT adapter folder into the shared adapter root (storage
+        the controller and every rollout also mount) and answer where each file is and what it
+        hashes to: publish by reference, no adapter bytes through the controller. FAILED_PRECONDITION
+        when this trainer has no shared adapter root. Deadline 120 s. Idempotent (a version's folder
+        is written once; a repeat answers the files already there).
+        """
 
     @_abc_1.abstractmethod
     def ImportAdapter(
