@@ -22,7 +22,8 @@ state (the optimizer reset); the runner then saves the final adapter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ from lorafleet_controller.jobs.schedule import learning_rate
 from lorafleet_controller.jobs.units import Chunk, Plan
 
 EVAL_BATCH = 64  # datums per forward-only operation when measuring a loss
+PIPELINE_DEPTH = 8  # optimizer updates submitted ahead of their results
 
 
 class Executor(Protocol):
@@ -39,11 +41,13 @@ class Executor(Protocol):
 
     async def forward_backward(
         self, chunks: Sequence[Chunk], group_tokens: int, forward_only: bool
-    ) -> float:
-        """The chunks' summed loss over their trained tokens (`loss:sum`). With
-        forward_only false, the gradient accumulated is that sum / `group_tokens`."""
+    ) -> Awaitable[float]:
+        """Submit; the awaitable gives the chunks' summed loss over their trained tokens
+        (`loss:sum`). With forward_only false, the gradient accumulated is that sum /
+        `group_tokens`."""
 
-    async def optim_step(self, lr: float, params: JobParams) -> None: ...
+    async def optim_step(self, lr: float, params: JobParams) -> Awaitable[None]:
+        """Submit; the awaitable completes with the step."""
 
     async def save_state(self, name: str) -> str:
         """The saved state's tinker:// path."""
@@ -101,16 +105,47 @@ async def evaluate(ex: Executor, units: Sequence[Any]) -> float:
     """Token-mean loss of the units, forward only (no dropout, nothing accumulated)."""
     chunks = [c for u in units for c in u.chunks]
     tokens = sum(c.prediction_tokens for c in chunks)
-    total = 0.0
-    for i in range(0, len(chunks), EVAL_BATCH):
-        total += await ex.forward_backward(chunks[i : i + EVAL_BATCH], tokens, True)
-    return total / tokens
+    pending = [await ex.forward_backward(chunks[i : i + EVAL_BATCH], tokens, True)
+               for i in range(0, len(chunks), EVAL_BATCH)]  # fmt: skip
+    return sum([await loss for loss in pending]) / tokens
+
+
+async def train_pass(
+    number: int, plan: Plan, p: JobParams, ex: Executor, cur: Cursor, total_updates: int
+) -> float:
+    """One full pass; its token-weighted training loss. Up to PIPELINE_DEPTH updates are
+    submitted ahead of their results: nothing in a pass depends on its losses, and the
+    trainer then always has the next operation queued."""
+    weighted, tokens = 0.0, 0
+    inflight: deque[tuple[int, dict[str, Any], Awaitable[float], Awaitable[None]]] = deque()
+
+    async def settle() -> None:
+        nonlocal weighted, tokens
+        n, point, loss, step = inflight.popleft()
+        point["loss"] = await loss / n
+        await step
+        weighted, tokens = weighted + point["loss"] * n, tokens + n
+        cur.curve.append(point)
+        await ex.report(point)
+
+    for group in plan.pass_groups(number, p.seed, p.gradient_accumulation):
+        n = sum(c.prediction_tokens for c in group)
+        loss = await ex.forward_backward(group, n, False)
+        lr = learning_rate(p.schedule, p.learning_rate, cur.updates + 1, total_updates,
+                           p.warmup_steps, p.min_lr)  # fmt: skip
+        step = await ex.optim_step(lr, p)
+        cur.updates += 1
+        inflight.append((n, {"pass": number, "update": cur.updates, "lr": lr}, loss, step))
+        if len(inflight) >= PIPELINE_DEPTH:
+            await settle()
+    while inflight:
+        await settle()
+    return weighted / tokens
 
 
 async def run(job_id: str, plan: Plan, p: JobParams, ex: Executor, cur: Cursor) -> Cursor:
     """Train until a stopping rule holds; returns the final cursor (stop_reason set)."""
-    accumulation = p.gradient_accumulation
-    total_updates = p.max_iters * plan.updates_per_pass(accumulation)
+    total_updates = p.max_iters * plan.updates_per_pass(p.gradient_accumulation)
     if cur.passes == 0 and cur.initial_loss is None and not cur.stop_reason:
         cur.initial_loss = await evaluate(ex, plan.validation or plan.train)
         if p.loss_target > 0 and cur.initial_loss <= p.loss_target:
@@ -118,24 +153,12 @@ async def run(job_id: str, plan: Plan, p: JobParams, ex: Executor, cur: Cursor) 
         await ex.checkpoint(cur)
     while not cur.stop_reason:
         number = cur.passes + 1
-        weighted, tokens = 0.0, 0
-        for group in plan.pass_groups(number, p.seed, accumulation):
-            n = sum(c.prediction_tokens for c in group)
-            loss = await ex.forward_backward(group, n, False) / n
-            lr = learning_rate(p.schedule, p.learning_rate, cur.updates + 1, total_updates,
-                               p.warmup_steps, p.min_lr)  # fmt: skip
-            await ex.optim_step(lr, p)
-            cur.updates += 1
-            weighted, tokens = weighted + loss * n, tokens + n
-            point = {"pass": number, "update": cur.updates, "loss": loss, "lr": lr}
-            cur.curve.append(point)
-            await ex.report(point)
-        cur.train_loss = weighted / tokens
+        cur.train_loss = await train_pass(number, plan, p, ex, cur, total_updates)
         cur.validation_loss = None
         if plan.validation:
             cur.validation_loss = await evaluate(ex, plan.validation)
             if cur.stopper.observe(number, cur.validation_loss, p.min_delta):
-                cur.best_path = await ex.save_state(f"job-{job_id}-best-{number}")
+                cur.best_path = await ex.save_state(f"{job_id}-best-{number}")
         cur.passes = number
         cur.stop_reason = cur.stopper.decide(p, number, cur.train_loss, cur.validation_loss)
         cur.history.append({"pass": number, "train_loss": cur.train_loss,

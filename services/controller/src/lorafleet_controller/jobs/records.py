@@ -4,9 +4,10 @@ One hash per job (`keys.job`): owner tenant, run, kind, parameters and data (JSO
 the cursor of its last pass boundary, progress, result, error and a version that grows with
 every write. Indexes: the tenant's jobs by creation time, each run's unfinished jobs in the
 order they run (one job at a time per run, since they share its seq_ids), and the set of
-unfinished jobs a new leader resumes. Every change is one MULTI/EXEC and publishes the job
-id on the ledger's `done` channel, which wakes long-polling GetJob calls through the same
-`Notifier` as operations.
+unfinished jobs a new leader resumes. Every change is one MULTI/EXEC, then the job id is
+published on the ledger's `done` channel (after the transaction: a Cluster pipeline may not
+publish), which wakes long-polling GetJob calls through the same `Notifier` as operations;
+a lost wake-up only delays a poll until its timeout re-reads the record.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class Records:
             pipe.zadd(self.keys.tenant_jobs(tenant), {job_id: now})
             pipe.rpush(self.keys.run_jobs(rid), job_id)
             pipe.sadd(self.keys.jobs_open, job_id)
-            pipe.publish(self.keys.done, job_id)
             await pipe.execute()
+        await self.redis.publish(self.keys.done, job_id)
         return await self.get_any(job_id)
 
     async def get_any(self, job_id: str) -> JobRecord:
@@ -151,8 +152,8 @@ class Records:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.job(job_id), mapping=mapping)
             pipe.hincrby(self.keys.job(job_id), "version", 1)
-            pipe.publish(self.keys.done, job_id)
             await pipe.execute()
+        await self.redis.publish(self.keys.done, job_id)
 
     async def finish(self, rec: JobRecord, state: JobState, **fields: Any) -> None:
         """End a job: its state, its last fields, and out of the run's queue."""
@@ -164,8 +165,8 @@ class Records:
             pipe.hincrby(self.keys.job(rec.job_id), "version", 1)
             pipe.lrem(self.keys.run_jobs(rec.registration_id), 0, rec.job_id)
             pipe.srem(self.keys.jobs_open, rec.job_id)
-            pipe.publish(self.keys.done, rec.job_id)
             await pipe.execute()
+        await self.redis.publish(self.keys.done, rec.job_id)
 
     async def request_cancel(self, job_id: str) -> None:
         await self.update(job_id, cancel="1")

@@ -23,8 +23,8 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lorafleet import errors
 from lorafleet.v1 import common_pb2, controller_pb2
@@ -42,6 +42,7 @@ pb = controller_pb2
 WAIT_SECONDS = 30.0
 HEARTBEAT_SECONDS = 60.0
 JOBS_TAG = "lorafleet-jobs"
+T = TypeVar("T")
 
 
 class JobCancelled(Exception):
@@ -89,9 +90,11 @@ class LedgerExecutor:
         self.seq = seq
         self.unacked: list[str] = []
         self.live: list[dict[str, Any]] = []  # curve points since the last pass boundary
+        self.tasks: set[asyncio.Task[Any]] = set()  # results still awaited
         self._beat = 0.0
 
-    async def _op(self, payload: pb.OperationPayload) -> pb.OperationResult:
+    async def _submit(self, payload: pb.OperationPayload) -> str:
+        """Admit the job's next operation (retrying backpressure); its operation id."""
         if await self.runner.records.cancel_requested(self.rec.job_id):
             raise JobCancelled
         req = pb.SubmitOperationRequest(tenant=self.rec.tenant,
@@ -105,20 +108,37 @@ class LedgerExecutor:
                 await asyncio.sleep(exc.retry_after or 1.0)
         self.seq += 1
         self.unacked.append(adm.operation_id)
+        return adm.operation_id
+
+    async def _result(self, opid: str) -> pb.OperationResult:
+        """Wait for an operation of the job; its result, or the failure it ended with."""
         while True:
-            op = await self.controller.ledger.wait(self.rec.tenant, adm.operation_id,
-                                                   WAIT_SECONDS)  # fmt: skip
+            op = await self.controller.ledger.wait(self.rec.tenant, opid, WAIT_SECONDS)
             await self._heartbeat()
             if op.terminal:
                 break
         if op.state != OpState.SUCCEEDED:
             err = op.error or {}
             raise errors.FailedPrecondition(
-                f"operation {adm.operation_id} ended {op.state.label}: "
-                f"{err.get('message', 'no result')}",
+                f"operation {opid} ended {op.state.label}: {err.get('message', 'no result')}",
                 field=err.get("field", ""), reason=err.get("reason", "OPERATION_FAILED"),
             )  # fmt: skip
         return pb.OperationResult.FromString(op.result)
+
+    async def _op(self, payload: pb.OperationPayload) -> pb.OperationResult:
+        return await self._result(await self._submit(payload))
+
+    def _later(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def abandon(self) -> None:
+        """Stop waiting for results still outstanding (the job failed or was cancelled)."""
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def _heartbeat(self) -> None:
         """Keep the run's session alive while its job runs (sessions time out when silent)."""
@@ -132,22 +152,31 @@ class LedgerExecutor:
 
     async def forward_backward(
         self, chunks: Sequence[units.Chunk], group_tokens: int, forward_only: bool
-    ) -> float:
+    ) -> asyncio.Task[float]:
         fb = common_pb2.ForwardBackwardInput(
             data=[datum(c) for c in chunks], loss_fn="cross_entropy",
             forward_only=forward_only, group_tokens=0 if forward_only else group_tokens,
         )  # fmt: skip
         payload = pb.OperationPayload(forward=fb) if forward_only else \
             pb.OperationPayload(forward_backward=fb)  # fmt: skip
-        out = await self._op(payload)
-        return float(out.forward_backward.metrics["loss:sum"])
+        opid = await self._submit(payload)
 
-    async def optim_step(self, lr: float, p: JobParams) -> None:
+        async def loss() -> float:
+            return float((await self._result(opid)).forward_backward.metrics["loss:sum"])
+
+        return self._later(loss())
+
+    async def optim_step(self, lr: float, p: JobParams) -> asyncio.Task[None]:
         adam = common_pb2.AdamParams(
             learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=p.weight_decay,
             grad_clip_norm=p.max_grad_norm,
         )  # fmt: skip
-        await self._op(pb.OperationPayload(optim_step=adam))
+        opid = await self._submit(pb.OperationPayload(optim_step=adam))
+
+        async def applied() -> None:
+            await self._result(opid)
+
+        return self._later(applied())
 
     async def save_state(self, name: str) -> str:
         out = await self._op(pb.OperationPayload(save_state=pb.SaveStatePayload(name=name)))
@@ -413,11 +442,16 @@ class JobRunner:
                 cursor = await loop.run(rec.job_id, plan, p, ex, cursor)
                 path = await ex.save_state(f"{rec.job_id}-final")
                 result = loop.result(kind, plan, cursor, path)
+        except asyncio.CancelledError:  # leadership lost: the next leader resumes the job
+            await ex.abandon()
+            raise
         except JobCancelled:
+            await ex.abandon()
             await ex.ack()
             await self.records.finish(rec, JobState.CANCELLED, cursor=cursor.to_dict())
             return
         except errors.LorafleetError as exc:
+            await ex.abandon()
             await ex.ack()
             await self.records.finish(rec, JobState.FAILED, error=job_error(exc))
             return
