@@ -305,3 +305,33 @@ async def _no_manifest(path: str) -> None:
 
 async def _no_retire(rid: str, error: errors.LorafleetError) -> None:
     raise AssertionError(f"nothing is corrupted here ({rid}: {error})")
+
+
+async def test_a_ready_id_lost_around_a_redis_outage_is_queued_again(redis_server) -> None:
+    """A head popped from the ready list whose reply was lost (Redis frozen mid-reply) is
+    queued again by the first sweep after the outage, so its run does not stall forever."""
+    controller = Controller(ControllerSettings(redis_url=redis_server.url,
+                                               session_timeout_seconds=0))  # fmt: skip
+    await controller.start(lead=False)
+    await controller.store.take_epoch()  # sweep by hand, without the sweeper loop
+    try:
+        registry, keys, r = controller.registry, controller.store.keys, controller.store.redis
+        await registry.register_replica(
+            Replica("trainer", "tr-a", "127.0.0.1:1", "tiny", 2, "inc", 0, True)
+        )
+        rec, _ = await registry.create(
+            "t1", "s1", 0, "tiny", common_pb2.LoraConfig(rank=4), {}, "adamw", False
+        )
+        placement = await registry.place(rec.registration_id)
+        assert await registry.bound(rec.registration_id, placement.replica, placement.slot)
+        adm = await controller.ledger.submit(
+            "t1", rec.registration_id, 1, K.OPERATION_KIND_FORWARD_BACKWARD, b"", "d"
+        )
+        assert await r.lpop(keys.ready_data) == adm.operation_id.encode()  # ... and lost
+        await controller.sweep_once()
+        assert await r.lrange(keys.ready_data, 0, -1) == []  # no outage: nothing to do
+        controller._swept_at -= 10  # the previous good sweep was long ago: Redis was away
+        await controller.sweep_once()
+        assert await r.lrange(keys.ready_data, 0, -1) == [adm.operation_id.encode()]
+    finally:
+        await controller.stop()

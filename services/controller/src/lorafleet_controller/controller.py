@@ -199,6 +199,11 @@ class Controller:
         now = time.monotonic()
         if now - self._swept_at > self.settings.heartbeat_interval_seconds:
             self._heard_since = now
+            # An id popped from a ready list around the outage can be lost with its reply
+            # (seen in the chaos test: the head stayed QUEUED, marked pushed, in no list).
+            # Queue every head again; a duplicate id is harmless, the claim takes it once.
+            for rid in await self.registry.all_ids():
+                await self.ledger.repush(rid)
         silence = self.settings.heartbeat_timeout_seconds
         if now - self._heard_since < silence:
             silence = float("inf")
