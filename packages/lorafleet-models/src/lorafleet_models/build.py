@@ -11,6 +11,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 import transformers
@@ -116,25 +117,40 @@ def build_model(
     return record
 
 
+class _CommonConfig(TypedDict):
+    """The config arguments every architecture takes."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+
+
 def model_config(spec: Preset, eos_id: int, pad_id: int) -> PretrainedConfig:
     """The transformers config of a preset (its `arch`), with tied embeddings."""
-    common = {
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "tie_word_embeddings": True,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-    }
+    common = _CommonConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
     if spec.arch == "qwen3_moe":
-        return Qwen3MoeConfig(
+        moe = Qwen3MoeConfig(
             **common,
-            head_dim=spec.hidden_size // spec.num_heads,
             num_experts=spec.num_experts,
             num_experts_per_tok=spec.experts_per_token,
             moe_intermediate_size=spec.moe_intermediate_size,
@@ -142,6 +158,10 @@ def model_config(spec: Preset, eos_id: int, pad_id: int) -> PretrainedConfig:
             mlp_only_layers=[],
             norm_topk_prob=True,
         )
+        # Not in Qwen3MoeConfig's signature, but kept as an attribute and written to
+        # config.json, where serving engines read it.
+        moe.head_dim = spec.hidden_size // spec.num_heads
+        return moe
     if spec.arch == "phi3":
         return Phi3Config(**common, original_max_position_embeddings=spec.max_position_embeddings)
     return LlamaConfig(**common)
