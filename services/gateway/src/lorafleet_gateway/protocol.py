@@ -1,10 +1,13 @@
-"""Pydantic models of Tinker's JSON request bodies (tinker-api.md §6, both SDK versions).
+"""Pydantic models of Tinker's JSON request bodies and of every route's response
+(tinker-api.md §6, both SDK versions).
 
 They mirror the SDK's own types closely enough that a wrong type or a missing field is a
 400 naming the field ("forward_backward_input.data[0].model_input.chunks") before anything
 reaches the controller. Unknown extra fields are ignored: newer SDKs add optional fields.
-Tensor-level checks (byte lengths, CSR structure, finiteness) live in convert.py, which
-raises InvalidArgument with the same dotted field names.
+Tensor-level checks (byte lengths, CSR structure, finiteness) live in convert.py and the
+rules (losses, Adam ranges, names, LoRA options) in `lorafleet.contract`; both raise
+InvalidArgument with the same dotted field names. The response models give the OpenAPI
+document a schema for what each route answers.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from lorafleet.contract import ADAM_DEFAULTS, DEFAULT_RANK, MAX_RANK
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SeqId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -65,12 +70,14 @@ class ForwardRequest(Body):
 
 
 class AdamParams(Body):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    """Ranges are checked by `lorafleet.contract.check_adam` (convert.adam_from_json)."""
+
+    learning_rate: float = ADAM_DEFAULTS["learning_rate"]
+    beta1: float = ADAM_DEFAULTS["beta1"]
+    beta2: float = ADAM_DEFAULTS["beta2"]
+    eps: float = ADAM_DEFAULTS["eps"]
+    weight_decay: float = ADAM_DEFAULTS["weight_decay"]
+    grad_clip_norm: float = ADAM_DEFAULTS["grad_clip_norm"]
 
 
 class OptimStepRequest(Body):
@@ -113,7 +120,7 @@ class ClientConfigRequest(Body):
 
 # --- training runs ------------------------------------------------------------------------
 class LoraConfig(Body):
-    rank: Annotated[int, Field(ge=1, le=1024)] = 32
+    rank: Annotated[int, Field(ge=1, le=MAX_RANK)] = DEFAULT_RANK
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     train_unembed: bool = True
     train_mlp: bool = True
