@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from torch import nn
 
 from lorafleet.errors import InvalidArgument
 from lorafleet_rollout.lora import AdapterWeights, LoraStacks, Route
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _GROUPS = {
@@ -175,7 +179,7 @@ class Segment:
 class Decoder:
     """The base model's weights in decode layout, the resident adapters, and the forward."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         cfg = model.config
         if cfg.model_type not in SUPPORTED:
             raise InvalidArgument(
@@ -190,13 +194,13 @@ class Decoder:
                 f"rope type {rotary.rope_type!r} is not supported", field="model_path"
             )
         attn = model.model.layers[0].self_attn
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling
-        self.eps = cfg.rms_norm_eps
+        self.heads: int = cfg.num_attention_heads
+        self.kv_heads: int = cfg.num_key_value_heads
+        self.head_dim: int = attn.head_dim
+        self.scaling: float = attn.scaling
+        self.eps: float = cfg.rms_norm_eps
         self.max_positions = int(cfg.max_position_embeddings)
-        self.embed = model.get_input_embeddings().weight.detach()
+        self.embed = _detached_weight(model.get_input_embeddings())
         self.norm = model.model.norm.weight.detach()
         self.lm_head = pack(model.get_output_embeddings().weight.detach())
         with torch.inference_mode():
@@ -433,4 +437,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _weight(norm: nn.Module | None) -> torch.Tensor | None:
-    return None if norm is None else norm.weight.detach()
+    return None if norm is None else _detached_weight(norm)
+
+
+def _detached_weight(module: nn.Module) -> torch.Tensor:
+    """A module's weight for the decode layout; checked, as nn.Module attributes are untyped."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is not a tensor")
+    return weight.detach()
