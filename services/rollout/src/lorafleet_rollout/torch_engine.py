@@ -455,8 +455,8 @@ class TorchEngine:
             ]
 
     def _join(self, model: Decoder, job: _Job, logits: torch.Tensor) -> None:
-        """A prompt is prefilled: cache its prefix, start its samples, copy its keys/values
-        into one decode slot per sample."""
+        """A prompt is prefilled: cache its prefix, start its samples, and give each a decode
+        slot holding the keys/values it does not share (see `_segment_for`)."""
         request = job.request
         prompt = request.prompt_tokens
         self.prefix_cache.insert(job.adapter, prompt, job.keys, job.values)
