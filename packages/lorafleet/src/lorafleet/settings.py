@@ -17,9 +17,12 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class SettingsError(ValueError):
@@ -89,7 +92,7 @@ def load_settings(cls: type[T], prefix: str, env: Mapping[str, str] | None = Non
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         var = prefix + f.name.upper()
         if var in env:
             value = _convert(var, env[var], hints[f.name])

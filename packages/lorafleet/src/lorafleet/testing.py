@@ -111,8 +111,14 @@ def start_redis(
 
 
 @contextlib.contextmanager
-def redis_server(data_dir: Path, **kwargs: object) -> Iterator[RedisServer]:
-    server = start_redis(data_dir, **kwargs)  # type: ignore[arg-type]
+def redis_server(
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    appendonly: bool = False,
+    extra: list[str] | None = None,
+) -> Iterator[RedisServer]:
+    server = start_redis(data_dir, port=port, appendonly=appendonly, extra=extra)
     try:
         yield server
     finally:
