@@ -8,6 +8,7 @@ emits both as Lua constants (`OP.QUEUED`, `REG.READY`, ...) so the scripts never
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum, StrEnum
 
 from lorafleet.v1 import controller_pb2
@@ -50,14 +51,13 @@ class RegState(StrEnum):
         return controller_pb2.RegistrationState.Value(_REG_PREFIX + name)
 
 
-def _names(enum: object, prefix: str) -> set[str]:
-    values = enum.DESCRIPTOR.values  # type: ignore[attr-defined]  # protobuf enum wrapper
-    return {v.name.removeprefix(prefix) for v in values if v.number}
+def _names(items: Iterable[tuple[str, int]], prefix: str) -> set[str]:
+    return {name.removeprefix(prefix) for name, number in items if number}
 
 
 # A proto state added without a stored counterpart fails at import, not in production.
-assert _names(controller_pb2.OperationState, _OP_PREFIX) == {s.name for s in OpState}
-assert _names(controller_pb2.RegistrationState, _REG_PREFIX) <= {s.name for s in RegState}
+assert _names(controller_pb2.OperationState.items(), _OP_PREFIX) == {s.name for s in OpState}
+assert _names(controller_pb2.RegistrationState.items(), _REG_PREFIX) <= {s.name for s in RegState}
 
 # Kinds the scheduler batches per trainer (the `ready_data` queue); every other kind is control.
 DATA_KINDS = (controller_pb2.OPERATION_KIND_FORWARD, controller_pb2.OPERATION_KIND_FORWARD_BACKWARD)

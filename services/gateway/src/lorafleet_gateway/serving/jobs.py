@@ -242,7 +242,7 @@ def _flag(raw: str, field: str) -> bool:
 class JobsServing:
     """JobService client and the flows of the /v1/lora routes."""
 
-    KIND_OF_ROUTE: Mapping[str, int] = {
+    KIND_OF_ROUTE: Mapping[str, jobs_pb2.JobKind.ValueType] = {
         "train-qa": jobs_pb2.JOB_KIND_QA,
         "train-file-qa": jobs_pb2.JOB_KIND_QA,
         "train": jobs_pb2.JOB_KIND_TEXT,
@@ -272,7 +272,7 @@ class JobsServing:
         named = {**extra, **query}
         wait = _flag(named.pop("wait", "true"), "wait")
         req.tenant = tenant
-        req.kind = self.KIND_OF_ROUTE[route]  # type: ignore[assignment]  # enum value
+        req.kind = self.KIND_OF_ROUTE[route]
         req.registration_id = named.pop("run", "")
         req.base_model = named.pop("base_model", "")
         req.params.update(named)
