@@ -296,6 +296,12 @@ value: {{ .Values.redis.external.url | quote }}
 {{- default (printf "%s-checkpoints" (include "lorafleet.fullname" .)) .Values.checkpoints.existingClaim -}}
 {{- end -}}
 
+{{/* Where published adapters travel by reference when every pod mounts one claim
+(checkpoints.mode shared): the trainer writes, the controller and rollouts read. */}}
+{{- define "lorafleet.sharedAdapterRoot" -}}
+{{- printf "%s/shared-adapters" (trimSuffix "/" .Values.checkpoints.mountPath) -}}
+{{- end -}}
+
 {{/* Volumes every GPU pod has: model, checkpoints (shared mode), /tmp, /dev/shm. */}}
 {{- define "lorafleet.workerVolumes" -}}
 {{ include "lorafleet.modelVolume" .ctx }}

@@ -12,12 +12,14 @@ SERVING, so liveness holds) and the chart's readiness probe routes traffic to th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
 from typing import TYPE_CHECKING
 
-from lorafleet.settings import ServerSettings, load_or_exit
+from lorafleet.settings import ServerSettings, SettingsError, load_or_exit
+from lorafleet.shared_storage import check_root
 from lorafleet_controller.settings import PREFIX, ControllerSettings
 
 if TYPE_CHECKING:
@@ -32,6 +34,13 @@ log = logging.getLogger("lorafleet_controller")
 def main() -> None:
     settings = load_or_exit(ControllerSettings, PREFIX)
     server = load_or_exit(ServerSettings, PREFIX)
+    if settings.shared_adapter_root is not None:
+        try:
+            root = check_root(settings.shared_adapter_root, f"{PREFIX}SHARED_ADAPTER_ROOT")
+        except SettingsError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        settings = dataclasses.replace(settings, shared_adapter_root=root)
 
     import redis
 

@@ -161,6 +161,14 @@ class TrainerClient(_Base):
 
         return await self.call(fetch)
 
+    async def write_shared_adapter(
+        self, slot: int, rid: str, version: int
+    ) -> dict[str, common_pb2.BlobRef]:
+        """Publish by reference: the trainer writes the version's folder on shared storage."""
+        req = trainer_pb2.WriteSharedAdapterRequest(slot=slot, registration_id=rid, version=version)
+        resp = await self.call(lambda: self.stub.WriteSharedAdapter(req, timeout=120))
+        return dict(resp.files)
+
     async def import_adapter(self, opid: str, slot: int, rid: str, files: dict[str, bytes]) -> None:
         header = trainer_pb2.ImportAdapterHeader(operation_id=opid, slot=slot, registration_id=rid)
 
@@ -196,6 +204,23 @@ class RolloutClient(_Base):
                 yield rollout_pb2.LoadAdapterChunk(chunk=chunk)
 
         return await self.call(lambda: self.stub.LoadAdapter(chunks(), timeout=120))
+
+    async def load_shared_adapter(
+        self,
+        ref: common_pb2.AdapterRef,
+        lora: common_pb2.LoraConfig,
+        refs: dict[str, common_pb2.BlobRef],
+    ) -> rollout_pb2.LoadAdapterResponse:
+        """A header naming the files on shared storage; no chunks (the replica reads them)."""
+        header = rollout_pb2.AdapterHeader(
+            adapter=ref, lora_config=lora, file_refs=refs,
+            file_sha256={path: r.sha256 for path, r in refs.items()},
+        )  # fmt: skip
+
+        async def only_header() -> AsyncIterator[rollout_pb2.LoadAdapterChunk]:
+            yield rollout_pb2.LoadAdapterChunk(header=header)
+
+        return await self.call(lambda: self.stub.LoadAdapter(only_header(), timeout=120))
 
     async def unload_adapter(self, ref: common_pb2.AdapterRef) -> None:
         req = rollout_pb2.UnloadAdapterRequest(adapter=ref)

@@ -87,7 +87,7 @@ class Controller:
         self.samplers = Samplers(self.store, self.ledger, self.registry, self.pool, settings)
         self.publisher = Publisher(
             self.store, settings.storage_root, self.registry, self.catalog, self.samplers,
-            self.pool, settings.resident_versions,
+            self.pool, settings.resident_versions, settings.shared_adapter_root,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.blocking, self.store.keys, self.ledger, self.registry, self.catalog, self.pool,

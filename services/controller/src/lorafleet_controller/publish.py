@@ -9,6 +9,12 @@ SHA-256) under `<registration>@<version>`; only when all acknowledged does the o
 succeed and the registration's published_version move. A replica that does not acknowledge
 fails the operation with its name. Rollouts that (re)start are reconciled: they receive the
 newest live versions of every registration of their base model.
+
+Where every replica mounts the same storage (`shared_adapter_root`, lorafleet.shared_storage)
+the adapter travels by reference instead: the trainer writes the version's folder there
+(WriteSharedAdapter) and each rollout gets a header with every file's URI and SHA-256 and
+reads the files itself, so no adapter bytes pass through the controller's memory. The
+folder is then the durable sampler checkpoint. Without it, today's streamed push.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ import asyncio
 import logging
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorafleet import errors
 from lorafleet.contract import AdapterId
-from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet.shared_storage import FileRef, common_folder
+from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
 from lorafleet_controller import metrics
 from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
 from lorafleet_controller.clients import Pool
@@ -36,6 +44,21 @@ log = logging.getLogger(__name__)
 Effects = list[tuple[str, str, Any]]
 
 
+@dataclass(frozen=True)
+class Payload:
+    """A version's files as they travel to rollouts: the bytes (streamed push) or, on shared
+    storage, references the rollouts read themselves."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    refs: dict[str, common_pb2.BlobRef] = field(default_factory=dict)
+
+    @property
+    def size_bytes(self) -> int:
+        if self.refs:
+            return sum(r.size_bytes for r in self.refs.values())
+        return sum(map(len, self.files.values()))
+
+
 class Publisher:
     def __init__(
         self,
@@ -46,6 +69,7 @@ class Publisher:
         samplers: Samplers,
         pool: Pool,
         resident_versions: int,
+        shared_root: Path | None = None,
     ) -> None:
         self.store = store
         self.keys = store.keys
@@ -55,6 +79,7 @@ class Publisher:
         self.samplers = samplers
         self.pool = pool
         self.resident_versions = resident_versions
+        self.shared_root = shared_root
 
     async def publish(
         self, claim: Claim, sw: controller_pb2.SaveWeightsForSamplerPayload
@@ -67,20 +92,25 @@ class Publisher:
         rep = await self.registry.replica(claim.replica)
         if rep is None:
             raise errors.Unavailable(f"trainer replica {claim.replica!r} is gone")
-        files = await self.pool.trainer(rep.address).export_adapter(
-            claim.slot, claim.registration_id
-        )
-        folder = await asyncio.to_thread(self._write, claim.registration_id, version, files)
+        trainer = self.pool.trainer(rep.address)
+        if self.shared_root is not None:
+            refs = await trainer.write_shared_adapter(claim.slot, claim.registration_id, version)
+            folder = await asyncio.to_thread(_shared_folder, self.shared_root, refs)
+            payload = Payload(refs=refs)
+        else:
+            files = await trainer.export_adapter(claim.slot, claim.registration_id)
+            folder = await asyncio.to_thread(self._write, claim.registration_id, version, files)
+            payload = Payload(files=files)
         ref = common_pb2.AdapterRef(registration_id=claim.registration_id, version=version)
-        await self._record_live(ref, reg.base_model, reg.lora, folder)
-        await self.push_all(ref, reg.base_model, reg.lora, files)
+        await self._record_live(ref, reg.base_model, reg.lora, folder, payload.refs)
+        await self.push_all(ref, reg.base_model, reg.lora, payload)
         path = ""
         if sw.name:
             path = f"tinker://{claim.registration_id}/sampler_weights/{sw.name}"
             await self.catalog.add(
                 tinker_path=path, tenant=claim.tenant, type=SAMPLER, base_model=reg.base_model,
                 lora=reg.lora, files_dir=folder, version=version, ttl_seconds=sw.ttl_seconds,
-                user_metadata=dict(sw.user_metadata), size_bytes=sum(map(len, files.values())),
+                user_metadata=dict(sw.user_metadata), size_bytes=payload.size_bytes,
             )  # fmt: skip
         sampler_id = ""
         if sw.sampler_session_id:
@@ -126,23 +156,30 @@ class Publisher:
         version = await self._version(ckpt.training_run_id, "")
         ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=version)
         folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, files)
-        await self._record_live(ref, ckpt.base_model, ckpt.lora, folder)
-        await self.push_all(ref, ckpt.base_model, ckpt.lora, files)
+        await self._record_live(ref, ckpt.base_model, ckpt.lora, folder, {})
+        await self.push_all(ref, ckpt.base_model, ckpt.lora, Payload(files=files))
         return await self.samplers.record(
             sampler_id=sampler_id, tenant=tenant, base_model=ckpt.base_model,
             model_path=model_path, ref=ref, inflight=False,
         )  # fmt: skip
 
     async def _record_live(
-        self, ref: common_pb2.AdapterRef, base_model: str, lora: common_pb2.LoraConfig, folder: str
+        self,
+        ref: common_pb2.AdapterRef,
+        base_model: str,
+        lora: common_pb2.LoraConfig,
+        folder: str,
+        refs: dict[str, common_pb2.BlobRef],
     ) -> None:
+        """`refs` (shared storage) are kept so reconciling a rollout also goes by reference."""
         aid = str(AdapterId(ref.registration_id, ref.version))
+        shared = trainer_pb2.WriteSharedAdapterResponse(files=refs).SerializeToString()
         async with self.store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(
                 self.keys.adapter(aid),
                 mapping={"files_dir": folder, "lora": lora.SerializeToString(),
                          "base_model": base_model, "rid": ref.registration_id,
-                         "version": ref.version},
+                         "version": ref.version, "refs": shared},
             )  # fmt: skip
             pipe.zadd(self.keys.live(base_model), {aid: ref.version})
             await pipe.execute()
@@ -152,12 +189,12 @@ class Publisher:
         ref: common_pb2.AdapterRef,
         base_model: str,
         lora: common_pb2.LoraConfig,
-        files: dict[str, bytes],
+        payload: Payload,
     ) -> None:
         """Load the version on every healthy rollout of the base model; all must ack."""
         rollouts = [r for r in await self.registry.replicas(ROLLOUT, base_model) if r.healthy]
         outcomes = await asyncio.gather(
-            *(self.pool.rollout(r.address).load_adapter(ref, lora, files) for r in rollouts),
+            *(self._load(r.address, ref, lora, payload) for r in rollouts),
             return_exceptions=True,
         )
         failed = [
@@ -171,6 +208,16 @@ class Publisher:
                 + "; ".join(failed),
                 reason="PUBLISH_INCOMPLETE",
             )
+
+    async def _load(
+        self, address: str, ref: common_pb2.AdapterRef, lora: common_pb2.LoraConfig,
+        payload: Payload,
+    ) -> None:  # fmt: skip
+        client = self.pool.rollout(address)
+        if payload.refs:
+            await client.load_shared_adapter(ref, lora, payload.refs)
+        else:
+            await client.load_adapter(ref, lora, payload.files)
 
     async def reconcile(self, rollout: Replica) -> None:
         """Give a (re)started rollout the newest live versions of every registration."""
@@ -188,11 +235,18 @@ class Publisher:
                 raw = await self.store.redis.hgetall(self.keys.adapter(aid))
                 if not raw:
                     continue
-                files = await asyncio.to_thread(_read_folder, Path(text(raw[b"files_dir"])))
+                refs = trainer_pb2.WriteSharedAdapterResponse.FromString(
+                    blob(raw.get(b"refs", b""))
+                )
+                if refs.files:
+                    payload = Payload(refs=dict(refs.files))
+                else:
+                    folder = Path(text(raw[b"files_dir"]))
+                    payload = Payload(files=await asyncio.to_thread(_read_folder, folder))
                 ref = common_pb2.AdapterRef(registration_id=rid, version=int(raw[b"version"]))
                 lora = common_pb2.LoraConfig.FromString(blob(raw[b"lora"]))
                 try:
-                    await self.pool.rollout(rollout.address).load_adapter(ref, lora, files)
+                    await self._load(rollout.address, ref, lora, payload)
                 except errors.LorafleetError as exc:
                     log.warning("reconciling %s on %s failed: %s", aid, rollout.replica_id, exc)
 
@@ -207,3 +261,12 @@ class Publisher:
 
 def _read_folder(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def _shared_folder(root: Path, refs: dict[str, common_pb2.BlobRef]) -> str:
+    """Blocking: the version's folder the trainer wrote; it must lie inside this controller's
+    shared root (a trainer mounting other storage is refused, by name)."""
+    if not refs:
+        raise errors.Unavailable("the trainer wrote no adapter files")
+    described = {n: FileRef(r.uri, r.sha256, r.size_bytes) for n, r in refs.items()}
+    return str(common_folder(root, described, "trainer adapter files"))

@@ -32,6 +32,12 @@ class ControllerSettings:
         Path(".cache/controller-storage"),
         doc="Folder for sampler checkpoints (PEFT files the controller received on publish).",
     )
+    shared_adapter_root: Path | None = setting(
+        None,
+        doc="Absolute folder the trainers and rollouts mount at the same path: a publish asks "
+        "the trainer to write the adapter there and hands rollouts its URIs and SHA-256s, so "
+        "no adapter bytes pass through the controller. Unset = the streamed push.",
+    )
     gap_timeout_seconds: float = setting(
         600.0,
         doc="A missing seq_id is sealed after this long; operations behind it fail naming it.",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from lorafleet import hub
 from lorafleet.replica import ReplicaSettings
-from lorafleet.settings import ServerSettings, load_or_exit
+from lorafleet.settings import ServerSettings, SettingsError, load_or_exit
+from lorafleet.shared_storage import check_root
 from lorafleet_rollout.settings import PREFIX, RolloutSettings
 
 
@@ -14,6 +16,12 @@ def main() -> None:
     settings = load_or_exit(RolloutSettings, PREFIX)
     server = load_or_exit(ServerSettings, PREFIX)
     replica = load_or_exit(ReplicaSettings, PREFIX)
+    if settings.shared_adapter_root is not None:
+        try:
+            root = check_root(settings.shared_adapter_root, f"{PREFIX}SHARED_ADAPTER_ROOT")
+        except SettingsError as exc:
+            _exit(str(exc))
+        settings = dataclasses.replace(settings, shared_adapter_root=root)
     if settings.engine != "torch" and not settings.engine_url:
         _exit(f"{PREFIX}ENGINE_URL is required when {PREFIX}ENGINE={settings.engine}")
     if settings.engine == "torch" and not (settings.model_path / "config.json").is_file():

@@ -90,7 +90,9 @@ def run(settings: RolloutSettings, server: ServerSettings, replica: ReplicaSetti
         await registrar.stop()
         await core.close()
 
-    servicer = RolloutServicer(core, settings.replica_id, settings.served_base_model)
+    servicer = RolloutServicer(
+        core, settings.replica_id, settings.served_base_model, settings.shared_adapter_root
+    )
     spec = ServiceSpec(
         servicer=servicer,
         add_fn=rollout_pb2_grpc.add_RolloutServiceServicer_to_server,

@@ -27,3 +27,9 @@ PROMPT_TOKENS = Counter(
     "or reused from the prefix cache.",
     ["source"],  # computed, cached
 )
+ADAPTER_PUSHES = Counter(
+    "lorafleet_rollout_adapter_pushes_total",
+    "Adapter versions received, by how their files came: streamed through the controller, or "
+    "read by this replica from shared storage (publish by reference).",
+    ["via"],  # stream, shared
+)

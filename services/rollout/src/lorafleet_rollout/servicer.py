@@ -8,13 +8,18 @@ max_tokens 0 means up to the context length.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
-from lorafleet.errors import InvalidArgument
+from lorafleet.errors import FailedPrecondition, InvalidArgument
+from lorafleet.shared_storage import FileRef
 from lorafleet.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from lorafleet_rollout import metrics
 from lorafleet_rollout.core import RolloutCore
+from lorafleet_rollout.shared_read import stage_refs
 from lorafleet_rollout.staging import AdapterUpload
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SampleResult, SamplingSpec
 
@@ -22,10 +27,17 @@ _STOP = {"stop": common_pb2.STOP_REASON_STOP, "length": common_pb2.STOP_REASON_L
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, core: RolloutCore, replica_id: str, base_model: str = "") -> None:
+    def __init__(
+        self,
+        core: RolloutCore,
+        replica_id: str,
+        base_model: str = "",
+        shared_root: Path | None = None,
+    ) -> None:
         self.core = core
         self.replica_id = replica_id
         self.base_model = base_model
+        self.shared_root = shared_root
 
     async def GetRolloutInfo(
         self, request: rollout_pb2.GetRolloutInfoRequest, context: grpc.aio.ServicerContext
@@ -62,6 +74,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     upload.write(c.path, c.offset, c.data, c.sha256)
             if header is None:
                 raise InvalidArgument("the stream carried no header", field="header")
+            if header.file_refs:
+                await self._read_shared(header, upload)
             cfg = header.lora_config
             lora = LoraSpec(
                 rank=cfg.rank,
@@ -73,12 +87,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 header.adapter.version,
                 lora,
                 upload.folder,
-                dict(header.file_sha256),
+                dict(header.file_sha256)
+                or {name: ref.sha256 for name, ref in header.file_refs.items()},
                 upload.digests(),
             )
+            metrics.ADAPTER_PUSHES.labels(via="shared" if header.file_refs else "stream").inc()
         finally:
             upload.discard()
         return rollout_pb2.LoadAdapterResponse(adapter_id=engine_id, already_loaded=already)
+
+    async def _read_shared(self, header: rollout_pb2.AdapterHeader, upload: AdapterUpload) -> None:
+        """Published by reference: no chunks came; read the files from shared storage."""
+        if self.shared_root is None:
+            raise FailedPrecondition(
+                "this replica has no shared adapter root (LORAFLEET_ROLLOUT_SHARED_ADAPTER_ROOT)",
+                field="header.file_refs",
+                reason="NOT_SHARED",
+            )
+        if upload.digests():
+            raise InvalidArgument("file chunks and file_refs together", field="header.file_refs")
+        refs = {
+            name: FileRef(r.uri, r.sha256, r.size_bytes) for name, r in header.file_refs.items()
+        }
+        await asyncio.to_thread(stage_refs, upload, self.shared_root, refs)
 
     async def UnloadAdapter(
         self, request: rollout_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext

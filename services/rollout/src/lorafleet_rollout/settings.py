@@ -71,6 +71,12 @@ class RolloutSettings:
         Path(".cache/rollout-adapters"),
         doc="Where pushed adapters are kept while resident; SGLang/vLLM must read this path.",
     )
+    shared_adapter_root: Path | None = setting(
+        None,
+        doc="Absolute folder the trainer writes published adapters to, mounted here at the same "
+        "path: this replica reads and verifies them itself (no bytes through the controller). "
+        "Unset = adapters arrive as streamed chunks only.",
+    )
     replica_id: str = setting("rollout-0", doc="Name this replica reports to the controller.")
     torch_threads: int = setting(
         0, doc="torch intra-op threads; 0 = torch's default.", min=0, max=1024

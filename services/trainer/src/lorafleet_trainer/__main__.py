@@ -12,6 +12,7 @@ import sys
 from lorafleet import hub
 from lorafleet.replica import ReplicaSettings
 from lorafleet.settings import ServerSettings, SettingsError, describe, load_settings
+from lorafleet.shared_storage import check_root
 from lorafleet_trainer.settings import PREFIX, TrainerSettings
 
 
@@ -31,6 +32,9 @@ def main() -> None:
         server = load_settings(ServerSettings, PREFIX)
         settings = load_settings(TrainerSettings, PREFIX)
         replica = load_settings(ReplicaSettings, PREFIX)
+        shared_root = None
+        if settings.shared_adapter_root is not None:
+            shared_root = check_root(settings.shared_adapter_root, f"{PREFIX}SHARED_ADAPTER_ROOT")
     except SettingsError as exc:
         _fail(str(exc))
     if not (settings.model_path / "config.json").is_file():
@@ -97,7 +101,7 @@ def main() -> None:
             serve_worker(engine, group)  # never returns
         engine = GroupEngine(engine, group, settings.group_keepalive_seconds, exit_lost)
     snapshots = Snapshotter(engine, settings.snapshot_every_steps, settings.snapshot_every_seconds)
-    servicer = TrainerServicer(engine, settings.replica_id, snapshots)
+    servicer = TrainerServicer(engine, settings.replica_id, snapshots, shared_root)
     info = engine.info()
     registrar = Registrar(
         replica,

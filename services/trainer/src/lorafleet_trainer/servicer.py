@@ -12,11 +12,13 @@ import functools
 import hashlib
 import shutil
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lorafleet import shared_storage
 from lorafleet.errors import FailedPrecondition, InvalidArgument, LorafleetError
 from lorafleet.rpc.errors import error_info
 from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -33,11 +35,16 @@ ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(
-        self, engine: TrainerEngine, replica_id: str, snapshots: Snapshotter | None = None
+        self,
+        engine: TrainerEngine,
+        replica_id: str,
+        snapshots: Snapshotter | None = None,
+        shared_root: Path | None = None,
     ) -> None:
         self.engine = engine
         self.replica_id = replica_id
         self.snapshots = snapshots
+        self.shared_root = shared_root
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -185,6 +192,35 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                     )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    async def WriteSharedAdapter(self, request, context):
+        """Publish by reference (lorafleet.shared_storage): the folder is written next to its
+        final place on the shared root, then renamed in; hashing runs off the event loop."""
+        if self.shared_root is None:
+            raise FailedPrecondition(
+                "this trainer has no shared adapter root (LORAFLEET_TRAINER_SHARED_ADAPTER_ROOT)",
+                field="shared_adapter_root",
+                reason="NOT_SHARED",
+            )
+        final = shared_storage.adapter_folder(
+            self.shared_root, request.registration_id, request.version
+        )
+        if not await asyncio.to_thread(final.is_dir):
+            staged = final.with_name(f".tmp-{request.version}-{uuid.uuid4().hex}")
+            try:
+                await self._run(
+                    self.engine.export_adapter, request.slot, request.registration_id, staged
+                )
+                await asyncio.to_thread(shared_storage.publish_folder, staged, final)
+            finally:
+                await asyncio.to_thread(shutil.rmtree, staged, ignore_errors=True)
+        refs = await asyncio.to_thread(shared_storage.describe, final)
+        return trainer_pb2.WriteSharedAdapterResponse(
+            files={
+                name: common_pb2.BlobRef(uri=r.uri, sha256=r.sha256, size_bytes=r.size_bytes)
+                for name, r in refs.items()
+            }
+        )
 
     async def ImportAdapter(self, request_iterator, context):
         folder = Path(tempfile.mkdtemp(prefix="lorafleet-import-"))

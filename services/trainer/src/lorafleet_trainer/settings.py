@@ -30,6 +30,12 @@ class TrainerSettings:
     storage_root: Path = setting(
         Path(".cache/trainer-states"), doc="Folder for saved states (save_state/load_state)."
     )
+    shared_adapter_root: Path | None = setting(
+        None,
+        doc="Absolute folder the controller and every rollout mount at the same path: a "
+        "publish writes the adapter there and rollouts read it by reference (no bytes through "
+        "the controller). Unset = adapters stream through the controller.",
+    )
     device: str = setting(
         "auto", doc="Torch device; auto = cuda when present.", choices=("auto", "cpu", "cuda")
     )

@@ -52,6 +52,10 @@ containers:
       # SGLang container (and, multi-node, every pod of the group) reads them from by path.
       - name: LORAFLEET_ROLLOUT_ADAPTER_DIR
         value: {{ printf "%s/rollout-adapters" (trimSuffix "/" $.Values.checkpoints.mountPath) | quote }}
+      {{- if eq $.Values.checkpoints.mode "shared" }}
+      - name: LORAFLEET_ROLLOUT_SHARED_ADAPTER_ROOT
+        value: {{ include "lorafleet.sharedAdapterRoot" $ | quote }}
+      {{- end }}
       - name: LORAFLEET_ROLLOUT_CONTROLLER_ADDRESS
         value: {{ include "lorafleet.controllerAddress" $ | quote }}
       - name: LORAFLEET_ROLLOUT_ADVERTISE_ADDRESS

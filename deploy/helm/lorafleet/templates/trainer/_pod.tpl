@@ -65,6 +65,10 @@ containers:
         value: {{ $v.numSlots | quote }}
       - name: LORAFLEET_TRAINER_STORAGE_ROOT
         value: {{ $.Values.checkpoints.mountPath | quote }}
+      {{- if eq $.Values.checkpoints.mode "shared" }}
+      - name: LORAFLEET_TRAINER_SHARED_ADAPTER_ROOT
+        value: {{ include "lorafleet.sharedAdapterRoot" $ | quote }}
+      {{- end }}
       - name: LORAFLEET_TRAINER_CONTROLLER_ADDRESS
         value: {{ include "lorafleet.controllerAddress" $ | quote }}
       - name: LORAFLEET_TRAINER_ADVERTISE_ADDRESS
