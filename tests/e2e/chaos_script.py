@@ -29,16 +29,17 @@ def datum(step: int) -> types.Datum:
 def main() -> None:
     caps = tinker.RestClient().get_server_capabilities().result()
     base = caps.supported_models[0].model_name  # the fleet serves one base model
-    tc = tinker.ServiceClient().create_lora_training_client(base_model=base, rank=8, seed=1234)
-    tc = tc.result() if hasattr(tc, "result") else tc  # 0.38 hands out a future
-    print("RUN", tc.model_id, flush=True)
-    for step in range(STEPS):
-        fb = tc.forward_backward([datum(step)], "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
-        loss = fb.result().metrics["loss:sum"]
-        opt.result()
-        print("STEP", step, time.time(), loss, flush=True)
-    print("SAVED", tc.save_state("final").result().path, flush=True)
+    with tinker.ServiceClient() as sc:  # closing the session frees the run's trainer slot
+        tc = sc.create_lora_training_client(base_model=base, rank=8, seed=1234)
+        tc = tc.result() if hasattr(tc, "result") else tc  # 0.38 hands out a future
+        print("RUN", tc.model_id, flush=True)
+        for step in range(STEPS):
+            fb = tc.forward_backward([datum(step)], "cross_entropy")
+            opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
+            loss = fb.result().metrics["loss:sum"]
+            opt.result()
+            print("STEP", step, time.time(), loss, flush=True)
+        print("SAVED", tc.save_state("final").result().path, flush=True)
 
 
 if __name__ == "__main__":
