@@ -1,8 +1,9 @@
 """Discovery feeding the registry, and leader election gating dispatch, in-process.
 
 The Kubernetes API is the recorded-response server of test_discovery.py; Redis is real; the
-"trainer" at 127.0.0.1:1 refuses connections, so a dispatched operation fails at once with
-TRAINER_UNREACHABLE, which is how these tests see that (and when) something dispatched.
+"trainer" at 127.0.0.1:1 refuses connections, so a dispatched operation stays CLAIMED (in
+doubt: never reported failed while the trainer may have it), which is how these tests see
+that (and when) something dispatched.
 """
 
 from __future__ import annotations
