@@ -138,9 +138,13 @@ class Fleet:
                 self.redis_member = Member("redis", "redis", self.redis.proc, self.redis.port,
                                            0, self.redis.data_dir / "redis.log")  # fmt: skip
             storage = cfg.run_dir / "storage"
+            # One machine: every process sees the same folder, so a publish goes by reference
+            # (the trainer writes, rollouts read; lorafleet.shared_storage).
+            shared = str((cfg.run_dir / "shared-adapters").resolve())
             controller = self._spawn("controller", "controller", {
                 "REDIS_URL": self.redis_url,
                 "STORAGE_ROOT": str(storage),
+                "SHARED_ADAPTER_ROOT": shared,
             })  # fmt: skip
             self.controller_address = f"127.0.0.1:{controller.port}"
             self._wait_grpc(controller, "lorafleet.v1.ControllerService")
@@ -149,6 +153,7 @@ class Fleet:
                     "MODEL_PATH": str(cfg.model_path),
                     "NUM_SLOTS": str(cfg.slots),
                     "STORAGE_ROOT": str(storage),
+                    "SHARED_ADAPTER_ROOT": shared,
                     "REPLICA_ID": f"trainer-{i}",
                     "CONTROLLER_ADDRESS": self.controller_address,
                 })  # fmt: skip
@@ -156,6 +161,7 @@ class Fleet:
             for i in range(cfg.rollouts):
                 m = self._spawn("rollout", f"rollout-{i}", {
                     "MODEL_PATH": str(cfg.model_path),
+                    "SHARED_ADAPTER_ROOT": shared,
                     "REPLICA_ID": f"rollout-{i}",
                     "CONTROLLER_ADDRESS": self.controller_address,
                 })  # fmt: skip
