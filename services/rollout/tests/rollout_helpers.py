@@ -73,7 +73,7 @@ def make_adapter(
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.mul_(scale)
-    model.save_pretrained(out)
+    model.save_pretrained(out, save_embedding_layers=False)  # LoRA weights only, as we export
     return out
 
 

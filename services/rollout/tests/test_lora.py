@@ -158,13 +158,14 @@ def test_weights_cached_per_route_follow_writes_to_its_slots(
     assert (changed[1] - alone[0]).abs().max() <= 1e-6 and alone.abs().max() > 1e-3
 
 
-def test_lm_head_lora_and_other_architectures_are_refused(model_dir: Path) -> None:
+def test_unknown_targets_and_other_architectures_are_refused(model_dir: Path) -> None:
     model = load_base(model_dir)
     dec = Decoder(model)
     head = torch.zeros(4, 1)
-    with pytest.raises(InvalidArgument) as lm_head:
-        dec.check_targets(AdapterWeights(1, {"lm_head": (head, head.t())}))
-    assert lm_head.value.field == WEIGHTS_FILE
+    dec.check_targets(AdapterWeights(1, {"lm_head": (head, head.t())}))  # served (unembed)
+    with pytest.raises(InvalidArgument) as embed:
+        dec.check_targets(AdapterWeights(1, {"model.embed_tokens": (head, head.t())}))
+    assert embed.value.field == WEIGHTS_FILE
     model.config.model_type = "gpt2"
     with pytest.raises(InvalidArgument) as other:
         Decoder(model)

@@ -213,3 +213,33 @@ async def test_top_k_one_is_greedy_whatever_the_seed(engine: TorchEngine) -> Non
         spec = SamplingSpec(10, temperature=1.0, top_k=1, seed=seed, disable_eos_stop=True)
         (seq,) = (await engine.sample(SampleRequest("r1@1", PROMPT, spec))).sequences
         assert seq.tokens == greedy.tokens
+
+
+async def test_lm_head_lora_matches_peft_in_prefill_and_decode(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Tinker's default train_unembed=True puts LoRA on lm_head: the engine applies it to
+    prompt logprobs (prefill) and to every decoded token, next to rows of other adapters."""
+    folder = make_adapter(
+        model_dir, tmp_path / "head", seed=7, targets=("q_proj", "lm_head"), scale=4.0
+    )
+    ref = reference_model(model_dir, folder)
+    eng = TorchEngine(model_dir, max_batch_size=8)
+    await eng.start()
+    try:
+        await eng.load_adapter("h@1", folder, LoraSpec(4, 8))
+        spec = SamplingSpec(8, temperature=0.0, disable_eos_stop=True)
+        mixed = await asyncio.gather(
+            eng.sample(SampleRequest("h@1", PROMPT, spec, prompt_logprobs=True)),
+            eng.sample(SampleRequest(None, PROMPT, spec)),
+        )
+        (seq,) = mixed[0].sequences
+        assert list(seq.tokens) == reference_greedy(ref, list(PROMPT), 8)
+        full = reference_logprobs(ref, [*PROMPT, *seq.tokens])
+        assert (torch.tensor(seq.logprobs) - full[len(PROMPT) - 1 :]).abs().max() <= 1e-4
+        prompt = torch.tensor(mixed[0].prompt_logprobs[1:])
+        assert (prompt - full[: len(PROMPT) - 1]).abs().max() <= 1e-4
+        base = reference_greedy(reference_model(model_dir, None), list(PROMPT), 8)
+        assert list(mixed[1].sequences[0].tokens) == base
+    finally:
+        await eng.close()

@@ -202,7 +202,10 @@ class Decoder:
         self.max_positions = int(cfg.max_position_embeddings)
         self.embed = _detached_weight(model.get_input_embeddings())
         self.norm = model.model.norm.weight.detach()
-        self.lm_head = pack(model.get_output_embeddings().weight.detach())
+        # The unembedding is a projection like the others: Tinker's train_unembed (on by
+        # default in the SDK) puts LoRA on lm_head, and a sampler must apply it.
+        head = model.get_output_embeddings()
+        self.lm_head = Projection([head])
         with torch.inference_mode():
             positions = torch.arange(self.max_positions)[None]
             cos, sin = rotary(self.embed[:1], positions)
@@ -211,6 +214,7 @@ class Decoder:
         #: PEFT module path -> (projection, index within the fused projection)
         self.targets: dict[str, tuple[Projection, int]] = {}
         paths = {id(m): name for name, m in model.named_modules()}
+        self.targets[paths[id(head)]] = (self.lm_head, 0)
         for layer in model.model.layers:
             projections = {}
             for group, (parent, names) in _GROUPS.items():
@@ -232,7 +236,7 @@ class Decoder:
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
         self._stacks = [
             p.lora for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]
+        ] + [self.lm_head.lora]
         self.capacity = 1  # slots, slot 0 (the base model) included
         self.rank = 0
         self._slots: dict[str, int] = {}
@@ -243,8 +247,8 @@ class Decoder:
         for module in adapter.modules:
             if module not in self.targets:
                 raise InvalidArgument(
-                    f"LoRA on {module} is not supported by the torch engine (only attention "
-                    "and MLP projections)",
+                    f"LoRA on {module} is not supported by the torch engine (only attention, "
+                    "MLP and lm_head projections)",
                     field="adapter_model.safetensors",
                 )
 
@@ -318,8 +322,9 @@ class Decoder:
         gate, up = gate_up.chunk(2, dim=-1)
         return x + layer.down(F.silu(gate) * up, adapter)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self._rms(x, self.norm), self.lm_head, None)
+    def logits(self, x: torch.Tensor, adapter: Route | Spans | None = None) -> torch.Tensor:
+        """Logits of hidden states x, with the rows' lm_head LoRA (if their adapter has one)."""
+        return self.lm_head(self._rms(x, self.norm), adapter)
 
     def prefill(self, parts: list[PrefillPart]) -> torch.Tensor:
         """Run the parts (chunks of several prompts) as one batch: every projection is one
@@ -392,7 +397,7 @@ class Decoder:
             else:
                 out = F.scaled_dot_product_attention(q, *own, attn_mask=mask, scale=self.scaling)
             x = self._rest(layer, x, out.reshape(rows, -1), route)
-        return self.logits(x)
+        return self.logits(x, route)
 
     def _cascade(
         self,

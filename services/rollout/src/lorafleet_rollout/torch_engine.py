@@ -414,12 +414,15 @@ class TorchEngine:
             rows = hidden[first : first + end - job.done]
             first += end - job.done
             metrics.PROMPT_TOKENS.labels("computed").inc(end - job.done)
+            slot = model.slot(job.adapter)
             if job.wants_prompt:
-                self._prompt_logprobs(job, model.logits(rows).float(), end)
+                spans = [(0, rows.shape[0], slot)] if slot else None
+                self._prompt_logprobs(job, model.logits(rows, spans).float(), end)
             job.done = end
             if end == len(job.request.prompt_tokens):
                 self._prefilling.remove(job)
-                self._join(model, job, model.logits(rows[-1:]).float())
+                last = [(0, 1, slot)] if slot else None
+                self._join(model, job, model.logits(rows[-1:], last).float())
 
     def _start_prefill(self, model: Decoder, job: _Job) -> None:
         prompt = job.request.prompt_tokens
