@@ -9,7 +9,10 @@
 2. Publishing: two rollout replicas, each its own `python -m lorafleet_rollout` process (the
    deployment shape), this process acting as the publisher. Latency = a rank-8 adapter folder
    on disk (as the trainer exports it) -> LoadAdapter streamed to both replicas -> both
-   serving it; p50 target <= 100 ms. And sampling throughput of other adapters (16 requests
+   serving it; p50 target <= 100 ms. Side by side, publish by reference (shared storage): one
+   header naming the files, each replica reading and verifying them itself
+   (publish_by_reference_p50_ms; hashing included, as the trainer hashes when it writes).
+   And sampling throughput of other adapters (16 requests
    over reg-0..3 on both replicas) while versions of reg-pub are published, vs without;
    target >= 0.9x. Two loads: one publish per second of sampling (a realistic "during a
    publish") and back to back (the worst case). Each round runs quiet, 1/s, back to back.
@@ -46,6 +49,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from sampling_vllm import add_arguments, vs_vllm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from lorafleet import shared_storage
 from lorafleet.rpc.channel import make_channel
 from lorafleet.testing import child_env, free_port, service_process, wait_serving
 from lorafleet.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -163,6 +167,7 @@ class Replica:
             LORAFLEET_ROLLOUT_REPLICA_ID=f"rollout-{index}",
             LORAFLEET_ROLLOUT_MAX_BATCH_SIZE="32",
             LORAFLEET_ROLLOUT_TORCH_THREADS=str(threads),
+            LORAFLEET_ROLLOUT_SHARED_ADAPTER_ROOT=str(root.resolve()),
         )
         self.log = root / f"replica-{index}.log"
         self.channel: grpc.aio.Channel | None = None
@@ -201,10 +206,28 @@ def load_stream(reg: str, version: int, folder: Path) -> list[rollout_pb2.LoadAd
     return messages
 
 
-async def publish(replicas: list[Replica], reg: str, version: int, folder: Path) -> float:
+def load_by_reference(reg: str, version: int, folder: Path) -> list[rollout_pb2.LoadAdapterChunk]:
+    """The LoadAdapter of a publish on shared storage: a header naming the files, no chunks."""
+    refs = shared_storage.describe(folder)
+    header = rollout_pb2.AdapterHeader(
+        adapter=common_pb2.AdapterRef(registration_id=reg, version=version),
+        lora_config=common_pb2.LoraConfig(rank=RANK, alpha=2 * RANK),
+        file_sha256={name: r.sha256 for name, r in refs.items()},
+        file_refs={
+            name: common_pb2.BlobRef(uri=r.uri, sha256=r.sha256, size_bytes=r.size_bytes)
+            for name, r in refs.items()
+        },
+    )
+    return [rollout_pb2.LoadAdapterChunk(header=header)]
+
+
+async def publish(
+    replicas: list[Replica], reg: str, version: int, folder: Path, by_reference: bool = False
+) -> float:
     """Seconds from the exported folder to every replica serving it."""
     start = time.perf_counter()
-    messages = await asyncio.to_thread(load_stream, reg, version, folder)
+    make = load_by_reference if by_reference else load_stream
+    messages = await asyncio.to_thread(make, reg, version, folder)
     await asyncio.gather(
         *(r.stub.LoadAdapter(iter(messages), timeout=60) for r in replicas if r.stub)
     )
@@ -242,10 +265,10 @@ class Publisher:
         self.pushed = pushed
         self.version = 0
 
-    async def once(self) -> float:
+    async def once(self, by_reference: bool = False) -> float:
         self.version += 1
         folder = self.pushed[self.version % len(self.pushed)]
-        return await publish(self.replicas, "reg-pub", self.version, folder)
+        return await publish(self.replicas, "reg-pub", self.version, folder, by_reference)
 
     async def during(self, load: asyncio.Future[float], period: float) -> list[float]:
         """Publish until `load` finishes: back to back (period 0) or one every `period` s."""
@@ -272,7 +295,11 @@ async def publishing(
             for i, folder in enumerate(others):
                 await publish(replicas, f"reg-{i}", 1, folder)
             publisher = Publisher(replicas, pushed)
-            idle = [await publisher.once() for _ in pushed]
+            idle: list[float] = []
+            idle_by_reference: list[float] = []
+            for _ in pushed:  # alternating, so load drift hits both ways alike
+                idle.append(await publisher.once())
+                idle_by_reference.append(await publisher.once(by_reference=True))
             await sample_load(replicas, prompts[:2], 4)  # warm-up
             quiet: list[float] = []
             busy: dict[str, list[float]] = {"one_per_second": [], "back_to_back": []}
@@ -291,6 +318,10 @@ async def publishing(
         "replicas": "2 subprocesses (python -m lorafleet_rollout)",
         "publish_p50_ms": round(1000 * statistics.median(idle), 1),
         "publish_p90_ms": round(1000 * statistics.quantiles(idle, n=10)[-1], 1),
+        "publish_by_reference_p50_ms": round(1000 * statistics.median(idle_by_reference), 1),
+        "publish_by_reference_p90_ms": round(
+            1000 * statistics.quantiles(idle_by_reference, n=10)[-1], 1
+        ),
         "other_adapters_tok_s_quiet": round(tokens / statistics.median(quiet), 1),
     }
     for mode in busy:
