@@ -84,17 +84,28 @@ def test_controller_accepts_the_contract_adam_ranges() -> None:
         assert (validate.validate(payload) is None) == _contract_adam(values), values
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the controller's validate.py does not check loss names yet (it forwards any name "
-    "to the trainer); remove this mark once it uses lorafleet.contract.loss_spec",
-)
-def test_controller_accepts_exactly_the_contract_losses() -> None:
+def _proto_datum(loss: str) -> pb.Datum:
+    spec = contract.LOSSES.get(loss, contract.LOSSES["importance_sampling"])
+    inputs = {
+        name: pb.Tensor(dtype=pb.DTYPE_INT64, shape=[1], data=(1).to_bytes(8, "little"))
+        if name in contract.INT_INPUTS
+        else pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1], data=b"\x00\x00\x00?")
+        for name in spec.required
+    }
+    return pb.Datum(tokens=[3], loss_fn_inputs=inputs)
+
+
+def test_controller_accepts_exactly_the_contract_losses_and_adam_ranges() -> None:
     validate = pytest.importorskip("lorafleet_controller.validate")
     for loss in PROBE_LOSSES:
-        fb = pb.ForwardBackwardInput(loss_fn=loss, data=[pb.Datum(tokens=[3])])
-        accepted = validate.validate(cpb.OperationPayload(forward_backward=fb)) is None
+        fb = pb.ForwardBackwardInput(loss_fn=loss, data=[_proto_datum(loss)])
+        payload = cpb.OperationPayload(forward_backward=fb)
+        accepted = validate.validate(payload) is None  # returns the error, never raises
         assert accepted == (loss in contract.LOSSES), loss
+    for values in _adam_probes():
+        payload = cpb.OperationPayload(optim_step=pb.AdamParams(**values))
+        accepted = validate.validate(payload) is None  # returns the error, never raises
+        assert accepted == _contract_adam(values), values
 
 
 def test_trainer_accepts_exactly_the_contract_losses_and_adam_ranges() -> None:
