@@ -372,15 +372,18 @@ class Actor:
                 self.refused += 1
             except LorafleetError:  # a seq_id raced by the other controller: go on
                 pass
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.01)  # a steady trickle: the history stays short to check
 
 
 async def acted(store: Store, rid: str) -> list[tuple[str, int]]:
     """(who, epoch) of every completed operation, in seq order (= execution order)."""
     max_seq = int(await store.redis.hget(store.keys.reg(rid), "max_seq") or 0)
+    async with store.redis.pipeline(transaction=False) as pipe:
+        for seq in range(1, max_seq + 1):
+            pipe.hget(store.keys.op(f"{rid}#{seq}"), "result")
+        results = await pipe.execute()
     out = []
-    for seq in range(1, max_seq + 1):
-        result = await store.redis.hget(store.keys.op(f"{rid}#{seq}"), "result")
+    for result in results:
         if result:
             who, epoch = result.decode().split(":")
             out.append((who, int(epoch)))
