@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from lorafleet import hub
 from lorafleet.replica import ReplicaSettings
@@ -16,7 +17,7 @@ from lorafleet.shared_storage import check_root
 from lorafleet_trainer.settings import PREFIX, TrainerSettings
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -96,13 +97,14 @@ def main() -> None:
             )
     except Exception as exc:  # any load failure is an operator error: one line, exit 2
         _fail(f"{PREFIX}MODEL_PATH={settings.model_path}: cannot load the model: {exc}")
+    serving: TrainerEngine | GroupEngine = engine
     if group_env is not None:
         if group_env.rank != 0:
             serve_worker(engine, group)  # never returns
-        engine = GroupEngine(engine, group, settings.group_keepalive_seconds, exit_lost)
-    snapshots = Snapshotter(engine, settings.snapshot_every_steps, settings.snapshot_every_seconds)
-    servicer = TrainerServicer(engine, settings.replica_id, snapshots, shared_root)
-    info = engine.info()
+        serving = GroupEngine(engine, group, settings.group_keepalive_seconds, exit_lost)
+    snapshots = Snapshotter(serving, settings.snapshot_every_steps, settings.snapshot_every_seconds)
+    servicer = TrainerServicer(serving, settings.replica_id, snapshots, shared_root)
+    info = serving.info()
     registrar = Registrar(
         replica,
         lambda: controller_pb2.RegisterReplicaRequest(
@@ -126,8 +128,8 @@ def main() -> None:
         await registrar.stop()
         servicer.executor.shutdown(wait=True)
         snapshots.close()
-        if group_env is not None:
-            engine.close()  # releases the other ranks
+        if isinstance(serving, GroupEngine):
+            serving.close()  # releases the other ranks
 
     serve(
         "trainer",

@@ -16,7 +16,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
 
 from lorafleet import shared_storage
 from lorafleet.errors import FailedPrecondition, InvalidArgument, LorafleetError
@@ -28,6 +30,9 @@ from lorafleet_trainer.domain import ForwardBackwardItem
 from lorafleet_trainer.engine import TrainerEngine
 from lorafleet_trainer.snapshots import Snapshotter
 
+if TYPE_CHECKING:
+    from lorafleet_trainer.group import GroupEngine
+
 T = TypeVar("T")
 CHUNK_BYTES = 1 << 20
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
@@ -36,7 +41,7 @@ ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     def __init__(
         self,
-        engine: TrainerEngine,
+        engine: TrainerEngine | GroupEngine,
         replica_id: str,
         snapshots: Snapshotter | None = None,
         shared_root: Path | None = None,
@@ -51,7 +56,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
 
-    async def GetTrainerInfo(self, request, context):
+    async def GetTrainerInfo(
+        self, request: trainer_pb2.GetTrainerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.GetTrainerInfoResponse:
         info = self.engine.info()
         return trainer_pb2.GetTrainerInfoResponse(
             replica_id=self.replica_id,
@@ -68,16 +75,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             ),
         )
 
-    async def ListSlots(self, request, context):
+    async def ListSlots(
+        self, request: trainer_pb2.ListSlotsRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.ListSlotsResponse:
         slots = await self._run(self.engine.list_slots)
         return trainer_pb2.ListSlotsResponse(slots=[convert.slot_to_proto(s) for s in slots])
 
-    async def BindSlot(self, request, context):
+    async def BindSlot(
+        self, request: trainer_pb2.BindSlotRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.BindSlotResponse:
         spec = convert.spec_from_proto(request.lora_config)
         info = await self._run(self.engine.bind, request.slot, request.registration_id, spec)
         return trainer_pb2.BindSlotResponse(slot=convert.slot_to_proto(info))
 
-    async def UnbindSlot(self, request, context):
+    async def UnbindSlot(
+        self, request: trainer_pb2.UnbindSlotRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.UnbindSlotResponse:
         await self._run(self.engine.unbind, request.slot, request.registration_id)
         return trainer_pb2.UnbindSlotResponse()
 
@@ -92,7 +105,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 reason="STALE_INCARNATION",
             )
 
-    async def ForwardBackward(self, request, context):
+    async def ForwardBackward(
+        self, request: trainer_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.ForwardBackwardResponse:
         self._addressed(request.incarnation)
         items: list[ForwardBackwardItem] = []
         results: list[Any] = [None] * len(request.items)
@@ -117,7 +132,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 r.output.CopyFrom(convert.fb_output_to_proto(res))
         return response
 
-    async def OptimStep(self, request, context):
+    async def OptimStep(
+        self, request: trainer_pb2.OptimStepRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.OptimStepResponse:
         self._addressed(request.incarnation)
         result, snapshot = await self._run(
             self._optim_step,
@@ -144,7 +161,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             self.snapshots.after_step(slot, binding, operation_id)
         return result, self.snapshots.latest(slot, registration_id)
 
-    async def SaveState(self, request, context):
+    async def SaveState(
+        self, request: trainer_pb2.SaveStateRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.SaveStateResponse:
         self._addressed(request.incarnation)
         ref = await self._run(
             self.engine.save_state,
@@ -156,7 +175,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         )
         return trainer_pb2.SaveStateResponse(manifest=convert.ref_to_proto(ref))
 
-    async def LoadState(self, request, context):
+    async def LoadState(
+        self, request: trainer_pb2.LoadStateRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.LoadStateResponse:
         self._addressed(request.incarnation)
         await self._run(
             self.engine.load_state,
@@ -169,7 +190,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.LoadStateResponse()
 
     async def ExportAdapter(
-        self, request, context
+        self, request: trainer_pb2.ExportAdapterRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[trainer_pb2.ExportAdapterChunk]:
         folder = Path(tempfile.mkdtemp(prefix="lorafleet-export-"))
         try:
@@ -193,7 +214,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    async def WriteSharedAdapter(self, request, context):
+    async def WriteSharedAdapter(
+        self, request: trainer_pb2.WriteSharedAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.WriteSharedAdapterResponse:
         """Publish by reference (lorafleet.shared_storage): the folder is written next to its
         final place on the shared root, then renamed in; hashing runs off the event loop."""
         if self.shared_root is None:
@@ -222,7 +245,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             }
         )
 
-    async def ImportAdapter(self, request_iterator, context):
+    async def ImportAdapter(
+        self,
+        request_iterator: AsyncIterator[trainer_pb2.ImportAdapterChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> trainer_pb2.ImportAdapterResponse:
         folder = Path(tempfile.mkdtemp(prefix="lorafleet-import-"))
         try:
             header = None
