@@ -23,13 +23,14 @@ import asyncio
 import logging
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lorafleet import errors
 from lorafleet.contract import AdapterId
-from lorafleet.shared_storage import FileRef, common_folder
+from lorafleet.shared_storage import FileRef, adapter_folder, common_folder, publish_folder
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
 from lorafleet_controller import metrics
 from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
@@ -151,13 +152,21 @@ class Publisher:
         self, ckpt: CheckpointRecord, sampler_id: str, tenant: str, model_path: str
     ) -> SamplerRecord:
         """A sampler on a training checkpoint: its adapter becomes a new live version of the
-        run (written once, pushed to every rollout) and the sampler pins that version."""
+        run (written once, pushed to every rollout) and the sampler pins that version. On
+        shared storage the controller writes it there once and rollouts read it by reference
+        (its bytes pass through here once, not once per rollout)."""
         files = await self.catalog.read_files(ckpt)
         version = await self._version(ckpt.training_run_id, "")
         ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=version)
-        folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, files)
-        await self._record_live(ref, ckpt.base_model, ckpt.lora, folder, {})
-        await self.push_all(ref, ckpt.base_model, ckpt.lora, Payload(files=files))
+        if self.shared_root is not None:
+            folder, payload = await asyncio.to_thread(
+                _write_shared, self.shared_root, ckpt.training_run_id, version, files
+            )
+        else:
+            folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, files)
+            payload = Payload(files=files)
+        await self._record_live(ref, ckpt.base_model, ckpt.lora, folder, payload.refs)
+        await self.push_all(ref, ckpt.base_model, ckpt.lora, payload)
         return await self.samplers.record(
             sampler_id=sampler_id, tenant=tenant, base_model=ckpt.base_model,
             model_path=model_path, ref=ref, inflight=False,
@@ -270,3 +279,24 @@ def _shared_folder(root: Path, refs: dict[str, common_pb2.BlobRef]) -> str:
         raise errors.Unavailable("the trainer wrote no adapter files")
     described = {n: FileRef(r.uri, r.sha256, r.size_bytes) for n, r in refs.items()}
     return str(common_folder(root, described, "trainer adapter files"))
+
+
+def _write_shared(
+    root: Path, rid: str, version: int, files: dict[str, bytes]
+) -> tuple[str, Payload]:
+    """Blocking: a version's files written once on shared storage, as the trainer does."""
+    final = adapter_folder(root, rid, version)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staged = final.with_name(f".tmp-{version}-{uuid.uuid4().hex}")
+    try:
+        staged.mkdir()
+        for name, data in files.items():
+            (staged / Path(name).name).write_bytes(data)
+        described = publish_folder(staged, final)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    refs = {
+        name: common_pb2.BlobRef(uri=r.uri, sha256=r.sha256, size_bytes=r.size_bytes)
+        for name, r in described.items()
+    }
+    return str(final), Payload(refs=refs)
