@@ -135,6 +135,7 @@ def test_one_process_state_resumes_in_a_group(tiny_model_dir, engine_for, tmp_pa
 
 
 def _service_env(port: int, model_dir: Path, tmp_path: Path) -> dict[str, str]:
+    """Rank 0 may drain for 5 minutes after SIGTERM: a loaded machine must not cut a step."""
     from lorafleet.testing import child_env
 
     return child_env(
@@ -146,6 +147,7 @@ def _service_env(port: int, model_dir: Path, tmp_path: Path) -> dict[str, str]:
         LORAFLEET_TRAINER_TORCH_THREADS="1",
         LORAFLEET_TRAINER_GROUP_TIMEOUT_SECONDS="30",
         LORAFLEET_TRAINER_GROUP_KEEPALIVE_SECONDS="1",
+        LORAFLEET_TRAINER_GRACE_SECONDS="300",
     )
 
 
@@ -246,15 +248,16 @@ async def test_sigterm_to_every_rank_drains_and_exits_cleanly(tiny_model_dir, tm
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = await _serving_stub(channel)
-            call = asyncio.ensure_future(stub.ForwardBackward(_request("big", 16), timeout=120))
+            call = asyncio.ensure_future(stub.ForwardBackward(_request("big", 8), timeout=300))
             await asyncio.sleep(0.5)
             for p in procs:
                 p.send_signal(signal.SIGTERM)
             reply = await call
             assert not reply.results[0].HasField("error"), reply
         loop = asyncio.get_running_loop()
-        codes = await loop.run_in_executor(None, lambda: [p.wait(timeout=120) for p in procs])
-        assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+        codes = await loop.run_in_executor(None, lambda: [p.wait(timeout=300) for p in procs])
+        logs = [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in (0, 1)]
+        assert codes == [0, 0], logs
     finally:
         for p in procs:
             stop_process(p, grace=2.0)
