@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorafleet.errors import FailedPrecondition
+from lorafleet.errors import AlreadyExists, FailedPrecondition
 from lorafleet.v1 import common_pb2, trainer_pb2
 from lorafleet_trainer.domain import ForwardBackwardInput, ForwardBackwardItem
 from lorafleet_trainer.servicer import TrainerServicer
@@ -99,3 +99,20 @@ async def test_a_request_for_another_trainer_process_changes_nothing(make_engine
     assert binding.ops.ids() == [] and not binding.optimizer.has_gradients()
     (out,) = engine.forward_backward([item])  # this process's own calls still work
     assert not isinstance(out, Exception)
+
+
+def test_a_save_rerun_after_its_trainer_was_lost_answers_with_the_state_it_wrote(
+    make_engine,
+) -> None:
+    """save_state in flight when its trainer died runs again on the trainer that rebuilt the
+    run: the folder that save already wrote is its answer, not a taken name."""
+    first = make_engine()
+    first.bind(0, "reg", SPEC)
+    train(first, 0, "reg", 0)
+    saved = first.save_state("reg#3", 0, "reg", "s", True)
+    again = make_engine()
+    again.storage_root = first.storage_root
+    again.bind(1, "reg", SPEC)
+    assert again.save_state("reg#3", 1, "reg", "s", True) == saved
+    with pytest.raises(AlreadyExists):  # another operation still finds the name taken
+        again.save_state("reg#9", 1, "reg", "s", True)

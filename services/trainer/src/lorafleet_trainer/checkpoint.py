@@ -124,9 +124,27 @@ def save_state(
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return _ref(final)
+
+
+def _ref(final: Path) -> StateRef:
     manifest = final / MANIFEST
     size = sum(p.stat().st_size for p in final.iterdir())
     return StateRef(uri=final.resolve().as_uri(), sha256=sha256_file(manifest), size_bytes=size)
+
+
+def saved_by(final: Path, operation_id: str) -> StateRef | None:
+    """The state at `final` when `operation_id` wrote it, else None.
+
+    A save whose trainer died before answering runs again on the process that rebuilt the
+    run (by replay, to the same weights): it must answer with the state already written,
+    not refuse the name as taken. A folder only appears by an atomic rename, complete.
+    """
+    try:
+        state = json.loads((final / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    return _ref(final) if state.get("saved_by") == operation_id else None
 
 
 @dataclass

@@ -438,6 +438,10 @@ class TrainerEngine:
             return self._replay(binding, operation_id)
         checkpoint.validate_name(name)
         final = checkpoint.state_dir(self.storage_root, registration_id, name)
+        earlier = checkpoint.saved_by(final, operation_id)
+        if earlier is not None:  # this very operation, saved before its trainer was lost
+            binding.ops.record(operation_id, earlier)
+            return earlier
         self._no_pending(binding, "save_state")
         optimizer = None
         if include_optimizer:
@@ -460,6 +464,7 @@ class TrainerEngine:
                 "optim_steps": binding.optimizer.steps,
                 "has_optimizer": include_optimizer,
                 "applied_ops": binding.ops.ids(),
+                "saved_by": operation_id,
             },
         )
         binding.ops.record(operation_id, ref)
