@@ -43,6 +43,8 @@ def test_eviction_keeps_the_bound_and_takes_least_recent_leaves_first() -> None:
     cache.insert(None, second, *kv(second))
     assert cache.bytes == 4 * BLOCK_BYTES
     assert cache.match(None, first) is not None  # first's leaf is now the freshest
+    assert cache.branch(None, first, 3 * BLOCK) == 2 * BLOCK  # where first and second diverge
+    assert cache.branch(None, first, BLOCK) == 0
     third = (*range(300, 300 + BLOCK), 1)
     cache.insert(None, third, *kv(third))
     assert cache.bytes <= cache.max_bytes

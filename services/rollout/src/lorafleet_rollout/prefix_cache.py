@@ -58,6 +58,20 @@ class PrefixCache:
             self._lru.move_to_end(hit)
         return torch.cat([n.kv for n in path if n.kv is not None], dim=3)
 
+    def branch(self, adapter: str | None, prompt: tuple[int, ...], length: int) -> int:
+        """Tokens of the longest block prefix of prompt[:length] after which cached prompts
+        diverge (its last block has several cached continuations): the part a batch of
+        requests sharing a system prompt has in common. 0 when there is none."""
+        node = self._roots.get(adapter)
+        found = 0
+        for start in range(0, length, BLOCK):
+            if node is None:
+                break
+            node = node.children.get(prompt[start : start + BLOCK])
+            if node is not None and len(node.children) > 1:
+                found = start + BLOCK
+        return found
+
     def insert(
         self,
         adapter: str | None,

@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
 #: Decode columns reserved beyond a sequence's current length when the cache (re)grows.
 _SPARE_COLUMNS = 256
+#: Shortest cached prefix worth a shared decode segment (each costs a few ops per layer).
+_MIN_SEGMENT = 64
 #: Python's GIL switch interval while this engine runs. The scheduler thread gives the GIL up
 #: in every torch op and must win it back from the gRPC loop and the adapter-prep thread, which
 #: run Python while a publish streams in; at the default 5 ms a decode step beside a busy Python
@@ -497,16 +499,21 @@ class TorchEngine:
         if len(live) > 1:
             segment = Segment(job.keys, job.values)
         elif job.cached is not None:
-            key = (job.adapter, job.request.prompt_tokens[: job.cached.shape[3]])
-            entry = self._prefixes.setdefault(key, _Prefix())
-            if entry.rows and entry.segment is None:
-                layers = range(job.cached.shape[0])
-                entry.segment = Segment(
-                    [job.cached[i, 0] for i in layers], [job.cached[i, 1] for i in layers]
-                )
-            entry.rows += 1
-            live[0].prefix = key
-            segment = entry.segment
+            prompt, matched = job.request.prompt_tokens, job.cached.shape[3]
+            # Where cached prompts diverge (a shared system prompt ends), else the whole hit.
+            length = self.prefix_cache.branch(job.adapter, prompt, matched) or matched
+            if length >= _MIN_SEGMENT:
+                key = (job.adapter, prompt[:length])
+                entry = self._prefixes.setdefault(key, _Prefix())
+                if entry.rows and entry.segment is None:
+                    cached = job.cached[..., :length, :]
+                    layers = range(cached.shape[0])
+                    entry.segment = Segment(
+                        [cached[i, 0] for i in layers], [cached[i, 1] for i in layers]
+                    )
+                entry.rows += 1
+                live[0].prefix = key
+                segment = entry.segment
         for seq in live:
             seq.segment = segment
         return segment
