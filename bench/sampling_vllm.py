@@ -282,7 +282,8 @@ async def side(
                     entry = result[load.name]
                     assert isinstance(entry, dict)
                     if "error" in entry:
-                        entry["vllm_log_tail"] = log.read_text()[-1500:]
+                        lines = log.read_text().splitlines()
+                        entry["vllm_log_errors"] = [x for x in lines if "Error" in x][-15:]
                         continue
                     flops = workload_flops(model_dir, load)
                     seconds = result[f"_{load.name}_seconds"]
