@@ -17,7 +17,11 @@ same number of tokens):
 Rounds alternate the sides so load drift on a shared host hits both; a ratio is the median
 round's (vLLM seconds / our seconds), > 1 = we are faster. The GEMM peak is measured in the
 same run (torch.mm, same thread count); the achieved GFLOP/s counts every linear layer (and
-lm_head) plus attention score/value products for prompt and generated tokens.
+lm_head) plus attention score/value products for prompt and generated tokens, prompts once
+per request (so with prefix caching, (c) and (d) count work the cache saved).
+
+Where our time goes: `py-spy record -f raw -o prof.txt -- .venv/bin/python bench/sampling.py
+--vs-vllm --workloads a --skip-base` (py-spy is in requirements-dev.txt).
 """
 
 from __future__ import annotations
