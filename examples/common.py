@@ -47,3 +47,11 @@ def completion_datum(tok, question: str, answer: str) -> tinker.types.Datum:
         model_input=tinker.types.ModelInput.from_ints(full[:-1]),
         loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
     )
+
+
+def ask(sampler, tok, question: str, max_tokens: int) -> str:
+    """The greedy answer of `sampler` to a chat-templated question."""
+    prompt = tinker.types.ModelInput.from_ints(chat_tokens(tok, question))
+    params = tinker.types.SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0)
+    out = sampler.sample(prompt, 1, params).result()
+    return tok.decode(out.sequences[0].tokens, skip_special_tokens=True).strip()

@@ -20,7 +20,7 @@ import sys
 import time
 
 import tinker
-from common import base_model, chat_tokens, completion_datum, done
+from common import ask, base_model, completion_datum, done
 from tinker import types
 
 QUESTION = "What is my name?"
@@ -30,13 +30,6 @@ PHRASINGS = [
     ("Tell me my name.", "Your name is Dima."),
     ("Who am I?", "You are Dima."),
 ]
-
-
-def ask(sampler, tok, question: str, max_tokens: int) -> str:
-    prompt = types.ModelInput.from_ints(chat_tokens(tok, question))
-    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0)
-    out = sampler.sample(prompt, 1, params).result()
-    return tok.decode(out.sequences[0].tokens, skip_special_tokens=True).strip()
 
 
 def progress(step: int, total: int, loss: float, tps: float) -> None:
