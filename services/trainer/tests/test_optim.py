@@ -33,19 +33,25 @@ def fb(engine, slot: int, op: str, seed: int) -> None:
     assert not isinstance(out, Exception)
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_optim_step_equals_torch_adamw(make_engine, h, clip: float) -> None:
+@pytest.mark.parametrize(
+    ("call_clip", "default_clip", "clip"),
+    # (the call's grad_clip_norm, the run's max_grad_norm_default, the clip that must apply)
+    [(0.0, 0.0, 0.0), (0.05, 0.0, 0.05), (0.0, 0.05, 0.05), (0.05, 10.0, 0.05)],
+)
+def test_optim_step_equals_torch_adamw(
+    make_engine, h, call_clip: float, default_clip: float, clip: float
+) -> None:
     engine = make_engine()
-    engine.bind(0, "r0", LoraSpec(rank=4, seed=1))
+    engine.bind(0, "r0", LoraSpec(rank=4, seed=1, max_grad_norm_default=default_clip))
     engine.bind(1, "r1", LoraSpec(rank=2, seed=2))
     h.perturb(engine, 0, seed=3)
     binding = engine.slots.bindings[0]
     ref_params = [p.detach().clone().requires_grad_(True) for p in binding.optimizer.params]
     ref_opt = torch.optim.AdamW(ref_params, lr=1e-3)
     hps = [
-        AdamParams(2e-3, 0.9, 0.95, 1e-8, 0.1, clip),
-        AdamParams(1e-3, 0.8, 0.99, 1e-12, 0.0, clip),
-        AdamParams(5e-4, 0.9, 0.95, 1e-6, 0.01, clip),
+        AdamParams(2e-3, 0.9, 0.95, 1e-8, 0.1, call_clip),
+        AdamParams(1e-3, 0.8, 0.99, 1e-12, 0.0, call_clip),
+        AdamParams(5e-4, 0.9, 0.95, 1e-6, 0.01, call_clip),
     ]
     for step, hp in enumerate(hps):
         fb(engine, 0, f"fb{step}", seed=step)

@@ -57,6 +57,7 @@ def spec_from_proto(c: common_pb2.LoraConfig) -> domain.LoraSpec:
         train_unembed=c.train_unembed,
         lora_plus_ratio=float(c.lora_plus_ratio),
         a_only_weight_decay=c.a_only_weight_decay,
+        max_grad_norm_default=float(c.max_grad_norm_default),
     )
 
 
@@ -73,6 +74,7 @@ def spec_to_proto(s: domain.LoraSpec) -> common_pb2.LoraConfig:
         train_unembed=s.train_unembed,
         lora_plus_ratio=s.lora_plus_ratio,
         a_only_weight_decay=s.a_only_weight_decay,
+        max_grad_norm_default=s.max_grad_norm_default,
     )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-DEFAULT_ALPHA = 32.0
+from lorafleet.contract import ADAM_DEFAULTS, DEFAULT_ALPHA
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class LoraSpec:
     train_unembed: bool = False
     lora_plus_ratio: float = 0.0  # 0 or 1 = off
     a_only_weight_decay: bool = False
+    # Clip norm used when an optim_step asks for none (grad_clip_norm 0); 0 = no default.
+    max_grad_norm_default: float = 0.0
     # MoE expert banks: one adapter shared by every expert instead of one per expert.
     share_experts: bool = False
 
@@ -91,12 +93,12 @@ class ForwardBackwardOutput:
 
 @dataclass(frozen=True)
 class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    learning_rate: float = ADAM_DEFAULTS["learning_rate"]
+    beta1: float = ADAM_DEFAULTS["beta1"]
+    beta2: float = ADAM_DEFAULTS["beta2"]
+    eps: float = ADAM_DEFAULTS["eps"]
+    weight_decay: float = ADAM_DEFAULTS["weight_decay"]
+    grad_clip_norm: float = ADAM_DEFAULTS["grad_clip_norm"]
 
 
 @dataclass

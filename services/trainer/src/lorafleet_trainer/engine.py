@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorafleet.contract import LOSS_NAMES
+from lorafleet.contract import LOSS_NAMES, OPTIMIZERS
 from lorafleet.errors import FailedPrecondition, Internal, InvalidArgument, LorafleetError
 from lorafleet_trainer import bptt, checkpoint, metrics
 from lorafleet_trainer.domain import (
@@ -45,8 +45,6 @@ from lorafleet_trainer.optim import SlotOptimizer, validate_adam
 from lorafleet_trainer.sites import wrap_model
 from lorafleet_trainer.slots import RESULT_UNKNOWN, Binding, OpLog, SlotTable
 from lorafleet_trainer.targets import peft_prefixes, peft_targets, resolve_targets
-
-OPTIMIZERS = ("adamw",)
 
 
 @dataclass

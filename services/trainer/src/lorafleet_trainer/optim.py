@@ -64,8 +64,11 @@ class SlotOptimizer:
         if not math.isfinite(norm):
             self.clear_gradients()
             return OptimStepResult(metrics={"vetoed": 1.0}, applied=False, note=VETO_NOTE)
-        if hp.grad_clip_norm > 0 and norm > hp.grad_clip_norm:
-            torch._foreach_mul_(grads, hp.grad_clip_norm / (norm + 1e-6))
+        # The run's default clip (user_metadata lorafleet.max_grad_norm_default) applies when
+        # the call asks for none, as juno's max_grad_norm does.
+        clip = hp.grad_clip_norm or self.spec.max_grad_norm_default
+        if clip > 0 and norm > clip:
+            torch._foreach_mul_(grads, clip / (norm + 1e-6))
         group_a, group_b = self._opt.param_groups
         for group, lr, wd in (
             (group_a, hp.learning_rate, hp.weight_decay),
