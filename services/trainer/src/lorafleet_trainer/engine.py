@@ -12,9 +12,10 @@ import dataclasses
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,6 +47,9 @@ from lorafleet_trainer.sites import wrap_model
 from lorafleet_trainer.slots import RESULT_UNKNOWN, Binding, OpLog, SlotTable
 from lorafleet_trainer.targets import peft_prefixes, peft_targets, resolve_targets
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @dataclass
 class _Plan:
@@ -62,7 +66,7 @@ class _Plan:
 class TrainerEngine:
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         *,
         base_model: str,
         num_slots: int,
@@ -108,8 +112,12 @@ class TrainerEngine:
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        # Moved through an nn.Module reference: transformers wraps PreTrainedModel.to with
+        # functools.wraps, which mypy cannot bind; the call still runs PreTrainedModel.to.
+        module: nn.Module = model
+        module.to(device)
         name = base_model or Path(path).resolve().name
-        return cls(model.to(device), base_model=name, **kwargs)
+        return cls(model, base_model=name, **kwargs)
 
     # ------------------------------------------------------------------ slots
     def info(self) -> dict[str, Any]:
@@ -250,6 +258,7 @@ class TrainerEngine:
             except LorafleetError as exc:
                 results[i] = exc
         if plans:
+            outputs: Sequence[ForwardBackwardOutput | LorafleetError]
             try:
                 outputs = self._run(plans)
             except Exception as exc:  # a failed pass poisons every window it touched
@@ -399,7 +408,9 @@ class TrainerEngine:
         modules, parameters = peft_targets(binding.targets, self.sites)
         cfg = LoraConfig(
             r=spec.rank,
-            lora_alpha=spec.effective_alpha,
+            # PEFT annotates lora_alpha as int, but fractional alphas are valid Tinker
+            # options and PEFT only divides by them (scale = alpha / r).
+            lora_alpha=spec.effective_alpha,  # type: ignore[arg-type]
             lora_dropout=spec.dropout,
             target_modules=modules,
             target_parameters=parameters or None,
