@@ -48,9 +48,11 @@ proto-check: .venv/.installed  ## fail if the checked-in generated code drifts f
 	  echo "proto-check: generated code is up to date"; rm -rf $$tmp; \
 	else echo "proto-check: generated code drifts from proto/: run 'make proto'"; rm -rf $$tmp; exit 1; fi
 
-lint: .venv/.installed  ## ruff check + format check
+lint: .venv/.installed  ## ruff check + format check + mypy + duplicated code (pylint's similarity check)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/mypy
+	.venv/bin/pylint --rcfile pyproject.toml packages/*/src/* services/*/src/*
 
 typecheck: .venv/.installed  ## mypy over every package's src (config in pyproject.toml)
 	.venv/bin/mypy
