@@ -1,16 +1,22 @@
 """Fairness across tenants: tenant A's step latency with and without tenant B's flood.
 
     .venv/bin/python bench/fairness.py [--steps 300] [--flood-runs 32] [--op-ms 0.5]
+        [--per-tenant N]
 
 A runs one training run in lockstep (submit a forward_backward, wait until it finished,
 acknowledge it), as the SDK does. B floods from `--flood-runs` runs with forward calls whose
 results it never retrieves, as fast as the controller admits them (a refusal is retried
 after its Retry-After). One dispatcher does what the scheduler does (BLPOP the ready queues,
-claim a batch, order it round-robin by tenant) and stands in for the trainer with a batch
-cost of `--batch-ms` plus `--op-ms` per operation. The ledger is the real one on a private
+claim what is ready into a backlog, take the next batch with the scheduler's `fair_batch`)
+and stands in for the trainer with a batch cost of `--batch-ms` plus `--op-ms` per
+operation. The ledger is the real one on a private
 redis-server with the default per-tenant limits (B is refused once it holds
-`max_unacked_results_per_tenant` unretrieved results). Prints JSON: A's step p50/p99 alone
-and under the flood, their ratio (target <= 2), and how much of B's flood was admitted.
+`max_unacked_results_per_tenant` unretrieved results). The flood runs twice, side by side:
+`fifo` batches everything claimed (no per-tenant cap: the scheduler before fair_batch) and
+`fair` caps each tenant at `--per-tenant` per batch (default: the scheduler's
+BATCH_PER_TENANT). Prints JSON: A's step
+p50/p99 alone and under each flood, the ratios (target <= 2), and how much of B's flood was
+admitted.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from lorafleet.v1 import common_pb2
 from lorafleet_controller import ledger as L
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.registry import Registry, Replica
-from lorafleet_controller.scheduler import CLAIM_BATCH, round_robin
+from lorafleet_controller.scheduler import BATCH_PER_TENANT, CLAIM_BATCH, fair_batch
 from lorafleet_controller.settings import ControllerSettings
-from lorafleet_controller.store import OpState, Store
+from lorafleet_controller.store import OpState, Store, text
 
 FORWARD, FORWARD_BACKWARD = 1, 2
 
@@ -44,7 +50,9 @@ def pct(values: list[float], q: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)
 
 
-async def run(args: argparse.Namespace, url: str, prefix: str, flood: bool) -> dict[str, Any]:
+async def run(
+    args: argparse.Namespace, url: str, prefix: str, flood: bool, per_tenant: int
+) -> dict[str, Any]:
     settings = ControllerSettings(redis_url=url, key_prefix=prefix)
     client = aioredis.from_url(url)
     store = Store(client, prefix)
@@ -87,11 +95,16 @@ async def run(args: argparse.Namespace, url: str, prefix: str, flood: bool) -> d
     async def dispatcher() -> None:
         conn = aioredis.from_url(url)
         keys = store.keys
+        backlog: list[L.Claim] = []  # claimed, not yet run (the scheduler's worker backlog)
         while not stop.is_set():
-            popped = await conn.blpop([keys.ready_ctl, keys.ready_data], timeout=0.1)
-            if popped is None:
-                continue
-            batch = round_robin(await ledger.claim_many([popped[1].decode()], CLAIM_BATCH))
+            if backlog:
+                backlog += await ledger.claim_many([], CLAIM_BATCH)
+            else:
+                popped = await conn.blpop([keys.ready_ctl, keys.ready_data], timeout=0.1)
+                if popped is None:
+                    continue
+                backlog += await ledger.claim_many([text(popped[1])], CLAIM_BATCH)
+            batch = fair_batch(backlog, per_tenant)
             await asyncio.sleep((args.batch_ms + args.op_ms * len(batch)) / 1000)
             await ledger.complete_many(
                 [L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r") for c in batch]
@@ -125,18 +138,23 @@ def main() -> None:
     parser.add_argument("--batch-ms", type=float, default=2.0)
     parser.add_argument("--op-ms", type=float, default=0.5)
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--per-tenant", type=int, default=BATCH_PER_TENANT)
     args = parser.parse_args()
     load = os.getloadavg()[0]
     out: dict[str, Any] = {"bench": "fairness", **vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp) / "redis")
         try:
-            out["alone"] = asyncio.run(run(args, server.url, "fair-alone:", flood=False))
-            out["flooded"] = asyncio.run(run(args, server.url, "fair-flood:", flood=True))
+            out["alone"] = asyncio.run(run(args, server.url, "alone:", False, args.per_tenant))
+            # fifo: no cap, every claimed operation in the next batch (as before fair_batch)
+            out["flooded_fifo"] = asyncio.run(run(args, server.url, "fifo:", True, 1 << 30))
+            out["flooded_fair"] = asyncio.run(run(args, server.url, "fair:", True, args.per_tenant))
         finally:
             server.stop()
-    ratio = out["flooded"]["a_step_ms"]["p99"] / out["alone"]["a_step_ms"]["p99"]
-    out["p99_ratio_flooded_over_alone"] = round(ratio, 3)
+    alone = out["alone"]["a_step_ms"]["p99"]
+    for name in ("fifo", "fair"):
+        ratio = out[f"flooded_{name}"]["a_step_ms"]["p99"] / alone
+        out[f"p99_ratio_{name}_over_alone"] = round(ratio, 3)
     out["target_ratio"] = 2.0
     out["loadavg_1m"] = {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)}
     print(json.dumps(out, indent=2))

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from lorafleet import errors
+from lorafleet_controller.scheduler import BATCH_PER_TENANT, fair_batch
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, RegState
 
@@ -67,6 +68,39 @@ async def test_open_operations_and_registrations_are_limited_per_tenant(domain: 
     assert (await d.ledger.tenant_load("b"))["registrations"] == 1
     assert (await d.ledger.tenant_load("b"))["pending"] == 0
     await d.ready_registration(tenant="b", session="s3")
+    await d.notifier.stop()
+
+
+async def test_a_tenants_step_is_batched_before_another_tenants_backlog_drains(
+    domain: Domain,
+) -> None:
+    """Batch formation is fair: B's backlog (one ready head on each of many runs) is split
+    over batches of at most BATCH_PER_TENANT of B's operations, and A's operation, submitted
+    after B's whole backlog was claimed, joins the very next batch (an ordering property:
+    nothing here depends on timing)."""
+    d = domain
+    b_runs = [await d.ready_registration(tenant="b", session="sb", seq=i) for i in range(20)]
+    a_run = await d.ready_registration(tenant="a", session="sa")
+    for rid in b_runs:
+        await d.ledger.submit("b", rid, 1, FORWARD, b"f", f"f-{rid}")
+    backlog = await d.ledger.claim_many([], 64)
+    assert [c.registration_id for c in backlog] == b_runs  # claimed in arrival order
+    first = fair_batch(backlog, BATCH_PER_TENANT)
+    assert [c.registration_id for c in first] == b_runs[:BATCH_PER_TENANT]
+    assert [c.registration_id for c in backlog] == b_runs[BATCH_PER_TENANT:]
+    # A's step arrives behind B's whole backlog and still runs in the next batch.
+    await d.ledger.submit("a", a_run, 1, FORWARD, b"s", "s1")
+    backlog += await d.ledger.claim_many([], 64)
+    second = fair_batch(backlog, BATCH_PER_TENANT)
+    assert [c.tenant for c in second][:2] == ["b", "a"]  # interleaved tenant by tenant
+    assert [c.registration_id for c in second if c.tenant == "b"] == b_runs[
+        BATCH_PER_TENANT : 2 * BATCH_PER_TENANT
+    ]  # B keeps its arrival order, and its cap
+    assert a_run in {c.registration_id for c in second}
+    assert backlog and all(c.tenant == "b" for c in backlog)  # B's backlog is not drained yet
+    drained = fair_batch(backlog, BATCH_PER_TENANT)
+    assert [c.registration_id for c in drained] == b_runs[2 * BATCH_PER_TENANT :]
+    assert backlog == []
     await d.notifier.stop()
 
 

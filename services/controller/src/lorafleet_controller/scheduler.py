@@ -4,9 +4,11 @@ Wake-up is a blocking BLPOP on two Redis lists that the Lua scripts fill (no pol
 `ready:ctl` (optim_step, save/load state, publish) is always popped before `ready:data`
 (forward, forward_backward), and control operations run as their own tasks, so data never
 starves them. Data operations are handed to one worker per trainer replica, which waits a
-short coalescing window, then sends everything ready for that trainer as one cross-slot
-ForwardBackward batch, ordered round-robin across tenants; each operation is recorded as
-soon as the batch returns. Per registration at most one operation is in flight (the ledger
+short coalescing window, then sends what is ready for that trainer as one cross-slot
+ForwardBackward batch, at most `BATCH_PER_TENANT` operations of each tenant, ordered
+round-robin across tenants (`fair_batch`: one tenant's flood waits for later batches rather
+than slowing every other tenant's steps); each operation is recorded as soon as the batch
+returns. Per registration at most one operation is in flight (the ledger
 only releases the head), so seq_id order is execution order.
 
 A claim is durable before dispatch: a controller killed mid-dispatch leaves the operation
@@ -56,6 +58,9 @@ KIND_NAMES = {v.number: v.name.removeprefix("OPERATION_KIND_").lower()
 
 Effects = list[tuple[str, str, Any]]
 CLAIM_BATCH = 64  # ready operations claimed per round trip
+# Most data operations of one tenant in one trainer batch (see fair_batch): small enough
+# that a flood's batch in flight costs another tenant's step little, large enough to batch.
+BATCH_PER_TENANT = 8
 K = controller_pb2
 # Kinds a lost contact leaves in doubt (re-sent under their id, never failed): everything the
 # trainer executes by operation id. Publishing also involves rollouts and fails as before.
@@ -167,14 +172,17 @@ class Scheduler:
 
     # --- data operations ------------------------------------------------------------------
     async def _data_worker(self, replica: str, queue: asyncio.Queue[Claim]) -> None:
+        backlog: list[Claim] = []  # claimed, not yet sent: fair_batch takes from it
         while True:
-            batch = [await queue.get()]
-            if self.settings.coalesce_window_ms > 0:
-                await asyncio.sleep(self.settings.coalesce_window_ms / 1000)
+            if not backlog:
+                backlog.append(await queue.get())
+                if self.settings.coalesce_window_ms > 0:
+                    await asyncio.sleep(self.settings.coalesce_window_ms / 1000)
             while not queue.empty():
-                batch.append(queue.get_nowait())
+                backlog.append(queue.get_nowait())
+            batch = fair_batch(backlog, BATCH_PER_TENANT)
             try:
-                await self._run_batch(replica, round_robin(batch))
+                await self._run_batch(replica, batch)
             except Exception as exc:  # never lose the worker, nor report what may have run
                 log.exception("data batch on %s failed unexpectedly", replica)
                 self.doubt(batch, exc)
@@ -437,17 +445,31 @@ def in_doubt(exc: BaseException) -> bool:
     return isinstance(exc, errors.LorafleetError) and exc.reason in LEASE_REASONS
 
 
-def round_robin(batch: list[Claim]) -> list[Claim]:
-    """Interleave claims tenant by tenant, keeping each tenant's arrival order."""
-    by_tenant: OrderedDict[str, list[Claim]] = OrderedDict()
-    for claim in batch:
-        by_tenant.setdefault(claim.tenant, []).append(claim)
+def fair_batch(backlog: list[Claim], per_tenant: int) -> list[Claim]:
+    """Take the next trainer batch out of `backlog` (claims in arrival order, changed in
+    place): at most `per_tenant` claims of each tenant, interleaved tenant by tenant, each
+    tenant's claims in arrival order; what is left stays in the backlog, in order, for the
+    next batch.
+
+    Why a cap and not just an order: a batch costs the trainer time per operation, and every
+    operation in it waits for the whole batch. Uncapped, a tenant that floods (many runs
+    with never-retrieved forward calls) fills every batch, so another tenant's one step
+    pays for the flood twice: behind the flood's batch in flight, then inside a batch made
+    mostly of flood. Capped, a new tenant's claim joins the very next batch whatever the
+    flood's backlog, and a batch is at most `per_tenant` per tenant long (bench/fairness.py).
+    The backlog holds at most one claim per registration (the ledger only releases a
+    registration's head), so deferring a claim never reorders a run's operations; claims
+    left here stay CLAIMED in the ledger, so a controller that dies with a backlog leaves
+    them to the next leader's `recover` like any other claim."""
+    taken: OrderedDict[str, list[Claim]] = OrderedDict()
+    rest: list[Claim] = []
+    for claim in backlog:
+        lane = taken.setdefault(claim.tenant, [])
+        (lane if len(lane) < per_tenant else rest).append(claim)
+    backlog[:] = rest
     out: list[Claim] = []
-    lanes = [list(v) for v in by_tenant.values()]
-    while any(lanes):
-        for lane in lanes:
-            if lane:
-                out.append(lane.pop(0))
+    for i in range(max(map(len, taken.values()), default=0)):
+        out += [lane[i] for lane in taken.values() if i < len(lane)]
     return out
 
 
