@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lorafleet import hub
 from lorafleet.errors import InvalidArgument
 from lorafleet_models.build import BUILD_RECORD, build_model
 
@@ -35,7 +36,10 @@ def test_rebuild_is_byte_identical(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_full_build_matches_cached_folder(tmp_path: Path, tiny_model_dir: Path) -> None:
     build_model("tiny", tmp_path / "full")
-    assert folder_bytes(tmp_path / "full") == folder_bytes(tiny_model_dir)
+    cached = folder_bytes(tiny_model_dir)
+    # The cache adds the served name, which names the cache folder (lorafleet.hub).
+    assert json.loads(cached.pop(hub.RECORD)) == {"hub_id": f"lorafleet/{tiny_model_dir.name}"}
+    assert folder_bytes(tmp_path / "full") == cached
 
 
 def test_build_record_and_config(tiny_model_dir: Path) -> None:
