@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -102,7 +102,7 @@ def loss_config(name: str, config: Mapping[str, float], field: str = "loss_fn_co
 # --- optimizer ------------------------------------------------------------------------------
 
 # AdamParams field → (predicate, rule text). All values must also be finite.
-ADAM_RULES: Mapping[str, tuple[object, str]] = {
+ADAM_RULES: Mapping[str, tuple[Callable[[float], bool], str]] = {
     "learning_rate": (lambda v: v >= 0, ">= 0"),
     "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -126,7 +126,7 @@ def check_adam(values: Mapping[str, float], field: str = "adam_params") -> None:
     """Every AdamParams value finite and in range, checked before anything moves."""
     for name, (ok, rule) in ADAM_RULES.items():
         value = float(values[name])
-        if not math.isfinite(value) or not ok(value):  # type: ignore[operator]  # predicate
+        if not math.isfinite(value) or not ok(value):
             raise InvalidArgument(
                 f"must be finite and {rule}, got {value!r}", field=f"{field}.{name}"
             )
@@ -161,12 +161,12 @@ METADATA_PREFIX = "lorafleet."
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
 
-def _number(key: str, raw: str, ok: object, rule: str) -> float:
+def _number(key: str, raw: str, ok: Callable[[float], bool], rule: str) -> float:
     try:
         value = float(raw)
     except ValueError:
         raise InvalidArgument(f"not a number: {raw!r}", field=f"user_metadata.{key}") from None
-    if not math.isfinite(value) or not ok(value):  # type: ignore[operator]  # predicate
+    if not math.isfinite(value) or not ok(value):
         raise InvalidArgument(f"must be {rule}, got {raw!r}", field=f"user_metadata.{key}")
     return value
 
