@@ -16,22 +16,38 @@ def kv(prompt: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     return [column + layer for layer in range(LAYERS)], [-column - layer for layer in range(LAYERS)]
 
 
+def match(cache: PrefixCache, adapter: str | None, prompt: tuple[int, ...]) -> torch.Tensor | None:
+    """What match_into copied, as [layers, 2, heads, tokens, dim] (None: no hit); checks
+    that `matched` agrees and that match_into wrote nothing past its hit."""
+    keys = [torch.full((HEADS, len(prompt), DIM), -7.0) for _ in range(LAYERS)]
+    values = [torch.full((HEADS, len(prompt), DIM), -7.0) for _ in range(LAYERS)]
+    expected = cache.matched(adapter, prompt)
+    found = cache.match_into(adapter, prompt, keys, values)
+    assert found == expected and found % BLOCK == 0
+    assert all(bool((t[:, found:] == -7.0).all()) for t in keys + values)
+    if not found:
+        return None
+    return torch.stack(
+        [torch.stack([k[:, :found], v[:, :found]]) for k, v in zip(keys, values, strict=True)]
+    )
+
+
 def test_matches_the_longest_cached_block_prefix_per_adapter() -> None:
     cache = PrefixCache(1 << 20)
     prompt = tuple(range(3 * BLOCK + 5))
     cache.insert("a", prompt, *kv(prompt))
     assert cache.bytes == 3 * BLOCK_BYTES  # full blocks of prompt[:-1] only
     other = (*prompt[: 2 * BLOCK], 999, *prompt[2 * BLOCK + 1 :])
-    hit = cache.match("a", other)
+    hit = match(cache, "a", other)
     assert hit is not None and hit.shape == (LAYERS, 2, HEADS, 2 * BLOCK, DIM)
     keys, values = kv(prompt[: 2 * BLOCK])
     for layer in range(LAYERS):
         assert torch.equal(hit[layer, 0], keys[layer]) and torch.equal(hit[layer, 1], values[layer])
-    assert cache.match("b", prompt) is None  # keys/values depend on the adapter
-    assert cache.match("a", prompt[: BLOCK + 1]) is not None
-    assert cache.match("a", prompt[:BLOCK]) is None  # the last token is always computed
+    assert match(cache, "b", prompt) is None  # keys/values depend on the adapter
+    assert match(cache, "a", prompt[: BLOCK + 1]) is not None
+    assert match(cache, "a", prompt[:BLOCK]) is None  # the last token is always computed
     cache.drop("a")
-    assert cache.bytes == 0 and cache.match("a", prompt) is None
+    assert cache.bytes == 0 and match(cache, "a", prompt) is None
 
 
 def test_eviction_keeps_the_bound_and_takes_least_recent_leaves_first() -> None:
@@ -42,11 +58,11 @@ def test_eviction_keeps_the_bound_and_takes_least_recent_leaves_first() -> None:
     cache.insert(None, first, *kv(first))
     cache.insert(None, second, *kv(second))
     assert cache.bytes == 4 * BLOCK_BYTES
-    assert cache.match(None, first) is not None  # first's leaf is now the freshest
+    assert match(cache, None, first) is not None  # first's leaf is now the freshest
     assert cache.branch(None, first, 3 * BLOCK) == 2 * BLOCK  # where first and second diverge
     assert cache.branch(None, first, BLOCK) == 0
     third = (*range(300, 300 + BLOCK), 1)
     cache.insert(None, third, *kv(third))
     assert cache.bytes <= cache.max_bytes
-    assert cache.match(None, first).shape[3] == 3 * BLOCK  # still whole
-    assert cache.match(None, second).shape[3] == 2 * BLOCK  # its leaf went, the shared part not
+    assert match(cache, None, first).shape[3] == 3 * BLOCK  # still whole
+    assert match(cache, None, second).shape[3] == 2 * BLOCK  # its leaf went, the shared part not

@@ -212,6 +212,32 @@ async def test_shared_prefixes_equal_each_sample_computed_alone(
             await engine.close()
 
 
+async def test_rows_sharing_a_cached_system_prompt_read_it_once(model_dir: Path) -> None:
+    """Single-sample requests that share a cached system prompt decode against one copy of
+    it: the first to join moves its own columns onto the shared segment when the second
+    arrives, so no row reads the system prompt from its own slot; results are unchanged."""
+    engine = TorchEngine(model_dir)
+    await engine.start()
+    system = tuple(range(40, 140))  # 100 tokens: 6 full cache blocks
+    requests = [SampleRequest(None, (*system, 7 + i, 8), GREEDY) for i in range(4)]
+    try:
+        alone = [await engine.sample(r) for r in requests]  # the first caches the prefix
+        shared, own = decode_rows("shared"), decode_rows("own")
+        together = await asyncio.gather(*(engine.sample(r) for r in requests))
+    finally:
+        await engine.close()
+    for want, got in zip(alone, together, strict=True):
+        assert_same(want, got)
+    # The first token comes from the prefill; every later one is a decode row.
+    assert decode_rows("shared") - shared == len(requests) * (GREEDY.max_tokens - 1)
+    assert decode_rows("own") == own
+
+
+def decode_rows(prefix: str) -> float:
+    value = REGISTRY.get_sample_value("lorafleet_rollout_decode_rows_total", {"prefix": prefix})
+    return value or 0.0
+
+
 async def test_top_k_one_is_greedy_whatever_the_seed(engine: TorchEngine) -> None:
     (greedy,) = (await engine.sample(SampleRequest("r1@1", PROMPT, GREEDY))).sequences
     three = await engine.sample(SampleRequest("r1@1", PROMPT, GREEDY, num_samples=3))

@@ -46,6 +46,7 @@ def make_engine(settings: RolloutSettings) -> RolloutEngine:
         max_lora_rank=settings.max_lora_rank,
         prefix_cache_bytes=settings.prefix_cache_bytes,
         prefill_chunk=settings.prefill_chunk_tokens,
+        favour_decoding=settings.favour_decoding,
     )
 
 

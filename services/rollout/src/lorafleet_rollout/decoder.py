@@ -6,7 +6,7 @@ it streams (every weight once per step, every row's keys/values), so what pays i
 bytes per token and fewer ops around them. Here the weights are packed once (`pack`), q/k/v and
 gate/up are fused into one GEMM each, the rotary tables are precomputed, the KV cache is a set
 of per-sequence slots written in place (`SlotCache`), and prompt prefixes that several rows
-share are read once per step (`Segment`, `Decoder._cascade`): a decode step is a fixed, short
+share are read once per step (`Segment`, `Decoder._attend`): a decode step is a fixed, short
 list of torch ops per layer.
 
 The arithmetic is transformers' (the same RMSNorm, rotate-half rotary from the model's own
@@ -162,6 +162,12 @@ class SlotCache:
             for layer in store:
                 layer[dst, :, :length] = layer[src, :, :length]
 
+    def shift(self, row: int, columns: int, length: int) -> None:
+        """Drop row's first `columns` columns of `length`: columns [columns, length) move to 0."""
+        for store in (self.keys, self.values):
+            for layer in store:
+                layer[row, :, : length - columns] = layer[row, :, columns:length].clone()
+
     def clear(self) -> None:
         self.keys, self.values, self.slots, self.capacity = [], [], 0, 0
 
@@ -169,7 +175,7 @@ class SlotCache:
 class Segment:
     """Keys/values of a prompt prefix shared by several decoding rows (the samples of one
     request, or requests whose prompts share a cached prefix); per layer [kv_heads, length,
-    dim]. Rows attend to it through `Decoder._cascade`, their slots hold only what follows."""
+    dim]. Rows attend to it through `Decoder._attend`, their slots hold only what follows."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.layers = list(zip(keys, values, strict=True))
@@ -382,7 +388,9 @@ class Decoder:
         rows = tokens.shape[0]
         cache = self.cache
         index = torch.arange(rows)
-        mask = (torch.arange(length)[None, :] <= cols[:, None])[:, None, None, :]
+        # Columns past a row's own end (None when every row fills all `length` of them).
+        beyond = torch.arange(length)[None, :] > cols[:, None]
+        hidden = beyond[:, None, None, :] if bool(beyond.any()) else None
         x = self.embed[tokens]
         rotary = self._rotary(pos)
         for i, layer in enumerate(self.layers):
@@ -392,24 +400,30 @@ class Decoder:
             v_store[index, :, cols] = v
             q = q.view(rows, self.kv_heads, -1, self.head_dim)
             own = (k_store[:rows, :, :length], v_store[:rows, :, :length])
-            if shared:
-                out = self._cascade(q, own, mask, [(seg.layers[i], r) for seg, r in shared])
-            else:
-                out = F.scaled_dot_product_attention(q, *own, attn_mask=mask, scale=self.scaling)
+            out = self._attend(q, own, hidden, [(seg.layers[i], r) for seg, r in shared])
             x = self._rest(layer, x, out.reshape(rows, -1), route)
         return self.logits(x, route)
 
-    def _cascade(
+    def _attend(
         self,
         q: torch.Tensor,
         own: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        hidden: torch.Tensor | None,
         shared: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]],
     ) -> torch.Tensor:
-        """Attention over a row's own columns and its shared segment's, merged exactly
-        (log-sum-exp): a segment's keys/values are read once for all its rows, never copied
-        per row. q [B, kv_heads, group, dim]; returns [B, kv_heads, group, dim]."""
-        scores = (q @ own[0].transpose(-1, -2)).mul_(self.scaling).masked_fill_(~mask, -math.inf)
+        """One query per row against its own columns (`hidden` masks those past its end) and
+        its shared segment's, merged exactly (log-sum-exp): a segment's keys/values are read
+        once for all its rows, never copied per row. q [B, kv_heads, group, dim]; returns
+        [B, kv_heads, group, dim].
+
+        Plain batched matmuls, not scaled_dot_product_attention: for one query row its CPU
+        flash kernel took ~0.9 ms a layer at 16 rows x 100 columns (profiled), 20 % of a
+        decode step, where the two matmuls here stream the keys and values once."""
+        scores = (q @ own[0].transpose(-1, -2)).mul_(self.scaling)
+        if hidden is not None:
+            scores.masked_fill_(hidden, -math.inf)
+        if not shared:
+            return torch.softmax(scores, dim=-1) @ own[1]
         peak = scores.amax(-1, keepdim=True)  # finite: the current token is always own
         weights = (scores - peak).exp_()
         total = weights.sum(-1, keepdim=True)

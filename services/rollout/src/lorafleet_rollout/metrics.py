@@ -33,3 +33,9 @@ ADAPTER_PUSHES = Counter(
     "read by this replica from shared storage (publish by reference).",
     ["via"],  # stream, shared
 )
+DECODE_ROWS = Counter(
+    "lorafleet_rollout_decode_rows_total",
+    "Rows of decode steps (torch engine) by where their prompt prefix's keys/values are read: "
+    "a segment shared with other rows (read once for all of them), or the row's own slot.",
+    ["prefix"],  # shared, own
+)

@@ -40,23 +40,41 @@ class PrefixCache:
         self._roots: dict[str | None, _Node] = {}
         self._lru: collections.OrderedDict[_Node, None] = collections.OrderedDict()
 
-    def match(self, adapter: str | None, prompt: tuple[int, ...]) -> torch.Tensor | None:
-        """Keys/values [layers, 2, kv_heads, n * BLOCK, dim] of the longest cached block prefix
-        of prompt[:-1] (the last prompt token is always computed: its logits pick the first
-        token), or None."""
+    def match_into(
+        self,
+        adapter: str | None,
+        prompt: tuple[int, ...],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> int:
+        """Copy the keys/values of the longest cached block prefix of prompt[:-1] (the last
+        prompt token is always computed: its logits pick the first token) into keys/values
+        (per layer [kv_heads, >= its length, dim]); return its length in tokens (0: no hit)."""
+        path = self._path(adapter, prompt)
+        for n, hit in enumerate(path):
+            assert hit.kv is not None
+            columns = slice(n * BLOCK, (n + 1) * BLOCK)
+            for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+                k[:, columns] = hit.kv[layer, 0]
+                v[:, columns] = hit.kv[layer, 1]
+        for hit in reversed(path):
+            self._lru.move_to_end(hit)
+        return len(path) * BLOCK
+
+    def matched(self, adapter: str | None, prompt: tuple[int, ...]) -> int:
+        """Tokens `match_into` would copy for prompt, without copying or refreshing anything."""
+        return len(self._path(adapter, prompt)) * BLOCK
+
+    def _path(self, adapter: str | None, prompt: tuple[int, ...]) -> list[_Node]:
+        """The cached blocks of prompt[:-1], root first, as far as they match."""
         node = self._roots.get(adapter)
         path: list[_Node] = []
         for start in range(0, len(prompt) - BLOCK, BLOCK):
+            node = None if node is None else node.children.get(prompt[start : start + BLOCK])
             if node is None:
                 break
-            node = node.children.get(prompt[start : start + BLOCK])
-            if node is not None:
-                path.append(node)
-        if not path:
-            return None
-        for hit in reversed(path):
-            self._lru.move_to_end(hit)
-        return torch.cat([n.kv for n in path if n.kv is not None], dim=3)
+            path.append(node)
+        return path
 
     def branch(self, adapter: str | None, prompt: tuple[int, ...], length: int) -> int:
         """Tokens of the longest block prefix of prompt[:length] after which cached prompts

@@ -52,6 +52,11 @@ class RolloutSettings:
         "(LRU); 0 = no prefix cache.",
         min=0, max=1 << 40,
     )  # fmt: skip
+    favour_decoding: bool = setting(
+        True,
+        doc="torch only: run every thread but the decoding one at niceness 10, so staging and "
+        "installing published adapters, and RPC handling, use only the CPU decoding leaves.",
+    )
     prefill_chunk_tokens: int = setting(
         512,
         doc="torch only: prompt tokens prefilled between two decode steps, so a long prompt "

@@ -73,6 +73,10 @@ _MIN_SEGMENT = 64
 #: run Python while a publish streams in; at the default 5 ms a decode step beside a busy Python
 #: thread took 2.6x its quiet time, at 0.5 ms 1.6x (measured side by side, bench model).
 _SWITCH_INTERVAL = 0.0005
+#: Niceness of a replica's threads other than the decoding one (0 = normal, 19 = least).
+_NICE = 10
+_SHARED_ROWS = metrics.DECODE_ROWS.labels("shared")
+_OWN_ROWS = metrics.DECODE_ROWS.labels("own")
 
 
 @dataclass(eq=False)
@@ -87,7 +91,7 @@ class _Job:
     cancelled: bool = False
     # Prefill progress: prompt tokens whose keys/values are in keys/values (per layer).
     done: int = 0
-    cached: torch.Tensor | None = None  # the prefix-cache hit it started from
+    cached: int = 0  # prompt tokens it took from the prefix cache
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
@@ -130,10 +134,10 @@ class _Seq:
 
 @dataclass(eq=False)
 class _Prefix:
-    """Running rows that started from one prefix-cache hit, and their shared segment."""
+    """A cached prompt prefix that running rows share in decode, and how many do."""
 
+    segment: Segment
     rows: int = 0
-    segment: Segment | None = None
 
 
 @dataclass(eq=False)
@@ -157,12 +161,14 @@ class TorchEngine:
         dtype: torch.dtype = torch.float32,
         prefix_cache_bytes: int = 256 << 20,
         prefill_chunk: int = 512,
+        favour_decoding: bool = False,
     ) -> None:
         self.model_path = model_path
         self.max_batch_size = max_batch_size
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
         self.prefill_chunk = prefill_chunk
+        self.favour_decoding = favour_decoding
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._decoder: Decoder | None = None
         self._linears: dict[str, tuple[int, int]] = {}
@@ -180,6 +186,7 @@ class TorchEngine:
         self._seqs: list[_Seq] = []  # row i of the decode batch lives in cache slot i
         self._route: Route | None = None
         self._shared: list[tuple[Segment, torch.Tensor]] = []  # segment, its rows
+        self._shared_rows = 0
         self._route_stale = True  # route and _shared need rebuilding (rows changed)
         #: Prefix-cache hits of running rows, by (adapter, tokens): from the second row on,
         #: requests that hit the same prefix share one copy of it in decode too.
@@ -195,6 +202,8 @@ class TorchEngine:
         await asyncio.to_thread(self._load_model)
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()
+        if self.favour_decoding and self._thread.native_id is not None:
+            _lower_all_but(self._thread.native_id)
 
     def _load_model(self) -> None:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
@@ -370,12 +379,12 @@ class TorchEngine:
         """Advance waiting prompts by up to `prefill_chunk` tokens in all, oldest first, as
         one batch (one GEMM per projection, so the weights stream once for all of them).
 
-        A prompt whose first block an earlier, unfinished prompt shares waits for that one to
-        finish: its blocks then come from the prefix cache instead of being computed again.
+        A prompt that shares uncached prefix blocks with one being computed waits for it
+        (`_should_wait`): those blocks then come from the prefix cache, computed once.
         """
         model = self._model()
         budget = self.prefill_chunk
-        busy: set[tuple[str | None, tuple[int, ...]]] = set()
+        computing = [job for job in self._prefilling if job.keys]
         batch: list[tuple[_Job, int]] = []
         for job in list(self._prefilling):
             if budget <= 0:
@@ -387,14 +396,12 @@ class TorchEngine:
                         NotFound(f"adapter {job.request.adapter_id} is not loaded", field="adapter")
                     )
                 continue
-            prompt = job.request.prompt_tokens
-            head = (job.adapter, prompt[:BLOCK])
             if not job.keys:
-                if head in busy and len(prompt) > BLOCK and not job.wants_prompt:
+                if self._should_wait(job, computing):
                     continue
                 self._start_prefill(model, job)
-            busy.add(head)
-            end = min(len(prompt), job.done + budget)
+                computing.append(job)
+            end = min(len(job.request.prompt_tokens), job.done + budget)
             batch.append((job, end))
             budget -= end - job.done
         if not batch:
@@ -426,23 +433,34 @@ class TorchEngine:
                 last = [(0, 1, slot)] if slot else None
                 self._join(model, job, model.logits(rows[-1:], last).float())
 
+    def _should_wait(self, job: _Job, computing: list[_Job]) -> bool:
+        """Whether a prompt should wait for an unfinished one (same adapter) that computes
+        prefix blocks it shares and the cache does not hold yet. Prompts that only share
+        cached blocks start at once, side by side."""
+        if job.wants_prompt:  # computed whole anyway
+            return False
+        prompt = job.request.prompt_tokens
+        have = self.prefix_cache.matched(job.adapter, prompt)
+        return any(  # the cache holds blocks of prompt[:-1]
+            other.adapter == job.adapter
+            and _common_blocks(prompt[:-1], other.request.prompt_tokens[:-1]) > have
+            for other in computing
+        )
+
     def _start_prefill(self, model: Decoder, job: _Job) -> None:
         prompt = job.request.prompt_tokens
         shape = (model.kv_heads, len(prompt), model.head_dim)
-        job.keys = [torch.zeros(shape, dtype=model.dtype) for _ in model.layers]
-        job.values = [torch.zeros(shape, dtype=model.dtype) for _ in model.layers]
+        # Uninitialised: every column is written (cache hit, then prefill) before it is read.
+        job.keys = [torch.empty(shape, dtype=model.dtype) for _ in model.layers]
+        job.values = [torch.empty(shape, dtype=model.dtype) for _ in model.layers]
         if job.wants_prompt:  # every prompt position's logits are needed: compute them all
             job.prompt_logprobs = [math.nan]
             job.topk = [()]
             return
-        cached = self.prefix_cache.match(job.adapter, prompt)
-        if cached is not None:
-            job.done = cached.shape[3]
-            job.cached = cached
-            metrics.PROMPT_TOKENS.labels("cached").inc(job.done)
-            for i in range(len(model.layers)):
-                job.keys[i][:, : job.done] = cached[i, 0]
-                job.values[i][:, : job.done] = cached[i, 1]
+        job.cached = job.done = self.prefix_cache.match_into(
+            job.adapter, prompt, job.keys, job.values
+        )
+        metrics.PROMPT_TOKENS.labels("cached").inc(job.done)
 
     def _prompt_logprobs(self, job: _Job, logits: torch.Tensor, end: int) -> None:
         """Logprob of prompt token t under the prediction at t-1, for the chunk ending at end."""
@@ -487,36 +505,63 @@ class TorchEngine:
             )
             self._seqs.extend(live)
             self._route_stale = True
-        job.keys, job.values, job.cached = [], [], None
+        job.keys, job.values, job.cached = [], [], 0
         if not live:
             job.resolve(_result(job))
 
     def _segment_for(self, job: _Job, live: list[_Seq]) -> Segment | None:
         """What a prefilled job's rows share in decode: its whole prompt when it has several
-        samples, else the cached prefix it started from once another running request has
-        hit it too (one copy for all of them), else nothing."""
+        samples, else the cached prefix it shares with running rows (`_shared_prefix`),
+        else nothing."""
         segment = None
         if len(live) > 1:
             segment = Segment(job.keys, job.values)
-        elif job.cached is not None:
-            prompt, matched = job.request.prompt_tokens, job.cached.shape[3]
-            # Where cached prompts diverge (a shared system prompt ends), else the whole hit.
-            length = self.prefix_cache.branch(job.adapter, prompt, matched) or matched
-            if length >= _MIN_SEGMENT:
-                key = (job.adapter, prompt[:length])
-                entry = self._prefixes.setdefault(key, _Prefix())
-                if entry.rows and entry.segment is None:
-                    cached = job.cached[..., :length, :]
-                    layers = range(cached.shape[0])
-                    entry.segment = Segment(
-                        [cached[i, 0] for i in layers], [cached[i, 1] for i in layers]
-                    )
-                entry.rows += 1
-                live[0].prefix = key
-                segment = entry.segment
+        elif job.cached:
+            segment = self._shared_prefix(job, live[0])
         for seq in live:
             seq.segment = segment
         return segment
+
+    def _shared_prefix(self, job: _Job, seq: _Seq) -> Segment | None:
+        """The cached prefix a one-row request shares with running rows of its adapter (a
+        common system prompt: where cached prompts diverge, else its whole hit), as one
+        segment for all of them. Rows that hold that prefix in their own slot (the first
+        to arrive) move their later columns down onto it, a copy of those columns only, so
+        no row's attention reads the shared part from its own slot."""
+        prompt, matched = job.request.prompt_tokens, job.cached
+        length = self.prefix_cache.branch(job.adapter, prompt, matched) or matched
+        if length < _MIN_SEGMENT:
+            return None
+        key = (job.adapter, prompt[:length])
+        entry = self._prefixes.get(key)
+        if entry is None:
+            partners = [
+                row
+                for row, other in enumerate(self._seqs)
+                if other.segment is None
+                and other.job.adapter == job.adapter
+                and other.job.request.prompt_tokens[:length] == key[1]
+            ]
+            if not partners:
+                return None  # the first: later arrivals find it here and share with it
+            # Contiguous copies: the attention matmuls read a strided segment ~25 % slower.
+            entry = _Prefix(
+                segment=Segment(
+                    [k[:, :length].contiguous() for k in job.keys],
+                    [v[:, :length].contiguous() for v in job.values],
+                )
+            )
+            self._prefixes[key] = entry
+            model = self._model()
+            for row in partners:
+                partner = self._seqs[row]
+                model.cache.shift(row, length, partner.pos)
+                partner.segment, partner.prefix = entry.segment, key
+                entry.rows += 1
+            self._route_stale = True
+        entry.rows += 1
+        seq.prefix = key
+        return entry.segment
 
     def _decode(self) -> None:
         model = self._model()
@@ -527,7 +572,10 @@ class TorchEngine:
                 if seq.segment is not None:
                     groups.setdefault(seq.segment, []).append(row)
             self._shared = [(seg, torch.tensor(rows)) for seg, rows in groups.items()]
+            self._shared_rows = sum(map(len, groups.values()))
             self._route_stale = False
+        _SHARED_ROWS.inc(self._shared_rows)
+        _OWN_ROWS.inc(len(self._seqs) - self._shared_rows)
         pos = torch.tensor([s.pos for s in self._seqs])
         cols = pos - torch.tensor(
             [0 if s.segment is None else s.segment.length for s in self._seqs]
@@ -611,10 +659,35 @@ class TorchEngine:
         return self._tokenizer.decode(tokens, skip_special_tokens=False)
 
 
+def _common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Tokens in the longest common prefix of a and b, counted in whole cache blocks."""
+    low, high = 0, min(len(a), len(b)) // BLOCK
+    while low < high:  # binary search: slice comparisons run in C
+        mid = (low + high + 1) // 2
+        if a[: mid * BLOCK] == b[: mid * BLOCK]:
+            low = mid
+        else:
+            high = mid - 1
+    return low * BLOCK
+
+
 def _lower_priority() -> None:
     """Nice the calling thread (Linux schedules threads individually); best effort."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+
+
+def _lower_all_but(decoding: int) -> None:
+    """Nice every thread of this process but the decoding one; threads started later inherit
+    it from the thread that starts them. A replica's other threads (gRPC, staging, hashing a
+    publish) then take only the CPU decoding leaves: back-to-back publishing on 2 shared
+    cores cost other adapters 28 % of their throughput with all threads equal (bench/
+    sampling.py). Best effort: without /proc (not Linux) nothing changes."""
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            if int(task) != decoding:
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, int(task), _NICE)
 
 
 def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
