@@ -50,6 +50,10 @@ from lorafleet_rollout.vllm_engine import VLLMEngine
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venvs" / "vllm" / "bin" / "python"
+#: Memory for keys/values on each side: vLLM's KV cache space, our engine's prefix cache (its
+#: running sequences' keys/values come on top). With the service's default 256 MiB, (c) and
+#: (d) together overflow it and (d)'s cached system prompts get evicted between rounds.
+KV_GIB = 2
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterato
     port = free_port()
     env = child_env(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
-        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_CPU_KVCACHE_SPACE=str(KV_GIB),
         VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
         OMP_NUM_THREADS=str(threads),
     )
@@ -257,7 +261,7 @@ async def side(
 ) -> dict[str, object]:
     names: list[str | None] = [f"reg-{i}@1" for i in range(len(adapters))] if lora else [None]
     spec = LoraSpec(8, 16)
-    engines = {"torch": TorchEngine(model_dir, max_batch_size=256)}
+    engines = {"torch": TorchEngine(model_dir, max_batch_size=256, prefix_cache_bytes=KV_GIB << 30)}
     if not lora and "d" in args.workloads:
         engines["torch_no_prefix_cache"] = TorchEngine(
             model_dir, max_batch_size=256, prefix_cache_bytes=0
@@ -324,6 +328,7 @@ async def vs_vllm(
     peak = gemm_peak(args.threads)
     report: dict[str, object] = {
         "threads_each_engine": args.threads,
+        "kv_cache_gib_each_engine": KV_GIB,
         "gemm_peak_gflop_s": round(peak, 1),
         "rounds": args.rounds,
         "scale": args.scale,

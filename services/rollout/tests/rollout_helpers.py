@@ -7,14 +7,17 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 REPO = Path(__file__).resolve().parents[3]
 CORPUS = REPO / "packages/lorafleet-models/src/lorafleet_models/data/corpus.txt"
 
 
-def build_model(out: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A random Llama with a 320-token byte-level BPE tokenizer, saved as an HF folder."""
+def build_model(
+    out: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0, arch: str = "llama"
+) -> Path:
+    """A random Llama (or Qwen3: q/k RMSNorm) with grouped-query attention and a 320-token
+    byte-level BPE tokenizer, saved as an HF folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -34,7 +37,7 @@ def build_model(out: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) 
     )
     wrapped.save_pretrained(out)
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = (Qwen3Config if arch == "qwen3" else LlamaConfig)(
         vocab_size=len(wrapped),
         hidden_size=hidden,
         num_hidden_layers=layers,

@@ -6,7 +6,7 @@ it streams (every weight once per step, every row's keys/values), so what pays i
 bytes per token and fewer ops around them. Here the weights are packed once (`pack`), q/k/v and
 gate/up are fused into one GEMM each, the rotary tables are precomputed, the KV cache is a set
 of per-sequence slots written in place (`SlotCache`), and prompt prefixes that several rows
-share are read once per step (`Segment`, `Decoder._attend`): a decode step is a fixed, short
+share are read once per step (`Segment`, `Decoder._merge`): a decode step is a fixed, short
 list of torch ops per layer.
 
 The arithmetic is transformers' (the same RMSNorm, rotate-half rotary from the model's own
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorafleet.errors import InvalidArgument
+from lorafleet_rollout import kernels
 from lorafleet_rollout.lora import AdapterWeights, LoraStacks, Route
 
 if TYPE_CHECKING:
@@ -113,8 +114,8 @@ class Layer:
     o: Projection
     gate_up: Projection
     down: Projection
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    #: Qwen3's per-head q and k RMSNorm weights, [heads + kv_heads, dim] (None: no norm).
+    qk_norm: torch.Tensor | None
 
 
 class SlotCache:
@@ -175,7 +176,7 @@ class SlotCache:
 class Segment:
     """Keys/values of a prompt prefix shared by several decoding rows (the samples of one
     request, or requests whose prompts share a cached prefix); per layer [kv_heads, length,
-    dim]. Rows attend to it through `Decoder._attend`, their slots hold only what follows."""
+    dim]. Rows attend to it through `Decoder._merge`, their slots hold only what follows."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.layers = list(zip(keys, values, strict=True))
@@ -185,7 +186,7 @@ class Segment:
 class Decoder:
     """The base model's weights in decode layout, the resident adapters, and the forward."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, native: bool = True) -> None:
         cfg = model.config
         if cfg.model_type not in SUPPORTED:
             raise InvalidArgument(
@@ -215,7 +216,9 @@ class Decoder:
         with torch.inference_mode():
             positions = torch.arange(self.max_positions)[None]
             cos, sin = rotary(self.embed[:1], positions)
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        half = self.head_dim // 2
+        self.cos = cos[0].contiguous()
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # see `_qkv`
         self.layers: list[Layer] = []
         #: PEFT module path -> (projection, index within the fused projection)
         self.targets: dict[str, tuple[Projection, int]] = {}
@@ -234,11 +237,12 @@ class Decoder:
                     layer.input_layernorm.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
                     **projections,
-                    q_norm=_weight(getattr(layer.self_attn, "q_norm", None)),
-                    k_norm=_weight(getattr(layer.self_attn, "k_norm", None)),
+                    qk_norm=self._qk_norm(layer.self_attn),
                 )
             )
         self.dtype = self.embed.dtype
+        #: The C decode attention (None: torch's), float32 only.
+        self.native = kernels.load() if native and self.dtype == torch.float32 else None
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
         self._stacks = [
             p.lora for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -247,6 +251,13 @@ class Decoder:
         self.rank = 0
         self._slots: dict[str, int] = {}
         self._ranks: dict[str, int] = {}
+
+    def _qk_norm(self, attn: nn.Module) -> torch.Tensor | None:
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None or k_norm is None:
+            return None
+        q, k = _detached_weight(q_norm), _detached_weight(k_norm)
+        return torch.cat((q.expand(self.heads, -1), k.expand(self.kv_heads, -1)))
 
     # ------------------------------------------------------------------ adapters
     def check_targets(self, adapter: AdapterWeights) -> None:
@@ -299,7 +310,7 @@ class Decoder:
         return F.rms_norm(x, weight.shape, weight, self.eps)
 
     def _rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [M, 1, dim] for positions pos [M], looked up once per forward."""
+        """cos and signed sin [M, 1, dim] for positions pos [M], looked up once per forward."""
         return self.cos[pos][:, None], self.sin[pos][:, None]
 
     def _qkv(
@@ -311,14 +322,15 @@ class Decoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [M, heads, dim], k and v [M, kv_heads, dim] for rows x (rotary from `_rotary`)."""
         qkv = layer.qkv(self._rms(x, layer.ln1), adapter)
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q = qkv[:, :q_size].view(-1, self.heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(-1, self.kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_size :].view(-1, self.kv_heads, self.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
+        heads, dim = self.heads + self.kv_heads, self.head_dim
+        qk = qkv[:, : heads * dim].view(-1, heads, dim)  # q and k heads, rotated together
+        v = qkv[:, heads * dim :].view(-1, self.kv_heads, dim)
+        if layer.qk_norm is not None:
+            qk = F.rms_norm(qk, (dim,), None, self.eps).mul_(layer.qk_norm)
         cos, sin = rotary
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        # rotate_half(x) * sin == roll(x, dim / 2) * (sin with its first half negated)
+        qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+        return qk[:, : self.heads], qk[:, self.heads :], v
 
     def _rest(
         self, layer: Layer, x: torch.Tensor, attn: torch.Tensor, adapter: Route | Spans | None
@@ -388,46 +400,63 @@ class Decoder:
         rows = tokens.shape[0]
         cache = self.cache
         index = torch.arange(rows)
-        # Columns past a row's own end (None when every row fills all `length` of them).
-        beyond = torch.arange(length)[None, :] > cols[:, None]
-        hidden = beyond[:, None, None, :] if bool(beyond.any()) else None
+        if self.native is not None:
+            lengths, hidden = (cols + 1).to(torch.int32), None
+            longest = int(cols.max()) + 1
+        else:  # columns past a row's own end (None when every row fills all of `length`)
+            beyond = torch.arange(length)[None, :] > cols[:, None]
+            hidden = beyond[:, None, None, :] if bool(beyond.any()) else None
         x = self.embed[tokens]
         rotary = self._rotary(pos)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, route, rotary)
             k_store, v_store = cache.keys[i], cache.values[i]
-            k_store[index, :, cols] = k
-            v_store[index, :, cols] = v
             q = q.view(rows, self.kv_heads, -1, self.head_dim)
-            own = (k_store[:rows, :, :length], v_store[:rows, :, :length])
-            out = self._attend(q, own, hidden, [(seg.layers[i], r) for seg, r in shared])
+            if self.native is not None:
+                own = self.native(q, k, v, k_store, v_store, lengths, longest, self.scaling)
+            else:
+                k_store[index, :, cols] = k
+                v_store[index, :, cols] = v
+                own = self._attend(
+                    q, k_store[:rows, :, :length], v_store[:rows, :, :length], hidden
+                )
+            out = (
+                self._merge(q, *own, [(seg.layers[i], r) for seg, r in shared])
+                if shared
+                else own[0]
+            )
             x = self._rest(layer, x, out.reshape(rows, -1), route)
         return self.logits(x, route)
 
     def _attend(
-        self,
-        q: torch.Tensor,
-        own: tuple[torch.Tensor, torch.Tensor],
-        hidden: torch.Tensor | None,
-        shared: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]],
-    ) -> torch.Tensor:
-        """One query per row against its own columns (`hidden` masks those past its end) and
-        its shared segment's, merged exactly (log-sum-exp): a segment's keys/values are read
-        once for all its rows, never copied per row. q [B, kv_heads, group, dim]; returns
-        [B, kv_heads, group, dim].
-
-        Plain batched matmuls, not scaled_dot_product_attention: for one query row its CPU
-        flash kernel took ~0.9 ms a layer at 16 rows x 100 columns (profiled), 20 % of a
-        decode step, where the two matmuls here stream the keys and values once."""
-        scores = (q @ own[0].transpose(-1, -2)).mul_(self.scaling)
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Torch's version of the native kernel (`kernels.DecodeAttention`, same results and
+        returns), for machines without a C compiler: batched matmuls over the longest row's
+        columns, `hidden` masking those past each row's end. Not scaled_dot_product_attention:
+        for one query row its CPU flash kernel took ~0.9 ms a layer at 16 rows x 100 columns
+        (profiled), where these matmuls took ~0.3 ms."""
+        scores = (q @ keys.transpose(-1, -2)).mul_(self.scaling)
         if hidden is not None:
             scores.masked_fill_(hidden, -math.inf)
-        if not shared:
-            return torch.softmax(scores, dim=-1) @ own[1]
         peak = scores.amax(-1, keepdim=True)  # finite: the current token is always own
         weights = (scores - peak).exp_()
         total = weights.sum(-1, keepdim=True)
-        out = weights @ own[1]
+        return (weights @ values).div_(total), peak, total
+
+    def _merge(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        peak: torch.Tensor,
+        total: torch.Tensor,
+        shared: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]],
+    ) -> torch.Tensor:
+        """Add attention over shared segments to rows' own (`out`, normalised, with its `peak`
+        and `total`), merged exactly (log-sum-exp): a segment's keys/values are read once
+        for all its rows, never copied per row. q [B, kv_heads, group, dim]; returns
+        [B, kv_heads, group, dim]."""
+        out = out * total
         for (keys, values), rows in shared:
             n, heads, group, dim = rows.shape[0], q.shape[1], q.shape[2], q.shape[3]
             # [kv_heads, n * group, dim]: every row's query heads against one copy of the keys
@@ -448,15 +477,6 @@ class Decoder:
             total.index_copy_(0, rows, total.index_select(0, rows) * mine + s_total * theirs)
             out.index_copy_(0, rows, out.index_select(0, rows) * mine + s_out * theirs)
         return out / total
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def _weight(norm: nn.Module | None) -> torch.Tensor | None:
-    return None if norm is None else _detached_weight(norm)
 
 
 def _detached_weight(module: nn.Module) -> torch.Tensor:

@@ -162,6 +162,7 @@ class TorchEngine:
         prefix_cache_bytes: int = 256 << 20,
         prefill_chunk: int = 512,
         favour_decoding: bool = False,
+        native_kernels: bool = True,
     ) -> None:
         self.model_path = model_path
         self.max_batch_size = max_batch_size
@@ -169,6 +170,7 @@ class TorchEngine:
         self.dtype = dtype
         self.prefill_chunk = prefill_chunk
         self.favour_decoding = favour_decoding
+        self.native_kernels = native_kernels
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._decoder: Decoder | None = None
         self._linears: dict[str, tuple[int, int]] = {}
@@ -208,7 +210,7 @@ class TorchEngine:
     def _load_model(self) -> None:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.eval()
-        self._decoder = Decoder(model)
+        self._decoder = Decoder(model, native=self.native_kernels)
         self._linears = linear_shapes(model)
         with contextlib.suppress(Exception):
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
