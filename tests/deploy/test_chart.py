@@ -433,7 +433,8 @@ def test_settings_values_become_env(render):
         env = env_of(rendered.container(component))
         for key, value in full[component]["settings"].items():
             var = prefix + re.sub(r"(?<!^)(?=[A-Z])", "_", key).upper()
-            assert env[var] == str(value), var
+            want = str(value).lower() if isinstance(value, bool) else str(value)  # YAML's true
+            assert env[var] == want, var
             assert var not in env_of(bare.container(component)), var
     env = env_of(rendered.container("rollout"))
     assert env["LORAFLEET_ROLLOUT_PREFIX_CACHE_BYTES"] == "268435456"

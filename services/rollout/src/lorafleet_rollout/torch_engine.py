@@ -421,6 +421,7 @@ class TorchEngine:
             ]
         )
         first = 0
+        finished: list[tuple[_Job, torch.Tensor]] = []
         for job, end in batch:
             rows = hidden[first : first + end - job.done]
             first += end - job.done
@@ -433,7 +434,13 @@ class TorchEngine:
             if end == len(job.request.prompt_tokens):
                 self._prefilling.remove(job)
                 last = [(0, 1, slot)] if slot else None
-                self._join(model, job, model.logits(rows[-1:], last).float())
+                finished.append((job, model.logits(rows[-1:], last).float()))
+        # Prompts sharing a prefix join one after another: the first's row moves onto the
+        # shared segment before other rows grow the slot cache around its long prompt.
+        finished.sort(key=lambda item: (str(item[0].adapter), item[0].request.prompt_tokens))
+        joining = [job for job, _ in finished]
+        for job, logits in finished:
+            self._join(model, job, logits, joining)
 
     def _should_wait(self, job: _Job, computing: list[_Job]) -> bool:
         """Whether a prompt should wait for an unfinished one (same adapter) that computes
@@ -479,7 +486,9 @@ class TorchEngine:
                 for ids, vals in zip(indices.tolist(), values.tolist(), strict=True)
             ]
 
-    def _join(self, model: Decoder, job: _Job, logits: torch.Tensor) -> None:
+    def _join(
+        self, model: Decoder, job: _Job, logits: torch.Tensor, joining: Sequence[_Job] = ()
+    ) -> None:
         """A prompt is prefilled: cache its prefix, start its samples, and give each a decode
         slot holding the keys/values it does not share (see `_segment_for`)."""
         request = job.request
@@ -495,11 +504,12 @@ class TorchEngine:
         self._append(job.seqs, logits.expand(job.rows, -1))
         live = [s for s in job.seqs if s.reason is None]
         if live:
-            segment = self._segment_for(job, live)
+            segment = self._segment_for(job, live, joining)
             base = 0 if segment is None else segment.length
             first = len(self._seqs)
             own = len(prompt) - base
-            model.cache.reserve(first + len(live), own + min(limit, _SPARE_COLUMNS) + 1)
+            used = max((s.pos - _shared_length(s) for s in self._seqs), default=0)
+            model.cache.reserve(first + len(live), own + min(limit, _SPARE_COLUMNS) + 1, used)
             model.cache.fill(
                 slice(first, first + len(live)),
                 [k[:, base:] for k in job.keys],
@@ -511,7 +521,7 @@ class TorchEngine:
         if not live:
             job.resolve(_result(job))
 
-    def _segment_for(self, job: _Job, live: list[_Seq]) -> Segment | None:
+    def _segment_for(self, job: _Job, live: list[_Seq], joining: Sequence[_Job]) -> Segment | None:
         """What a prefilled job's rows share in decode: its whole prompt when it has several
         samples, else the cached prefix it shares with running rows (`_shared_prefix`),
         else nothing."""
@@ -519,12 +529,12 @@ class TorchEngine:
         if len(live) > 1:
             segment = Segment(job.keys, job.values)
         elif job.cached:
-            segment = self._shared_prefix(job, live[0])
+            segment = self._shared_prefix(job, live[0], joining)
         for seq in live:
             seq.segment = segment
         return segment
 
-    def _shared_prefix(self, job: _Job, seq: _Seq) -> Segment | None:
+    def _shared_prefix(self, job: _Job, seq: _Seq, joining: Sequence[_Job]) -> Segment | None:
         """The cached prefix a one-row request shares with running rows of its adapter (a
         common system prompt: where cached prompts diverge, else its whole hit), as one
         segment for all of them. Rows that hold that prefix in their own slot (the first
@@ -544,7 +554,13 @@ class TorchEngine:
                 and other.job.adapter == job.adapter
                 and other.job.request.prompt_tokens[:length] == key[1]
             ]
-            if not partners:
+            later = any(  # prompts joining right after this one, in the same step
+                other is not job
+                and other.adapter == job.adapter
+                and other.request.prompt_tokens[:length] == key[1]
+                for other in joining
+            )
+            if not partners and not later:
                 return None  # the first: later arrivals find it here and share with it
             # Contiguous copies: the attention matmuls read a strided segment ~25 % slower.
             entry = _Prefix(
@@ -579,9 +595,7 @@ class TorchEngine:
         _SHARED_ROWS.inc(self._shared_rows)
         _OWN_ROWS.inc(len(self._seqs) - self._shared_rows)
         pos = torch.tensor([s.pos for s in self._seqs])
-        cols = pos - torch.tensor(
-            [0 if s.segment is None else s.segment.length for s in self._seqs]
-        )
+        cols = pos - torch.tensor([_shared_length(s) for s in self._seqs])
         length = int(cols.max()) + 1
         if length > model.cache.capacity:
             model.cache.reserve(len(self._seqs), length + _SPARE_COLUMNS)
@@ -659,6 +673,11 @@ class TorchEngine:
 
     def _decode_tokens(self, tokens: Sequence[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def _shared_length(seq: _Seq) -> int:
+    """Prompt tokens a row reads from its shared segment, not from its own slot."""
+    return 0 if seq.segment is None else seq.segment.length
 
 
 def _common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
