@@ -74,6 +74,10 @@ _MIN_SEGMENT = 64
 #: thread took 2.6x its quiet time, at 0.5 ms 1.6x (measured side by side, bench model).
 _SWITCH_INTERVAL = 0.0005
 #: Niceness of a replica's threads other than the decoding one (0 = normal, 19 = least).
+#: Others' throughput under back-to-back publishing, median of 6 rounds (bench/sampling.py,
+#: 2 replicas and the publisher on 2 cores): 0.75 all equal, 0.79 at 10, 0.84 at 19, within
+#: the noise; but at 19 a publish during sampling took 0.6 s (p50) against 0.15-0.22 s at 10.
+#: SCHED_IDLE was worse (0.62: a starved thread holding the GIL stalls the decoding one).
 _NICE = 10
 _SHARED_ROWS = metrics.DECODE_ROWS.labels("shared")
 _OWN_ROWS = metrics.DECODE_ROWS.labels("own")
@@ -701,9 +705,8 @@ def _lower_priority() -> None:
 def _lower_all_but(decoding: int) -> None:
     """Nice every thread of this process but the decoding one; threads started later inherit
     it from the thread that starts them. A replica's other threads (gRPC, staging, hashing a
-    publish) then take only the CPU decoding leaves: back-to-back publishing on 2 shared
-    cores cost other adapters 28 % of their throughput with all threads equal (bench/
-    sampling.py). Best effort: without /proc (not Linux) nothing changes."""
+    publish) then take mostly CPU decoding leaves (see `_NICE`). Best effort: without /proc
+    (not Linux) nothing changes."""
     with contextlib.suppress(OSError):
         for task in os.listdir("/proc/self/task"):
             if int(task) != decoding:
