@@ -122,13 +122,14 @@ class Helpers:
             k: v.clone() for k, v in engine._adapter_tensors(engine.slots.bindings[slot]).items()
         }
 
-    def peft_model(self, engine, slot: int):
-        """An in-process PEFT model holding exactly the slot's adapter (the reference)."""
+    def peft_model(self, engine, slot: int, dtype: torch.dtype = torch.float32):
+        """An in-process PEFT model holding exactly the slot's adapter (the reference), in
+        `dtype`: float64 gives the exact value that the engine's float32 result rounds."""
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
         from transformers import AutoModelForCausalLM
 
         b = engine.slots.bindings[slot]
-        base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
         cfg = LoraConfig(
             r=b.spec.rank,
             lora_alpha=b.spec.effective_alpha,
@@ -136,7 +137,8 @@ class Helpers:
             target_modules=list(b.targets),
         )
         pm = get_peft_model(base, cfg)
-        result = set_peft_model_state_dict(pm, self.adapter_tensors(engine, slot))
+        adapter = {k: v.to(dtype) for k, v in self.adapter_tensors(engine, slot).items()}
+        result = set_peft_model_state_dict(pm, adapter)
         assert not result.unexpected_keys
         pm.eval()
         return pm
