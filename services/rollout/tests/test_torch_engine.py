@@ -83,24 +83,33 @@ async def test_qwen3_q_k_norms_match_transformers(tmp_path: Path) -> None:
     assert (torch.tensor(seq.logprobs) - expected).abs().max() <= 1e-4
 
 
-async def test_native_attention_equals_torch_attention(model_dir: Path, tmp_path: Path) -> None:
-    """The C decode attention (`kernels.py`) and its torch fallback give the same tokens and
-    logprobs within 1e-5: ragged row lengths, grouped-query heads, shared segments."""
-    folder = make_adapter(model_dir, tmp_path / "a", seed=5)
+async def test_native_kernels_equal_torch(model_dir: Path, tmp_path: Path) -> None:
+    """The C decode attention and LoRA (`kernels.py`) and their torch fallbacks give the same
+    tokens and logprobs within 1e-5: ragged row lengths, grouped-query heads, shared segments,
+    rows of two adapters of different ranks (fused q/k/v and gate/up, lm_head) and of none."""
+    first = make_adapter(model_dir, tmp_path / "a", seed=5)
+    second = make_adapter(
+        model_dir, tmp_path / "b", seed=6, rank=2,
+        targets=("k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "lm_head"),
+    )  # fmt: skip
     system = tuple(range(40, 140))
     hot = SamplingSpec(12, temperature=1.0, seed=3, disable_eos_stop=True)
+    adapters = [None, "r@1", "s@1"]
     requests = [
-        SampleRequest("r@1" if i % 2 else None, (*system[: 30 + 20 * i], 7 + i), spec, n)
-        for i, (spec, n) in enumerate([(GREEDY, 1), (hot, 3), (hot, 1), (GREEDY, 1), (hot, 2)])
+        SampleRequest(adapters[i % 3], (*system[: 30 + 20 * i], 7 + i), spec, n)
+        for i, (spec, n) in enumerate(
+            [(GREEDY, 1), (hot, 3), (hot, 1), (GREEDY, 1), (hot, 2), (hot, 2), (GREEDY, 1)]
+        )
     ]
     results = []
     for native in (True, False):
         engine = TorchEngine(model_dir, native_kernels=native)
         await engine.start()
         assert (engine._model().native is not None) == native  # gcc is on every test machine
-        await engine.load_adapter("r@1", folder, LoraSpec(4, 8))
+        await engine.load_adapter("r@1", first, LoraSpec(4, 8))
+        await engine.load_adapter("s@1", second, LoraSpec(2, 4))
         try:
-            await engine.sample(requests[-1])  # a cached prefix: later rows share a segment
+            await engine.sample(requests[4])  # a cached prefix: later rows share a segment
             results.append(await asyncio.gather(*(engine.sample(r) for r in requests)))
         finally:
             await engine.close()

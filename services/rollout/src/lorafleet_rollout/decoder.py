@@ -85,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 class Projection:
     """A (fused) linear layer: packed weight, optional bias, and its LoRA stacks."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], native: kernels.DecodeLora | None) -> None:
         self.weight = pack(torch.cat([m.weight.detach() for m in linears]))
         biases = [m.bias for m in linears]
         self.bias = (
@@ -98,7 +98,9 @@ class Projection:
                 ]
             )
         )
-        self.lora = LoraStacks(linears[0].in_features, tuple(m.out_features for m in linears))
+        self.lora = LoraStacks(
+            linears[0].in_features, tuple(m.out_features for m in linears), native
+        )
 
     def __call__(self, x: torch.Tensor, adapter: Route | Spans | None) -> torch.Tensor:
         out = linear(x, self.weight, self.bias)
@@ -217,10 +219,14 @@ class Decoder:
         self.max_positions = int(cfg.max_position_embeddings)
         self.embed = _detached_weight(model.get_input_embeddings())
         self.norm = model.model.norm.weight.detach()
+        self.dtype = self.embed.dtype
+        #: The C decode attention and LoRA (None: torch's), float32 only.
+        self.native = kernels.load() if native and self.dtype == torch.float32 else None
+        lora_kernel = None if self.native is None else self.native.lora
         # The unembedding is a projection like the others: Tinker's train_unembed (on by
         # default in the SDK) puts LoRA on lm_head, and a sampler must apply it.
         head = model.get_output_embeddings()
-        self.lm_head = Projection([head])
+        self.lm_head = Projection([head], lora_kernel)
         with torch.inference_mode():
             positions = torch.arange(self.max_positions)[None]
             cos, sin = rotary(self.embed[:1], positions)
@@ -237,7 +243,7 @@ class Decoder:
             for group, (parent, names) in _GROUPS.items():
                 owner = getattr(layer, parent)
                 linears = [getattr(owner, n) for n in names]
-                projections[group] = Projection(linears)
+                projections[group] = Projection(linears, lora_kernel)
                 for j, linear in enumerate(linears):
                     self.targets[paths[id(linear)]] = (projections[group], j)
             self.layers.append(
@@ -248,9 +254,6 @@ class Decoder:
                     qk_norm=self._qk_norm(layer.self_attn),
                 )
             )
-        self.dtype = self.embed.dtype
-        #: The C decode attention (None: torch's), float32 only.
-        self.native = kernels.load() if native and self.dtype == torch.float32 else None
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
         self._stacks = [
             p.lora for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -421,7 +424,9 @@ class Decoder:
             k_store, v_store = cache.keys[i], cache.values[i]
             q = q.view(rows, self.kv_heads, -1, self.head_dim)
             if self.native is not None:
-                own = self.native(q, k, v, k_store, v_store, lengths, longest, self.scaling)
+                own = self.native.attention(
+                    q, k, v, k_store, v_store, lengths, longest, self.scaling
+                )
             else:
                 k_store[index, :, cols] = k
                 v_store[index, :, cols] = v

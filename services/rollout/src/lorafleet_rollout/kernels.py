@@ -1,10 +1,11 @@
-"""The torch engine's native kernel (`csrc/decode_attention.c`), built on first use.
+"""The torch engine's native decode kernels (`csrc/`: attention, LoRA), built on first use.
 
-Compiled with the machine's C compiler (`$CC`, else gcc or cc) for this CPU (`-march=native`)
-into the user cache (`$XDG_CACHE_HOME/lorafleet/kernels`, keyed by source, flags, compiler
-and CPU), loaded with ctypes (which drops the GIL for the call). Building takes about a
-second, once per machine. Without a compiler, or if the build fails, `load()` logs why and
-returns None, and the engine keeps its torch attention: same results, slower decoding.
+Compiled together with the machine's C compiler (`$CC`, else gcc or cc) for this CPU
+(`-march=native`) into the user cache (`$XDG_CACHE_HOME/lorafleet/kernels`, keyed by sources,
+flags, compiler and CPU), loaded with ctypes (which drops the GIL for the call). Building
+takes about a second, once per machine. Without a compiler, or if the build fails, `load()`
+logs why and returns None, and the engine keeps its torch attention and LoRA: same results,
+slower decoding.
 
 Floating-point flags: reassociation lets the compiler vectorise the dot products; the
 results differ from torch's by float rounding only (tests hold them to 1e-5).
@@ -21,13 +22,17 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c",
+                                                                     "decode_lora.c"))  # fmt: skip
 FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
     "-fno-trapping-math", "-shared", "-fPIC",
@@ -90,32 +95,111 @@ class DecodeAttention:
         return out, peak, total
 
 
+class DecodeLora:
+    """The loaded kernel: one decode step's LoRA, each row through its own slot's weights."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.decode_lora
+        fn.restype = None
+        pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+        fn.argtypes = [pointer, pointer, i32, i32, i32, pointer, i64, pointer, i64]
+        fn.argtypes += [pointer, pointer, i32, pointer, pointer]
+        self._fn = fn
+
+    def bind(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        order: torch.Tensor,
+        slots: torch.Tensor,
+        columns: tuple[torch.Tensor, torch.Tensor],
+    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """A call `run(out, x)` doing out [B, out] += x[r] @ a[slot] @ b[slot] for each row
+        r = order[e] of slot slots[e] (int32 [n], rows grouped by slot), with the stacks
+        a [S, in, nr] and b [S, nr, out] of `lora.LoraStacks`, rank column k reaching output
+        columns [columns[0][k], columns[1][k]). Everything but x and out is checked here,
+        once per batch composition, so a decode step pays only for x and out."""
+        slot_count, _, nr = a.shape
+        out_features = b.shape[2]
+        lo, hi = columns
+        if not (
+            a.dtype == b.dtype == torch.float32
+            and a.is_contiguous()
+            and b.is_contiguous()
+            and b.shape[:2] == (slot_count, nr)
+            and order.dtype == slots.dtype == lo.dtype == hi.dtype == torch.int32
+            and order.is_contiguous()
+            and slots.is_contiguous()
+            and order.shape == slots.shape
+            and order.dim() == 1
+            and lo.shape == hi.shape == (nr,)
+            and bool(((slots >= 0) & (slots < slot_count)).all())
+            and bool((order >= 0).all())
+            and bool(((lo >= 0) & (lo <= hi) & (hi <= out_features)).all())
+        ):
+            raise ValueError("decode_lora: unsupported stacks, rows or columns")
+        return _BoundLora(self._fn, a, b, order, slots, lo, hi)
+
+
+class _BoundLora:
+    """`DecodeLora.bind`'s call: holds the checked tensors (alive) and their pointers."""
+
+    def __init__(self, fn: Any, *tensors: torch.Tensor) -> None:
+        a, b, order, slots, lo, hi = tensors
+        self._fn, self._tensors = fn, tensors
+        self._in, self._out = a.shape[1], b.shape[2]
+        self._rows = int(order.max()) + 1 if order.numel() else 0
+        self._head = (a.data_ptr(), b.data_ptr(), a.shape[1], a.shape[2], b.shape[2])
+        self._tail = (order.data_ptr(), slots.data_ptr(), order.shape[0], lo.data_ptr(),
+                      hi.data_ptr())  # fmt: skip
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        if not (
+            x.dtype == out.dtype == torch.float32
+            and x.shape[1] == self._in
+            and out.shape[1] == self._out
+            and x.stride(1) == out.stride(1) == 1
+            and min(x.shape[0], out.shape[0]) >= self._rows
+        ):
+            raise ValueError("decode_lora: unsupported x or out")
+        self._fn(*self._head, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                 *self._tail)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Kernels:
+    attention: DecodeAttention
+    lora: DecodeLora
+
+
 @functools.cache
-def load() -> DecodeAttention | None:
-    """The kernel for this machine, building it if needed; None if it cannot be built."""
+def load() -> Kernels | None:
+    """The kernels for this machine, building them if needed; None if they cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         log.warning("no C compiler: the torch engine decodes with torch attention (slower)")
         return None
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorafleet"
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu()):
+    for part in (*(f.read_bytes() for f in SOURCES), " ".join(FLAGS).encode(), compiler.encode(),
+                 _cpu()):  # fmt: skip
         key.update(part)
-    target = cache / "kernels" / f"decode_attention-{key.hexdigest()[:16]}.so"
+    target = cache / "kernels" / f"decode-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
                 subprocess.run(
-                    [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                    [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"],
                     check=True, capture_output=True, text=True, timeout=300,
                 )  # fmt: skip
                 os.replace(built, target)  # atomic: concurrent builders race harmlessly
-        return DecodeAttention(ctypes.CDLL(str(target)))
+        library = ctypes.CDLL(str(target))
+        return Kernels(DecodeAttention(library), DecodeLora(library))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", None) or exc
-        log.warning("building %s failed, decoding with torch attention: %s", SOURCE.name, detail)
+        log.warning("building the decode kernels failed, decoding with torch: %s", detail)
         return None
 
 

@@ -10,10 +10,12 @@ and R the largest resident rank; sub-projection j owns rank columns [j*R, j*R + 
 output columns, everything else is zero (the padding adds exact zeros). Slot 0 stays zero.
 
 A prefill runs one adapter: two matmuls on its slot's views, no copy. A decode step runs a
-`Route`, built once per batch composition (not per token), that cuts the LoRA rows into equal
-chunks of one adapter each: one gather of the rows, two `bmm`s over the chunks and one
-`index_add_` back, whatever the number of adapters. The chunk-stacked weights are cached per
-route, so steady decode steps gather no weights at all.
+`Route`, built once per batch composition (not per token). With the native kernels
+(`kernels.DecodeLora`) it is one call per projection over the rows grouped by slot, reading
+each slot's stacks in place. Without them, the route cuts the LoRA rows into equal chunks of
+one adapter each: one gather of the rows, two `bmm`s over the chunks and one `index_add_`
+back, whatever the number of adapters; the chunk-stacked weights are cached per route, so
+steady decode steps gather no weights at all.
 
 The result is PEFT's `base(x) + lora_B(lora_A(x)) * scaling` (same per-module rank, alpha and
 rsLoRA rules, `adapter_weights`), up to float rounding; tests hold it to 1e-4 in logprob.
@@ -22,6 +24,7 @@ rsLoRA rules, `adapter_weights`), up to float rounding; tests hold it to 1e-4 in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,7 @@ from peft import LoraConfig
 from peft.utils.other import get_pattern_key
 
 from lorafleet.errors import InvalidArgument
+from lorafleet_rollout.kernels import DecodeLora
 from lorafleet_rollout.peft_io import WEIGHTS_FILE
 
 _PREFIX = "base_model.model."
@@ -87,6 +91,8 @@ class Route:
     `rows` [chunks * width] indexes the batch; `slots` [chunks] names each chunk's slot; `keep`
     [chunks * width, 1] zeroes the padding entries of short chunks (None when there are
     none). Padding entries repeat a real row, so adding their (zero) output changes nothing.
+    `order` and `order_slots` (int32) list the LoRA rows grouped by slot, with each one's
+    slot, for the native kernel.
     """
 
     slots: torch.Tensor
@@ -94,6 +100,8 @@ class Route:
     keep: torch.Tensor | None
     width: int
     members: frozenset[int]
+    order: torch.Tensor
+    order_slots: torch.Tensor
 
 
 def make_route(row_slots: list[int]) -> Route | None:
@@ -121,13 +129,23 @@ def make_route(row_slots: list[int]) -> Route | None:
         None if all(keep) else torch.tensor(keep)[:, None],
         width,
         frozenset(groups),
+        torch.tensor([r for members in groups.values() for r in members], dtype=torch.int32),
+        torch.tensor([s for s, members in groups.items() for _ in members], dtype=torch.int32),
     )
+
+
+#: What a route needs per projection, made once per batch composition: the native kernel's
+#: bound call, or the torch path's chunk-stacked weights (None: no row's adapter is here).
+_Prepared = Callable[[torch.Tensor, torch.Tensor], None] | tuple[torch.Tensor, torch.Tensor] | None
 
 
 class LoraStacks:
     """The stacked LoRA weights of one (possibly fused) projection, for every slot."""
 
-    def __init__(self, in_features: int, outs: tuple[int, ...]) -> None:
+    def __init__(
+        self, in_features: int, outs: tuple[int, ...], native: DecodeLora | None = None
+    ) -> None:
+        self.native = native
         self.in_features = in_features
         self.outs = outs
         self.offsets = tuple(sum(outs[:j]) for j in range(len(outs)))
@@ -136,7 +154,8 @@ class LoraStacks:
         self.a = torch.zeros(1, in_features, 0)
         self.b = torch.zeros(1, 0, self.out_features)
         self.used: set[int] = set()  # slots whose adapter targets this projection
-        self._cached: tuple[Route, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        self.columns = self._columns()
+        self._cached: tuple[Route, _Prepared] | None = None
 
     def resize(self, capacity: int, rank: int) -> None:
         n = len(self.outs)
@@ -147,6 +166,13 @@ class LoraStacks:
             a[:s, :, j * rank : j * rank + r] = self.a[:s, :, j * self.rank : j * self.rank + r]
             b[:s, j * rank : j * rank + r] = self.b[:s, j * self.rank : j * self.rank + r]
         self.a, self.b, self.rank, self._cached = a, b, rank, None
+        self.columns = self._columns()
+
+    def _columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output columns each rank column reaches: sub-projection j's own, [lo, hi)."""
+        subs = [j for j in range(len(self.outs)) for _ in range(self.rank)]
+        lo = torch.tensor([self.offsets[j] for j in subs], dtype=torch.int32)
+        return lo, lo + torch.tensor([self.outs[j] for j in subs], dtype=torch.int32)
 
     def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write slot's weights: sub-projection j -> (A^T [in, r], B^T [r, out_j]); {} zeroes."""
@@ -171,14 +197,25 @@ class LoraStacks:
     def add_routed(self, out: torch.Tensor, x: torch.Tensor, route: Route) -> None:
         """out [B, out] += each row's LoRA for x [B, in] (a decode step: one token per row)."""
         if self._cached is None or self._cached[0] is not route:
-            weights = None
+            prepared: _Prepared = None
             if not self.used.isdisjoint(route.members):
-                weights = (self.a.index_select(0, route.slots), self.b.index_select(0, route.slots))
-            self._cached = (route, weights)
-        weights = self._cached[1]
-        if weights is None:
+                if self.native is not None:
+                    prepared = self.native.bind(
+                        self.a, self.b, route.order, route.order_slots, self.columns
+                    )
+                else:
+                    prepared = (
+                        self.a.index_select(0, route.slots),
+                        self.b.index_select(0, route.slots),
+                    )
+            self._cached = (route, prepared)
+        prepared = self._cached[1]
+        if prepared is None:
             return
-        a, b = weights
+        if callable(prepared):
+            prepared(out, x)
+            return
+        a, b = prepared
         rows = x.index_select(0, route.rows)
         if route.keep is not None:
             rows = rows * route.keep
