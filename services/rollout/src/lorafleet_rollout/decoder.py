@@ -6,7 +6,8 @@ Here the weights are packed once (`pack`, oneDNN's layout), q/k/v and gate/up ar
 one GEMM each, q and k are rotated together from precomputed tables, the KV cache is a set of
 per-sequence slots written in place (`SlotCache`), decode attention is one native call per
 layer that writes the step's keys/values and reads each row's own columns once
-(`kernels.py`), and prompt prefixes that several rows share are read once per step for all of
+(`kernels.py`), each projection's LoRA is one native call over the rows grouped by adapter
+(`lora.py`), and prompt prefixes that several rows share are read once per step for all of
 them (`Segment`, `Decoder._merge`).
 
 Where a decode step goes (bench model, 16 rows x ~100 columns, one thread, profiled): ~65 %
