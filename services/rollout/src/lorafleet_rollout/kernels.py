@@ -177,7 +177,7 @@ def load() -> Kernels | None:
     """The kernels for this machine, building them if needed; None if they cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        log.warning("no C compiler: the torch engine decodes with torch attention (slower)")
+        log.warning("no C compiler: the torch engine decodes with its torch kernels (slower)")
         return None
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorafleet"
     key = hashlib.sha256()
