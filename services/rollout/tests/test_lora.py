@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,7 @@ def folders(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 def install(dec: Decoder, linears: dict[str, tuple[int, int]], name: str, folder: Path) -> None:
     config, tensors = read_peft_dir(folder)
     check_fits(tensors, config, linears, 64)
-    weights = adapter_weights(config, tensors)
-    dec.check_targets(weights)
-    dec.install(name, weights)
+    dec.install(name, dec.lay_out(adapter_weights(config, tensors)))
 
 
 def mixed_logprobs(
@@ -73,7 +72,10 @@ def mixed_logprobs(
         base = shared if r < 2 else 0
         if r == 0 and shared:
             segment = Segment([k[:, :shared] for k in keys], [v[:, :shared] for v in values])
-        dec.cache.fill(slice(r, r + 1), [k[:, base:] for k in keys], [v[:, base:] for v in values])
+        kv = torch.stack(
+            [torch.stack([k[:, base:], v[:, base:]]) for k, v in zip(keys, values, strict=True)]
+        )
+        dec.cache.fill(slice(r, r + 1), kv)
     route = make_route([dec.slot(name) for name in rows])
     pos = torch.full((count,), length - 1)
     cols = pos - torch.tensor([shared if r < 2 else 0 for r in range(count)])
@@ -185,12 +187,30 @@ def test_bad_pairs_and_ranks_are_refused(model_dir: Path, folders: dict[str, Pat
     assert "configured rank 2" in str(rank.value)
 
 
+def test_non_finite_weights_are_refused_by_name_and_huge_finite_ones_pass(
+    model_dir: Path, folders: dict[str, Path]
+) -> None:
+    config, tensors = read_peft_dir(folders["a"])
+    linears = linear_shapes(load_base(model_dir))
+    target = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    for bad in (math.nan, math.inf, -math.inf):
+        poisoned = dict(tensors)
+        poisoned[target] = tensors[target].clone()
+        poisoned[target][3, 1] = bad
+        with pytest.raises(InvalidArgument) as refused:
+            check_fits(poisoned, config, linears, 64)
+        assert refused.value.field == WEIGHTS_FILE and target in str(refused.value)
+    # Finite values whose sum overflows float32: the one-pass check must not refuse them.
+    huge = {k: torch.full_like(t, 3e38) for k, t in tensors.items()}
+    check_fits(huge, config, linears, 64)
+
+
 def test_slot_cache_moves_rows_and_grows_without_changing_them() -> None:
     cache = SlotCache(2, 3, 4, torch.float32)
     cache.reserve(3, 5)
     rows = [[torch.randn(3, 5, 4) for _ in range(2)] for _ in range(3)]
     for r, kv in enumerate(rows):
-        cache.fill(slice(r, r + 1), kv, [-t for t in kv])
+        cache.fill(slice(r, r + 1), torch.stack([torch.stack([t, -t]) for t in kv]))
     cache.move(torch.tensor([0]), torch.tensor([2]), 5)  # row 0 leaves, row 2 takes its slot
     cache.reserve(9, 40)
     assert cache.slots >= 9 and cache.capacity == 40

@@ -32,7 +32,7 @@ from torch import nn
 
 from lorafleet.errors import InvalidArgument
 from lorafleet_rollout import kernels
-from lorafleet_rollout.lora import AdapterWeights, LoraStacks, Route
+from lorafleet_rollout.lora import AdapterWeights, LoraStacks, Route, SlotWeights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -113,6 +113,15 @@ class Projection:
         return out
 
 
+@dataclass(frozen=True)
+class LaidOut:
+    """An adapter ready to install (`Decoder.lay_out`): its largest rank, and its weights
+    per targeted stack."""
+
+    rank: int
+    stacks: dict[LoraStacks, SlotWeights]
+
+
 @dataclass
 class Layer:
     ln1: torch.Tensor
@@ -126,17 +135,21 @@ class Layer:
 
 
 class SlotCache:
-    """Keys and values of the decoding sequences: per layer [slots, kv_heads, capacity, head].
+    """Keys and values of the decoding sequences: one buffer [layers, 2, slots, kv_heads,
+    capacity, head], seen per layer as `keys[i]` and `values[i]` [slots, kv_heads, capacity,
+    head] (contiguous views).
 
     Row i of the running batch lives in slot i; a finished row's slot is refilled by moving
     the last rows down (a copy of those rows only), and a step writes one column per row in
-    place. Buffers grow (slots by doubling) zero-filled: masked columns must hold finite
-    values, as 0 * inf would poison the attention output.
+    place. One buffer means filling, moving or regrowing is one copy for every layer. Buffers
+    grow (slots by doubling) zero-filled: masked columns must hold finite values, as
+    0 * inf would poison the attention output.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         self.shape = (layers, kv_heads, head_dim)
         self.dtype = dtype
+        self.store: torch.Tensor | None = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.slots = 0
@@ -152,36 +165,36 @@ class SlotCache:
         kept = self.capacity if used is None else min(used, self.capacity)
         new_cap = max(capacity, kept)  # callers ask with spare columns
         layers, heads, dim = self.shape
-        for store in (self.keys, self.values):
-            for i in range(layers):
-                fresh = torch.zeros(new_slots, heads, new_cap, dim, dtype=self.dtype)
-                if i < len(store):
-                    fresh[: self.slots, :, :kept] = store[i][:, :, :kept]
-                    store[i] = fresh
-                else:
-                    store.append(fresh)
+        fresh = torch.zeros(layers, 2, new_slots, heads, new_cap, dim, dtype=self.dtype)
+        if self.store is not None:
+            fresh[:, :, : self.slots, :, :kept] = self.store[:, :, :, :, :kept]
+        self._use(fresh)
         self.slots, self.capacity = new_slots, new_cap
 
-    def fill(self, rows: slice, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Copy one sequence's keys/values (per layer [kv_heads, length, head]) into rows."""
-        for dst, src in ((self.keys, keys), (self.values, values)):
-            for layer, kv in zip(dst, src, strict=True):
-                layer[rows, :, : kv.shape[1]] = kv
+    def _use(self, store: torch.Tensor | None) -> None:
+        self.store = store
+        self.keys = [] if store is None else list(store[:, 0].unbind())
+        self.values = [] if store is None else list(store[:, 1].unbind())
+
+    def fill(self, rows: slice, kv: torch.Tensor) -> None:
+        """Copy one sequence's keys/values [layers, 2, kv_heads, length, head] into rows."""
+        assert self.store is not None
+        self.store[:, :, rows, :, : kv.shape[3]] = kv[:, :, None]
 
     def move(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
         """Copy rows `src` onto rows `dst` (first `length` columns)."""
-        for store in (self.keys, self.values):
-            for layer in store:
-                layer[dst, :, :length] = layer[src, :, :length]
+        assert self.store is not None
+        self.store[:, :, dst, :, :length] = self.store[:, :, src, :, :length]
 
     def shift(self, row: int, columns: int, length: int) -> None:
         """Drop row's first `columns` columns of `length`: columns [columns, length) move to 0."""
-        for store in (self.keys, self.values):
-            for layer in store:
-                layer[row, :, : length - columns] = layer[row, :, columns:length].clone()
+        assert self.store is not None
+        moved = self.store[:, :, row, :, columns:length].clone()
+        self.store[:, :, row, :, : length - columns] = moved
 
     def clear(self) -> None:
-        self.keys, self.values, self.slots, self.capacity = [], [], 0, 0
+        self._use(None)
+        self.slots, self.capacity = 0, 0
 
 
 class Segment:
@@ -287,18 +300,27 @@ class Decoder:
     def __contains__(self, name: str | None) -> bool:
         return name is None or name in self._slots
 
-    def install(self, name: str, adapter: AdapterWeights) -> None:
-        free = sorted(set(range(1, self.capacity + 1)) - set(self._slots.values()))
-        slot = free[0]
-        capacity = self.capacity if slot < self.capacity else max(4, 2 * self.capacity)
-        self._reshape(capacity, max(self.rank, adapter.rank))
+    def lay_out(self, adapter: AdapterWeights) -> LaidOut:
+        """The adapter's weights as whole slots of the stacks it targets, laid out at the
+        rank the stacks will have once it is in. Reads only what is fixed after start-up
+        (and the current rank, re-checked by `install`), so it runs off the decoding thread."""
+        self.check_targets(adapter)
         parts: dict[LoraStacks, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, weights in adapter.modules.items():
             projection, j = self.targets[module]
             parts.setdefault(projection.lora, {})[j] = weights
+        rank = max(self.rank, adapter.rank)
+        return LaidOut(adapter.rank, {s: s.lay_out(p, rank) for s, p in parts.items()})
+
+    def install(self, name: str, adapter: LaidOut) -> None:
+        """Put a laid-out adapter in a free slot: one copy per targeted stack, zeros only
+        where the slot's previous tenant targeted a projection this one does not."""
+        free = sorted(set(range(1, self.capacity + 1)) - set(self._slots.values()))
+        slot = free[0]
+        capacity = self.capacity if slot < self.capacity else max(4, 2 * self.capacity)
+        self._reshape(capacity, max(self.rank, adapter.rank))
         for stacks in self._stacks:
-            if stacks in parts or slot in stacks.used:
-                stacks.put(slot, parts.get(stacks, {}))
+            stacks.put(slot, adapter.stacks.get(stacks))
         self._slots[name] = slot
         self._ranks[name] = adapter.rank
 
@@ -306,8 +328,7 @@ class Decoder:
         slot = self._slots.pop(name)
         del self._ranks[name]
         for stacks in self._stacks:
-            if slot in stacks.used:
-                stacks.put(slot, {})
+            stacks.release(slot)
         self._reshape(self.capacity, max(self._ranks.values(), default=0))
 
     def _reshape(self, capacity: int, rank: int) -> None:

@@ -77,11 +77,20 @@ def adapter_weights(config: LoraConfig, tensors: dict[str, torch.Tensor]) -> Ada
                 field=WEIGHTS_FILE,
             )
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        modules[module] = (
-            a.to(torch.float32).t().contiguous(),
-            (b.to(torch.float32) * scale).t().contiguous(),
-        )
+        # Transposed views: `LoraStacks.lay_out` copies them into place once.
+        modules[module] = (a.to(torch.float32).t(), (b.to(torch.float32) * scale).t())
     return AdapterWeights(max(a.shape[1] for a, _ in modules.values()), modules)
+
+
+@dataclass(frozen=True, eq=False)
+class SlotWeights:
+    """An adapter's weights for one projection's stacks (`LoraStacks.lay_out`): its parts,
+    and the whole slot laid out at stack rank `rank`, A^T [in, n*rank] and B^T [n*rank, out]."""
+
+    parts: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    rank: int
+    a: torch.Tensor
+    b: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,6 +163,7 @@ class LoraStacks:
         self.a = torch.zeros(1, in_features, 0)
         self.b = torch.zeros(1, 0, self.out_features)
         self.used: set[int] = set()  # slots whose adapter targets this projection
+        self.stale: set[int] = set()  # released slots still holding a gone adapter's weights
         self.columns = self._columns()
         self._cached: tuple[Route, _Prepared] | None = None
 
@@ -174,20 +184,44 @@ class LoraStacks:
         lo = torch.tensor([self.offsets[j] for j in subs], dtype=torch.int32)
         return lo, lo + torch.tensor([self.outs[j] for j in subs], dtype=torch.int32)
 
-    def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write slot's weights: sub-projection j -> (A^T [in, r], B^T [r, out_j]); {} zeroes."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        for j, (a, b) in parts.items():
-            start, off = j * self.rank, self.offsets[j]
-            self.a[slot, :, start : start + a.shape[1]] = a
-            self.b[slot, start : start + b.shape[0], off : off + self.outs[j]] = b
-        if parts:
-            self.used.add(slot)
-        else:
+    def lay_out(
+        self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], rank: int
+    ) -> SlotWeights:
+        """One adapter's weights for this projection as a whole slot at stack rank `rank`:
+        sub-projection j -> (A^T [in, r], B^T [r, out_j]) placed, the rest zero. Pure, so it
+        runs on the adapter-prep thread; installing is then one copy per stack."""
+        n = len(self.outs)
+        a = torch.zeros(self.in_features, n * rank)
+        b = torch.zeros(n * rank, self.out_features)
+        for j, (pa, pb) in parts.items():
+            start, off = j * rank, self.offsets[j]
+            a[:, start : start + pa.shape[1]] = pa
+            b[start : start + pb.shape[0], off : off + self.outs[j]] = pb
+        return SlotWeights(parts, rank, a, b)
+
+    def put(self, slot: int, weights: SlotWeights | None) -> None:
+        """Write slot's weights (None: the adapter does not target this projection)."""
+        if weights is None:
+            if slot in self.stale or slot in self.used:
+                self.a[slot].zero_()
+                self.b[slot].zero_()
             self.used.discard(slot)
+        else:
+            if weights.rank != self.rank:  # the stacks' rank changed since it was laid out
+                weights = self.lay_out(weights.parts, self.rank)
+            self.a[slot].copy_(weights.a)
+            self.b[slot].copy_(weights.b)
+            self.used.add(slot)
+        self.stale.discard(slot)
         if self._cached is not None and slot in self._cached[0].members:
             self._cached = None  # a publish elsewhere leaves the running batch's weights cached
+
+    def release(self, slot: int) -> None:
+        """Slot's adapter is gone. Its weights stay until the slot's next `put` (no route
+        names a released slot, so nothing reads them): a removal writes nothing."""
+        if slot in self.used:
+            self.used.discard(slot)
+            self.stale.add(slot)
 
     def add_one(self, out: torch.Tensor, x: torch.Tensor, slot: int) -> None:
         """out [M, out] += LoRA of slot for rows x [M, in] (a prefill: one adapter)."""

@@ -85,5 +85,10 @@ def check_fits(
                 f"{key!r} has shape {tuple(tensor.shape)}, expected {want} with rank <= {max_rank}",
                 field=WEIGHTS_FILE,
             )
-        if not torch.isfinite(tensor).all():
-            raise InvalidArgument(f"{key!r} holds non-finite values", field=WEIGHTS_FILE)
+    # One sum over all tensors: any inf or NaN makes it non-finite (a per-tensor isfinite
+    # took ~1.5 ms per publish on the bench model). A non-finite sum only says where to
+    # look: finite values can overflow it, so the tensors are then checked one by one.
+    if not torch.cat([t.reshape(-1) for t in tensors.values()]).sum().isfinite():
+        for key, tensor in tensors.items():
+            if not torch.isfinite(tensor).all():
+                raise InvalidArgument(f"{key!r} holds non-finite values", field=WEIGHTS_FILE)

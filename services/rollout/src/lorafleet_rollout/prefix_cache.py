@@ -40,23 +40,15 @@ class PrefixCache:
         self._roots: dict[str | None, _Node] = {}
         self._lru: collections.OrderedDict[_Node, None] = collections.OrderedDict()
 
-    def match_into(
-        self,
-        adapter: str | None,
-        prompt: tuple[int, ...],
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-    ) -> int:
+    def match_into(self, adapter: str | None, prompt: tuple[int, ...], kv: torch.Tensor) -> int:
         """Copy the keys/values of the longest cached block prefix of prompt[:-1] (the last
-        prompt token is always computed: its logits pick the first token) into keys/values
-        (per layer [kv_heads, >= its length, dim]); return its length in tokens (0: no hit)."""
+        prompt token is always computed: its logits pick the first token) into kv [layers,
+        2, kv_heads, >= its length, dim], one copy per block; return its length in tokens
+        (0: no hit)."""
         path = self._path(adapter, prompt)
         for n, hit in enumerate(path):
             assert hit.kv is not None
-            columns = slice(n * BLOCK, (n + 1) * BLOCK)
-            for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-                k[:, columns] = hit.kv[layer, 0]
-                v[:, columns] = hit.kv[layer, 1]
+            kv[:, :, :, n * BLOCK : (n + 1) * BLOCK] = hit.kv
         for hit in reversed(path):
             self._lru.move_to_end(hit)
         return len(path) * BLOCK
@@ -90,15 +82,9 @@ class PrefixCache:
                 found = start + BLOCK
         return found
 
-    def insert(
-        self,
-        adapter: str | None,
-        prompt: tuple[int, ...],
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-    ) -> None:
-        """Cache the full blocks of prompt[:-1] from keys/values (per layer [kv_heads, ≥len,
-        dim]) that are not cached yet, then evict down to the byte bound."""
+    def insert(self, adapter: str | None, prompt: tuple[int, ...], kv: torch.Tensor) -> None:
+        """Cache the full blocks of prompt[:-1] from kv [layers, 2, kv_heads, >= len, dim]
+        that are not cached yet, then evict down to the byte bound."""
         if self.max_bytes <= 0:
             return
         node = self._roots.setdefault(adapter, _Node(None, (), None))
@@ -107,15 +93,12 @@ class PrefixCache:
             block = prompt[start : start + BLOCK]
             child = node.children.get(block)
             if child is None:
-                kv = torch.stack(
-                    [
-                        torch.stack([k[:, start : start + BLOCK], v[:, start : start + BLOCK]])
-                        for k, v in zip(keys, values, strict=True)
-                    ]
+                copy = kv[:, :, :, start : start + BLOCK].clone(
+                    memory_format=torch.contiguous_format
                 )
-                child = _Node(node, block, kv)
+                child = _Node(node, block, copy)
                 node.children[block] = child
-                self.bytes += kv.numel() * kv.element_size()
+                self.bytes += copy.numel() * copy.element_size()
             path.append(child)
             node = child
         for entry in reversed(path):

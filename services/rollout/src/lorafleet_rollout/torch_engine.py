@@ -44,9 +44,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
-from lorafleet_rollout.decoder import Decoder, PrefillPart, Segment
+from lorafleet_rollout.decoder import Decoder, LaidOut, PrefillPart, Segment
 from lorafleet_rollout.engine import AdapterSource
-from lorafleet_rollout.lora import AdapterWeights, Route, adapter_weights, make_route
+from lorafleet_rollout.lora import Route, adapter_weights, make_route
 from lorafleet_rollout.peft_io import check_fits, linear_shapes, read_peft_dir
 from lorafleet_rollout.prefix_cache import BLOCK, PrefixCache
 from lorafleet_rollout.sampling import choose_tokens, make_generator
@@ -96,8 +96,8 @@ class _Job:
     # Prefill progress: prompt tokens whose keys/values are in keys/values (per layer).
     done: int = 0
     cached: int = 0  # prompt tokens it took from the prefix cache
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    #: [layers, 2, kv_heads, prompt length, dim] once its prefill starts (None before).
+    kv: torch.Tensor | None = None
     prompt_logprobs: list[float] = field(default_factory=list)
     topk: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     seqs: list[_Seq] = field(default_factory=list)
@@ -106,6 +106,15 @@ class _Job:
     def rows(self) -> int:
         """Decode rows it needs: greedy samples are all the same sequence, decoded once."""
         return 1 if self.request.params.temperature == 0 else self.request.num_samples
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer [kv_heads, prompt length, dim], views of `kv`."""
+        return [] if self.kv is None else list(self.kv[:, 0].unbind())
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [] if self.kv is None else list(self.kv[:, 1].unbind())
 
     @property
     def wants_prompt(self) -> bool:
@@ -265,8 +274,8 @@ class TorchEngine:
 
             await self._submit(remove)
 
-    def _prepare(self, source: AdapterSource, lora: LoraSpec) -> AdapterWeights:
-        """Read, check and pair an adapter's tensors, off the scheduler thread."""
+    def _prepare(self, source: AdapterSource, lora: LoraSpec) -> LaidOut:
+        """Read, check, pair and lay out an adapter's tensors, off the scheduler thread."""
         if isinstance(source, Path):
             config, tensors = read_peft_dir(source)
         else:
@@ -280,9 +289,7 @@ class TorchEngine:
             )
             tensors = source
         check_fits(tensors, config, self._linears, self.max_lora_rank)
-        weights = adapter_weights(config, tensors)
-        self._model().check_targets(weights)
-        return weights
+        return self._model().lay_out(adapter_weights(config, tensors))
 
     def _model(self) -> Decoder:
         if self._decoder is None:
@@ -390,7 +397,7 @@ class TorchEngine:
         """
         model = self._model()
         budget = self.prefill_chunk
-        computing = [job for job in self._prefilling if job.keys]
+        computing = [job for job in self._prefilling if job.kv is not None]
         batch: list[tuple[_Job, int]] = []
         for job in list(self._prefilling):
             if budget <= 0:
@@ -402,7 +409,7 @@ class TorchEngine:
                         NotFound(f"adapter {job.request.adapter_id} is not loaded", field="adapter")
                     )
                 continue
-            if not job.keys:
+            if job.kv is None:
                 if self._should_wait(job, computing):
                     continue
                 self._start_prefill(model, job)
@@ -462,17 +469,14 @@ class TorchEngine:
 
     def _start_prefill(self, model: Decoder, job: _Job) -> None:
         prompt = job.request.prompt_tokens
-        shape = (model.kv_heads, len(prompt), model.head_dim)
+        shape = (len(model.layers), 2, model.kv_heads, len(prompt), model.head_dim)
         # Uninitialised: every column is written (cache hit, then prefill) before it is read.
-        job.keys = [torch.empty(shape, dtype=model.dtype) for _ in model.layers]
-        job.values = [torch.empty(shape, dtype=model.dtype) for _ in model.layers]
+        job.kv = torch.empty(shape, dtype=model.dtype)
         if job.wants_prompt:  # every prompt position's logits are needed: compute them all
             job.prompt_logprobs = [math.nan]
             job.topk = [()]
             return
-        job.cached = job.done = self.prefix_cache.match_into(
-            job.adapter, prompt, job.keys, job.values
-        )
+        job.cached = job.done = self.prefix_cache.match_into(job.adapter, prompt, job.kv)
         metrics.PROMPT_TOKENS.labels("cached").inc(job.done)
 
     def _prompt_logprobs(self, job: _Job, logits: torch.Tensor, end: int) -> None:
@@ -497,7 +501,8 @@ class TorchEngine:
         slot holding the keys/values it does not share (see `_segment_for`)."""
         request = job.request
         prompt = request.prompt_tokens
-        self.prefix_cache.insert(job.adapter, prompt, job.keys, job.values)
+        assert job.kv is not None
+        self.prefix_cache.insert(job.adapter, prompt, job.kv)
         params = request.params
         limit = params.max_tokens or self.info().max_context_length - len(prompt)
         for i in range(job.rows):
@@ -514,14 +519,10 @@ class TorchEngine:
             own = len(prompt) - base
             used = max((s.pos - _shared_length(s) for s in self._seqs), default=0)
             model.cache.reserve(first + len(live), own + min(limit, _SPARE_COLUMNS) + 1, used)
-            model.cache.fill(
-                slice(first, first + len(live)),
-                [k[:, base:] for k in job.keys],
-                [v[:, base:] for v in job.values],
-            )
+            model.cache.fill(slice(first, first + len(live)), job.kv[:, :, :, base:])
             self._seqs.extend(live)
             self._route_stale = True
-        job.keys, job.values, job.cached = [], [], 0
+        job.kv, job.cached = None, 0
         if not live:
             job.resolve(_result(job))
 
@@ -567,12 +568,9 @@ class TorchEngine:
             if not partners and not later:
                 return None  # the first: later arrivals find it here and share with it
             # Contiguous copies: the attention matmuls read a strided segment ~25 % slower.
-            entry = _Prefix(
-                segment=Segment(
-                    [k[:, :length].contiguous() for k in job.keys],
-                    [v[:, :length].contiguous() for v in job.values],
-                )
-            )
+            assert job.kv is not None
+            prefix = job.kv[:, :, :, :length].contiguous()
+            entry = _Prefix(segment=Segment(list(prefix[:, 0]), list(prefix[:, 1])))
             self._prefixes[key] = entry
             model = self._model()
             for row in partners:
