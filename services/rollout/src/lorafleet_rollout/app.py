@@ -47,6 +47,7 @@ def make_engine(settings: RolloutSettings) -> RolloutEngine:
         prefix_cache_bytes=settings.prefix_cache_bytes,
         prefill_chunk=settings.prefill_chunk_tokens,
         favour_decoding=settings.favour_decoding,
+        publish_cpu_share=settings.publish_cpu_share,
     )
 
 

@@ -57,6 +57,13 @@ class RolloutSettings:
         doc="torch only: run every thread but the decoding one at niceness 10, so staging and "
         "installing published adapters, and RPC handling, use only the CPU decoding leaves.",
     )
+    publish_cpu_share: float = setting(
+        0.02,
+        doc="torch only: CPU share (of one core) that taking in published adapters may use "
+        "while the engine decodes; a publisher pushing faster is paced to it (see pacing.py). "
+        "0 = unpaced.",
+        min=0.0, max=1.0,
+    )  # fmt: skip
     prefill_chunk_tokens: int = setting(
         512,
         doc="torch only: prompt tokens prefilled between two decode steps, so a long prompt "

@@ -47,6 +47,7 @@ from lorafleet_rollout import metrics
 from lorafleet_rollout.decoder import Decoder, LaidOut, PrefillPart, Segment
 from lorafleet_rollout.engine import AdapterSource
 from lorafleet_rollout.lora import Route, adapter_weights, make_route
+from lorafleet_rollout.pacing import CpuBudget
 from lorafleet_rollout.peft_io import check_fits, linear_shapes, read_peft_dir
 from lorafleet_rollout.prefix_cache import BLOCK, PrefixCache
 from lorafleet_rollout.sampling import choose_tokens, make_generator
@@ -79,6 +80,11 @@ _SWITCH_INTERVAL = 0.0005
 #: the noise; but at 19 a publish during sampling took 0.6 s (p50) against 0.15-0.22 s at 10.
 #: SCHED_IDLE was worse (0.62: a starved thread holding the GIL stalls the decoding one).
 _NICE = 10
+#: CPU seconds publishing may take at once before the publish budget paces it (`pacing.py`):
+#: a few bench-model publishes (~8 ms each across a replica's publishing threads).
+_PUBLISH_BURST = 0.03
+#: How often a paced publish looks again (decoding may have stopped, freeing it at once).
+_PACE_POLL = 0.05
 _SHARED_ROWS = metrics.DECODE_ROWS.labels("shared")
 _OWN_ROWS = metrics.DECODE_ROWS.labels("own")
 
@@ -176,6 +182,8 @@ class TorchEngine:
         prefill_chunk: int = 512,
         favour_decoding: bool = False,
         native_kernels: bool = True,
+        publish_cpu_share: float = 0.0,
+        publish_cpu_burst: float = _PUBLISH_BURST,
     ) -> None:
         self.model_path = model_path
         self.max_batch_size = max_batch_size
@@ -183,6 +191,12 @@ class TorchEngine:
         self.dtype = dtype
         self.prefill_chunk = prefill_chunk
         self.favour_decoding = favour_decoding
+        self._budget = (
+            CpuBudget(publish_cpu_share, publish_cpu_burst) if publish_cpu_share else None
+        )
+        #: CPU clocks of the threads that take in publishes (pacing): the event loop's, which
+        #: receives and hashes the files, and the adapter-prep thread's, once they run.
+        self._publish_clocks: list[int] = []
         self.native_kernels = native_kernels
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._decoder: Decoder | None = None
@@ -209,7 +223,7 @@ class TorchEngine:
         # Reading, checking and pairing a pushed adapter runs here, one at a time and niced,
         # so a publish takes CPU the running batch leaves over; the scheduler thread only
         # copies the prepared tensors into its preallocated stacks.
-        self._prep = ThreadPoolExecutor(1, "adapter-prep", initializer=_lower_priority)
+        self._prep = ThreadPoolExecutor(1, "adapter-prep", initializer=self._start_prep)
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -219,6 +233,17 @@ class TorchEngine:
         self._thread.start()
         if self.favour_decoding and self._thread.native_id is not None:
             _lower_all_but(self._thread.native_id)
+        if self._budget is not None:
+            try:
+                self._publish_clocks.append(time.pthread_getcpuclockid(threading.get_ident()))
+            except (AttributeError, OSError):  # not a POSIX platform
+                log.warning("no per-thread CPU clock here: publishes are not paced")
+                self._budget = None
+
+    def _start_prep(self) -> None:
+        _lower_priority()
+        if self._budget is not None:
+            self._publish_clocks.append(time.pthread_getcpuclockid(threading.get_ident()))
 
     def _load_model(self) -> None:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
@@ -258,11 +283,13 @@ class TorchEngine:
     async def load_adapter(self, adapter_id: str, source: AdapterSource, lora: LoraSpec) -> None:
         if adapter_id in self._names:
             return
+        await self._paced()
         loop = asyncio.get_running_loop()
         weights = await loop.run_in_executor(self._prep, self._prepare, source, lora)
         name = f"a{next(self._counter)}"
         await self._submit(lambda: self._model().install(name, weights))
         self._names[adapter_id] = name
+        self._charge_publishing()  # now, so that a publish made while idle costs nothing
 
     async def unload_adapter(self, adapter_id: str) -> None:
         name = self._names.pop(adapter_id, None)
@@ -273,6 +300,26 @@ class TorchEngine:
                 self.prefix_cache.drop(name)
 
             await self._submit(remove)
+
+    async def _paced(self) -> None:
+        """While the engine decodes, wait until the CPU its publishing threads took is
+        within the publish budget (`pacing.py`); an idle engine never waits."""
+        while True:
+            wait = self._charge_publishing()
+            if wait <= 0:
+                return
+            await asyncio.sleep(min(wait, _PACE_POLL))  # decoding may stop sooner
+
+    def _charge_publishing(self) -> float:
+        """Charge the publishing threads' CPU since the last call to the budget, or forgive
+        it when nothing decodes; return how long a publish must wait now."""
+        if self._budget is None:
+            return 0.0
+        used = sum(map(time.clock_gettime, self._publish_clocks))
+        if not (self._seqs or self._prefilling):
+            self._budget.refill(used)
+            return 0.0
+        return self._budget.wait(used)
 
     def _prepare(self, source: AdapterSource, lora: LoraSpec) -> LaidOut:
         """Read, check, pair and lay out an adapter's tensors, off the scheduler thread."""
