@@ -13,9 +13,11 @@
    header naming the files, each replica reading and verifying them itself
    (publish_by_reference_p50_ms; hashing included, as the trainer hashes when it writes).
    And sampling throughput of other adapters (16 requests
-   over reg-0..3 on both replicas) while versions of reg-pub are published, vs without;
-   target >= 0.9x. Two loads: one publish per second of sampling (a realistic "during a
-   publish") and back to back (the worst case). Each round runs quiet, 1/s, back to back.
+   over reg-0..3 on both replicas, `--publish-new-tokens` each) while versions of reg-pub are
+   published, vs without; target >= 0.9x. Two loads: one publish per second of sampling (a
+   realistic "during a publish") and back to back (the worst case: replicas pace it to their
+   publish CPU budget, LORAFLEET_ROLLOUT_PUBLISH_CPU_SHARE). Each round runs quiet, 1/s,
+   back to back.
 
 Torch runs one intra-op thread by default: on a shared host OpenMP's spinning worker threads
 measure the neighbours (2 threads ran both sides ~15x slower here under load); `--threads 0`
@@ -305,15 +307,17 @@ async def publishing(
             busy: dict[str, list[float]] = {"one_per_second": [], "back_to_back": []}
             latencies: dict[str, list[float]] = {"one_per_second": [], "back_to_back": []}
             for _ in range(args.rounds):
-                quiet.append(await sample_load(replicas, prompts, args.new_tokens))
+                quiet.append(await sample_load(replicas, prompts, args.publish_new_tokens))
                 for mode, period in (("one_per_second", 1.0), ("back_to_back", 0.0)):
-                    load = asyncio.ensure_future(sample_load(replicas, prompts, args.new_tokens))
+                    load = asyncio.ensure_future(
+                        sample_load(replicas, prompts, args.publish_new_tokens)
+                    )
                     latencies[mode] += await publisher.during(load, period)
                     busy[mode].append(await load)
         finally:
             for replica in replicas:
                 await replica.stop()
-    tokens = 2 * len(prompts) * args.new_tokens
+    tokens = 2 * len(prompts) * args.publish_new_tokens
     report: dict[str, object] = {
         "replicas": "2 subprocesses (python -m lorafleet_rollout)",
         "publish_p50_ms": round(1000 * statistics.median(idle), 1),
@@ -346,6 +350,11 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--publish-new-tokens", type=int, default=512,
+        help="tokens per request while publishing: ~8 s windows here; at 64 (~1 s) the "
+        "ratios of one round spread over +-0.1 even with no publish paced",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 = default")
     parser.add_argument("--publishes", type=int, default=10, help="idle publishes timed")
