@@ -6,8 +6,10 @@ installs and removals, admits waiting requests, prefills at most `prefill_chunk`
 batch for long), then steps every decoding sequence together. Rows of one decode step may use
 different adapters or the base model: the grouped LoRA of `lora.py` routes each row through its
 own adapter in a fixed number of batched matmuls, however many adapters the batch mixes.
-Adapters are read, checked and paired on a worker thread; the scheduler thread only copies
-them into place.
+Adapters are read, checked, paired and laid out as whole slots on a worker thread; the
+scheduler thread only copies them into place, one copy per projection. While it decodes,
+publishes are paced to a CPU budget (`pacing.py`), so a publisher pushing back to back cannot
+take more than that share from the running batch.
 
 A request's prompt is prefilled once, whatever its `num_samples`, and its samples attend to
 that one copy of its keys/values (`decoder.Segment`); greedy samples are one sequence,
