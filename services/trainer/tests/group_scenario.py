@@ -151,6 +151,14 @@ def main() -> None:
         torch.save(run(driver) if refs is None else resume(driver, refs), out / "record.pt")
         driver.close()
     group.close()
+    # Exit as the service does (`__main__`, `serve_worker`): everything is written and the
+    # group destroyed, so skip interpreter teardown, where gloo's threads can still drop
+    # tensors that need the GIL and abort the process (seen once on a loaded CI machine:
+    # rank 0 exited -6, "terminate called without an active exception", after rank 1 had
+    # its stop, so after all of its work).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
