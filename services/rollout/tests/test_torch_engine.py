@@ -119,6 +119,61 @@ async def test_native_kernels_equal_torch(model_dir: Path, tmp_path: Path) -> No
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) <= 1e-5
 
 
+def test_native_shared_segments_equal_one_softmax() -> None:
+    """The C shared-segment merge (`kernels.DecodeShared`) equals one softmax over each row's
+    own columns followed by its segments': grouped-query heads, segments of different
+    lengths read by 1 to 6 rows (3 to 18 query heads: the kernel's dot-product path, one
+    lane block, two), rows in any order and in two segments, a segment whose heads are
+    strided (a view into a larger buffer); refused shapes raise and write nothing."""
+    from lorafleet_rollout import kernels
+
+    native = kernels.load()
+    assert native is not None  # gcc is on every test machine
+    gen = torch.Generator().manual_seed(0)
+    rows, kv_heads, group, dim, scale = 7, 2, 3, 16, 0.25
+    q = torch.randn(rows, kv_heads, group, dim, generator=gen)
+    own_k = torch.randn(rows, kv_heads, 11, dim, generator=gen)
+    own_v = torch.randn(rows, kv_heads, 11, dim, generator=gen)
+    own_len = torch.tensor([11, 4, 7, 1, 9, 2, 5])
+    wide = (
+        torch.randn(kv_heads, 40, dim, generator=gen),
+        torch.randn(kv_heads, 40, dim, generator=gen),
+    )
+    segments = [  # (keys, values) [kv_heads, n, dim], rows
+        ((torch.randn(kv_heads, 70, dim, generator=gen),
+          torch.randn(kv_heads, 70, dim, generator=gen)), [4, 0]),
+        ((wide[0][:, 5:14], wide[1][:, 5:14]), [2]),
+        ((torch.randn(kv_heads, 3, dim, generator=gen),
+          torch.randn(kv_heads, 3, dim, generator=gen)), [1, 3]),
+        ((torch.randn(kv_heads, 21, dim, generator=gen),
+          torch.randn(kv_heads, 21, dim, generator=gen)), [6, 0, 2, 5, 3, 1]),
+    ]  # fmt: skip
+    out, peak, total = (torch.empty(rows, kv_heads, group, n) for n in (dim, 1, 1))
+    want = torch.empty_like(out)
+    for r in range(rows):
+        keys, values = own_k[r, :, : own_len[r]], own_v[r, :, : own_len[r]]
+        scores = (q[r] @ keys.transpose(-1, -2)) * scale
+        out[r] = torch.softmax(scores, -1) @ values
+        peak[r] = scores.amax(-1, keepdim=True)
+        total[r] = (scores - peak[r]).exp().sum(-1, keepdim=True)
+        for (k, v), members in segments:
+            if r in members:
+                keys, values = torch.cat((keys, k), 1), torch.cat((values, v), 1)
+        want[r] = torch.softmax((q[r] @ keys.transpose(-1, -2)) * scale, -1) @ values
+    call = native.shared.bind(
+        [([seg] * 2, torch.tensor(members)) for seg, members in segments],
+        kv_heads, group, dim, scale,
+    )  # fmt: skip
+    before = out.clone()
+    with pytest.raises(ValueError, match="decode_shared"):
+        call(1, q[:6].contiguous(), out[:6], peak[:6], total[:6])  # row 6 is a segment's
+    assert torch.equal(out, before)
+    call(1, q, out, peak, total)
+    assert (out - want).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="decode_shared"):
+        native.shared.bind([([segments[0][0]], torch.tensor([0, -1]))], kv_heads, group, dim, 1.0)
+
+
 async def test_mixed_batch_equals_each_request_alone(engine: TorchEngine) -> None:
     def spec(seed: int, temperature: float = 1.0) -> SamplingSpec:
         return SamplingSpec(

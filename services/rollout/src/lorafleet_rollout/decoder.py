@@ -8,7 +8,8 @@ per-sequence slots written in place (`SlotCache`), decode attention is one nativ
 layer that writes the step's keys/values and reads each row's own columns once
 (`kernels.py`), each projection's LoRA is one native call over the rows grouped by adapter
 (`lora.py`), and prompt prefixes that several rows share are read once per step for all of
-them (`Segment`, `Decoder._merge`).
+them (`Segment`: one native call per layer over every segment, `kernels.DecodeShared`; or
+`Decoder._merge` in torch).
 
 Where a decode step goes (bench model, 16 rows x ~100 columns, one thread, profiled): ~65 %
 the projection GEMMs (oneDNN at 16 rows: ~46 GFLOP/s, streaming 84 MB of weights from DRAM
@@ -23,6 +24,7 @@ and Qwen3 checkpoints load; others are refused at start-up, naming the type.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -236,6 +238,8 @@ class Decoder:
         self.dtype = self.embed.dtype
         #: The C decode attention and LoRA (None: torch's), float32 only.
         self.native = kernels.load() if native and self.dtype == torch.float32 else None
+        #: The shared-segment list last bound for `native.shared`, and its call.
+        self._shared_bound: tuple[list, Callable[..., None]] | None = None
         lora_kernel = None if self.native is None else self.native.lora
         # The unembedding is a projection like the others: Tinker's train_unembed (on by
         # default in the SDK) puts LoRA on lm_head, and a sampler must apply it.
@@ -439,6 +443,9 @@ class Decoder:
         else:  # columns past a row's own end (None when every row fills all of `length`)
             beyond = torch.arange(length)[None, :] > cols[:, None]
             hidden = beyond[:, None, None, :] if bool(beyond.any()) else None
+        merge = self._shared_call(shared) if shared and self.native is not None else None
+        if not shared:
+            self._shared_bound = None  # holds the last batch's segments: let them go
         x = self.embed[tokens]
         rotary = self._rotary(pos)
         for i, layer in enumerate(self.layers):
@@ -446,6 +453,7 @@ class Decoder:
             k_store, v_store = cache.keys[i], cache.values[i]
             q = q.view(rows, self.kv_heads, -1, self.head_dim)
             if self.native is not None:
+                q = q.contiguous()
                 own = self.native.attention(
                     q, k, v, k_store, v_store, lengths, longest, self.scaling
                 )
@@ -455,13 +463,27 @@ class Decoder:
                 own = self._attend(
                     q, k_store[:rows, :, :length], v_store[:rows, :, :length], hidden
                 )
-            out = (
-                self._merge(q, *own, [(seg.layers[i], r) for seg, r in shared])
-                if shared
-                else own[0]
-            )
+            if merge is not None:
+                merge(i, q, *own)
+                out = own[0]
+            elif shared:
+                out = self._merge(q, *own, [(seg.layers[i], r) for seg, r in shared])
+            else:
+                out = own[0]
             x = self._rest(layer, x, out.reshape(rows, -1), route)
         return self.logits(x, route)
+
+    def _shared_call(self, shared: list[tuple[Segment, torch.Tensor]]) -> Callable[..., None]:
+        """The native merge over `shared`'s segments, bound once per list: the engine builds a
+        new list whenever its rows change, so the same list means the same segments and rows."""
+        if self._shared_bound is None or self._shared_bound[0] is not shared:
+            assert self.native is not None
+            call = self.native.shared.bind(
+                [(seg.layers, rows) for seg, rows in shared],
+                self.kv_heads, self.heads // self.kv_heads, self.head_dim, self.scaling,
+            )  # fmt: skip
+            self._shared_bound = (shared, call)
+        return self._shared_bound[1]
 
     def _attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor | None

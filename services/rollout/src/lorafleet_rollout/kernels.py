@@ -1,4 +1,5 @@
-"""The torch engine's native decode kernels (`csrc/`: attention, LoRA), built on first use.
+"""The torch engine's native decode kernels (`csrc/`: attention, shared-segment attention,
+LoRA), built on first use.
 
 Compiled together with the machine's C compiler (`$CC`, else gcc or cc) for this CPU
 (`-march=native`) into the user cache (`$XDG_CACHE_HOME/lorafleet/kernels`, keyed by sources,
@@ -22,7 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("decode_attention.c",
-                                                                     "decode_lora.c"))  # fmt: skip
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("decode_attention.c", "decode_shared.c", "decode_lora.c"))
 FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
     "-fno-trapping-math", "-shared", "-fPIC",
@@ -93,6 +94,101 @@ class DecodeAttention:
             out.data_ptr(), peak.data_ptr(), total.data_ptr(), scratch.data_ptr(),
         )  # fmt: skip
         return out, peak, total
+
+
+class DecodeShared:
+    """The loaded kernel: one decode step's attention over shared segments, merged in place
+    into the rows' own (`DecodeAttention`'s out, peak and total)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.decode_shared
+        fn.restype = None
+        pointer, i32 = ctypes.c_void_p, ctypes.c_int32
+        fn.argtypes = [pointer, i32, i32, i32, ctypes.c_float, i32, *[pointer] * 10]
+        self._fn = fn
+        self._scratch = library.decode_shared_scratch
+        self._scratch.restype = ctypes.c_int64
+        self._scratch.argtypes = [ctypes.c_int64, i32, i32]
+
+    def bind(
+        self,
+        segments: Sequence[tuple[Sequence[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]],
+        kv_heads: int,
+        group: int,
+        dim: int,
+        scale: float,
+    ) -> _BoundShared:
+        """A call `run(layer, q, out, peak, total)` for segments given as (per layer (keys,
+        values) [kv_heads, n, dim], the rows [m] reading it). Segments and rows are checked
+        here, once per batch composition; a step pays only for its five tensors."""
+        layers = len(segments[0][0]) if segments else 0
+        keys = torch.zeros(layers, len(segments), dtype=torch.int64)
+        values, strides = torch.zeros_like(keys), torch.zeros_like(keys)
+        lengths: list[int] = []
+        ids: list[int] = []
+        starts, scratch = [0], 0
+        held: list[torch.Tensor] = []
+        for s, (per_layer, rows) in enumerate(segments):
+            n = per_layer[0][0].shape[1] if per_layer else 0
+            if len(per_layer) != layers or n < 1 or rows.dim() != 1 or rows.numel() < 1:
+                raise ValueError("decode_shared: unsupported segment layers or rows")
+            for i, (k, v) in enumerate(per_layer):
+                if not (
+                    k.dtype == v.dtype == torch.float32
+                    and k.shape == v.shape == (kv_heads, n, dim)
+                    and k.stride() == v.stride()
+                    and k.stride()[1:] == (dim, 1)
+                ):
+                    raise ValueError("decode_shared: unsupported segment keys or values")
+                keys[i, s], values[i, s], strides[i, s] = k.data_ptr(), v.data_ptr(), k.stride(0)
+                held += (k, v)  # the call reads them through pointers: keep them alive
+            lengths.append(n)
+            ids.extend(int(r) for r in rows)
+            starts.append(len(ids))
+            scratch = max(scratch, self._scratch(rows.numel() * group, n, dim))
+        if not ids or min(ids) < 0:
+            raise ValueError("decode_shared: no segments, or a negative row")
+        tensors = (
+            keys, values, strides, torch.tensor(lengths, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32), torch.tensor(ids, dtype=torch.int32),
+            torch.empty(scratch),
+        )  # fmt: skip
+        return _BoundShared(self._fn, (kv_heads, group, dim), scale, max(ids) + 1, tensors, held)
+
+
+class _BoundShared:
+    """`DecodeShared.bind`'s call: holds the checked tensors (alive) and their pointers."""
+
+    def __init__(
+        self, fn: Any, shape: tuple[int, int, int], scale: float, rows: int,
+        tensors: tuple[torch.Tensor, ...], held: list[torch.Tensor],
+    ) -> None:  # fmt: skip
+        keys, values, strides, lengths, starts, ids, scratch = tensors
+        self._fn, self._shape, self._rows, self._tensors = fn, shape, rows, (*tensors, *held)
+        self._layers = [
+            (keys[i].data_ptr(), values[i].data_ptr(), strides[i].data_ptr())
+            for i in range(keys.shape[0])
+        ]
+        self._head = (*shape, scale, keys.shape[1])
+        self._tail = (lengths.data_ptr(), starts.data_ptr(), ids.data_ptr())
+        self._scratch = scratch.data_ptr()
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, out: torch.Tensor, peak: torch.Tensor,
+        total: torch.Tensor,
+    ) -> None:  # fmt: skip
+        if not (
+            q.dtype == out.dtype == peak.dtype == total.dtype == torch.float32
+            and q.is_contiguous() and out.is_contiguous()
+            and peak.is_contiguous() and total.is_contiguous()
+            and q.shape == out.shape
+            and q.shape[1:] == self._shape
+            and peak.numel() == total.numel() == q.numel() // self._shape[2]
+            and q.shape[0] >= self._rows
+        ):  # fmt: skip
+            raise ValueError("decode_shared: unsupported q, out, peak or total")
+        self._fn(q.data_ptr(), *self._head, *self._layers[layer], *self._tail, out.data_ptr(),
+                 peak.data_ptr(), total.data_ptr(), self._scratch)  # fmt: skip
 
 
 class DecodeLora:
@@ -169,6 +265,7 @@ class _BoundLora:
 @dataclass(frozen=True)
 class Kernels:
     attention: DecodeAttention
+    shared: DecodeShared
     lora: DecodeLora
 
 
@@ -196,7 +293,7 @@ def load() -> Kernels | None:
                 )  # fmt: skip
                 os.replace(built, target)  # atomic: concurrent builders race harmlessly
         library = ctypes.CDLL(str(target))
-        return Kernels(DecodeAttention(library), DecodeLora(library))
+        return Kernels(DecodeAttention(library), DecodeShared(library), DecodeLora(library))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", None) or exc
         log.warning("building the decode kernels failed, decoding with torch: %s", detail)
