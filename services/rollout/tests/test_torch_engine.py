@@ -341,6 +341,34 @@ async def test_rows_sharing_a_cached_system_prompt_read_it_once(model_dir: Path)
     assert decode_rows("own") == own
 
 
+async def test_an_idle_engine_keeps_its_buffers_a_while_then_frees_them(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode cache and prompt buffers outlive a batch (the next one reuses them, with
+    the same results), and are freed once the engine has been idle `_KEEP_IDLE_CACHE`."""
+    from lorafleet_rollout import torch_engine
+
+    monkeypatch.setattr(torch_engine, "_KEEP_IDLE_CACHE", 4.0)  # ample on a loaded machine
+    engine = TorchEngine(model_dir)
+    await engine.start()
+    request = SampleRequest(None, PROMPT, GREEDY)
+    try:
+        first = await engine.sample(request)
+        cache = engine._model().cache
+        store = cache.store
+        assert store is not None and len(engine._spare_kv) == 1
+        assert_same(first, await engine.sample(request))
+        assert cache.store is store  # reused, not reallocated
+        for _ in range(600):
+            if cache.store is None:
+                break
+            await asyncio.sleep(0.05)
+        assert cache.store is None and engine._spare_kv == []
+        assert_same(first, await engine.sample(request))
+    finally:
+        await engine.close()
+
+
 def decode_rows(prefix: str) -> float:
     value = REGISTRY.get_sample_value("lorafleet_rollout_decode_rows_total", {"prefix": prefix})
     return value or 0.0

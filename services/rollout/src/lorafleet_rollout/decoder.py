@@ -145,7 +145,8 @@ class SlotCache:
     the last rows down (a copy of those rows only), and a step writes one column per row in
     place. One buffer means filling, moving or regrowing is one copy for every layer. Buffers
     grow (slots by doubling) zero-filled: masked columns must hold finite values, as
-    0 * inf would poison the attention output.
+    0 * inf would poison the attention output; later they hold earlier rows' keys and
+    values (a refilled slot, a buffer kept from the last batch), finite too.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:

@@ -69,6 +69,13 @@ log = logging.getLogger(__name__)
 _SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
 #: Decode columns reserved beyond a sequence's current length when the cache (re)grows.
 _SPARE_COLUMNS = 256
+#: Seconds an idle engine keeps its decode cache (`SlotCache`) for the next batch. Freeing it
+#: at once cost the next batch a fresh zero-filled buffer: on workload (c) (4 x 1,500-token
+#: prompts, bench/sampling.py --vs-vllm) page faults and zeroing took ~20 % of the time.
+_KEEP_IDLE_CACHE = 10.0
+#: Prompt keys/values buffers kept for the next prompts (`_kv_buffer`), released with the idle
+#: cache: a fresh one per prompt cost ~12 % of workload (c) in page faults and unmapping.
+_SPARE_KV = 4
 #: Shortest cached prefix worth a shared decode segment (each costs a few ops per layer).
 _MIN_SEGMENT = 64
 #: Python's GIL switch interval while this engine runs. The scheduler thread gives the GIL up
@@ -222,6 +229,8 @@ class TorchEngine:
         #: Prefix-cache hits of running rows, by (adapter, tokens): from the second row on,
         #: requests that hit the same prefix share one copy of it in decode too.
         self._prefixes: dict[tuple[str | None, tuple[int, ...]], _Prefix] = {}
+        #: Flat buffers of finished prompts' keys/values, for the next ones (`_kv_buffer`).
+        self._spare_kv: list[torch.Tensor] = []
         # Reading, checking and pairing a pushed adapter runs here, one at a time and niced,
         # so a publish takes CPU the running batch leaves over; the scheduler thread only
         # copies the prepared tensors into its preallocated stacks.
@@ -396,7 +405,12 @@ class TorchEngine:
                         or self._seqs
                         or self._prefilling
                     ):
-                        self._cv.wait()
+                        cache = None if self._decoder is None else self._decoder.cache
+                        if cache is None or cache.store is None:
+                            self._cv.wait()
+                        elif not self._cv.wait(_KEEP_IDLE_CACHE):
+                            cache.clear()  # idle a while: give its memory back
+                            self._spare_kv.clear()
                     if self._stopping:
                         break
                     commands, self._commands = self._commands, []
@@ -520,13 +534,23 @@ class TorchEngine:
         prompt = job.request.prompt_tokens
         shape = (len(model.layers), 2, model.kv_heads, len(prompt), model.head_dim)
         # Uninitialised: every column is written (cache hit, then prefill) before it is read.
-        job.kv = torch.empty(shape, dtype=model.dtype)
+        job.kv = self._kv_buffer(shape, model.dtype)
         if job.wants_prompt:  # every prompt position's logits are needed: compute them all
             job.prompt_logprobs = [math.nan]
             job.topk = [()]
             return
         job.cached = job.done = self.prefix_cache.match_into(job.adapter, prompt, job.kv)
         metrics.PROMPT_TOKENS.labels("cached").inc(job.done)
+
+    def _kv_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A prompt's keys/values buffer: the smallest spare one that is big enough (its pages
+        are mapped already), else a new one."""
+        need = math.prod(shape)
+        fits = [i for i, spare in enumerate(self._spare_kv) if spare.numel() >= need]
+        if not fits:
+            return torch.empty(shape, dtype=dtype)
+        spare = self._spare_kv.pop(min(fits, key=lambda i: self._spare_kv[i].numel()))
+        return spare[:need].view(shape)
 
     def _prompt_logprobs(self, job: _Job, logits: torch.Tensor, end: int) -> None:
         """Logprob of prompt token t under the prediction at t-1, for the chunk ending at end."""
@@ -561,6 +585,7 @@ class TorchEngine:
         metrics.TTFT.observe(time.monotonic() - job.enqueued)
         self._append(job.seqs, logits.expand(job.rows, -1))
         live = [s for s in job.seqs if s.reason is None]
+        segment = None
         if live:
             segment = self._segment_for(job, live, joining)
             base = 0 if segment is None else segment.length
@@ -571,6 +596,9 @@ class TorchEngine:
             model.cache.fill(slice(first, first + len(live)), job.kv[:, :, :, base:])
             self._seqs.extend(live)
             self._route_stale = True
+        if segment is None or not _aliases(segment, job.kv):
+            self._spare_kv.append(job.kv.new_empty(0).set_(job.kv.untyped_storage()))
+            del self._spare_kv[:-_SPARE_KV]
         job.kv, job.cached = None, 0
         if not live:
             job.resolve(_result(job))
@@ -703,8 +731,6 @@ class TorchEngine:
                 self._seqs[hole] = self._seqs[mover]
         del self._seqs[size:]
         self._route_stale = True
-        if not self._seqs:
-            self._model().cache.clear()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:
@@ -724,6 +750,11 @@ class TorchEngine:
 
     def _decode_tokens(self, tokens: Sequence[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+def _aliases(segment: Segment, kv: torch.Tensor) -> bool:
+    """Whether a decode segment reads `kv`'s memory (then kv must not be reused)."""
+    return segment.layers[0][0].untyped_storage().data_ptr() == kv.untyped_storage().data_ptr()
 
 
 def _shared_length(seq: _Seq) -> int:
