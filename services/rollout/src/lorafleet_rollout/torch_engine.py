@@ -73,9 +73,11 @@ _SPARE_COLUMNS = 256
 #: at once cost the next batch a fresh zero-filled buffer: on workload (c) (4 x 1,500-token
 #: prompts, bench/sampling.py --vs-vllm) page faults and zeroing took ~20 % of the time.
 _KEEP_IDLE_CACHE = 10.0
-#: Prompt keys/values buffers kept for the next prompts (`_kv_buffer`), released with the idle
-#: cache: a fresh one per prompt cost ~12 % of workload (c) in page faults and unmapping.
-_SPARE_KV = 4
+#: Bytes of prompt and segment keys/values buffers kept for the next ones (`_kv_buffer`),
+#: released with the idle cache: a fresh buffer each cost ~12 % of workload (c) in page
+#: faults and unmapping, and (d)'s first pass ran ~20 % slower than later ones (glibc maps
+#: buffers this big afresh until its threshold adapts; over 32 MB, always).
+_SPARE_KV_BYTES = 1 << 30
 #: Shortest cached prefix worth a shared decode segment (each costs a few ops per layer).
 _MIN_SEGMENT = 64
 #: Python's GIL switch interval while this engine runs. The scheduler thread gives the GIL up
@@ -165,6 +167,9 @@ class _Prefix:
     """A cached prompt prefix that running rows share in decode, and how many do."""
 
     segment: Segment
+    #: [layers, 2, kv_heads, length, dim]: the segment's memory, a spare again when no row
+    #: reads it (a fresh copy per batch cost page faults: a 1,000-token prefix is ~25 MB).
+    kv: torch.Tensor
     rows: int = 0
 
 
@@ -552,6 +557,12 @@ class TorchEngine:
         spare = self._spare_kv.pop(min(fits, key=lambda i: self._spare_kv[i].numel()))
         return spare[:need].view(shape)
 
+    def _spare(self, kv: torch.Tensor) -> None:
+        """Keep kv's memory for `_kv_buffer` (nothing may read kv any more)."""
+        self._spare_kv.append(kv.new_empty(0).set_(kv.untyped_storage()))
+        while sum(t.untyped_storage().nbytes() for t in self._spare_kv) > _SPARE_KV_BYTES:
+            self._spare_kv.pop(0)
+
     def _prompt_logprobs(self, job: _Job, logits: torch.Tensor, end: int) -> None:
         """Logprob of prompt token t under the prediction at t-1, for the chunk ending at end."""
         prompt = job.request.prompt_tokens
@@ -597,8 +608,7 @@ class TorchEngine:
             self._seqs.extend(live)
             self._route_stale = True
         if segment is None or not _aliases(segment, job.kv):
-            self._spare_kv.append(job.kv.new_empty(0).set_(job.kv.untyped_storage()))
-            del self._spare_kv[:-_SPARE_KV]
+            self._spare(job.kv)
         job.kv, job.cached = None, 0
         if not live:
             job.resolve(_result(job))
@@ -646,8 +656,10 @@ class TorchEngine:
                 return None  # the first: later arrivals find it here and share with it
             # Contiguous copies: the attention matmuls read a strided segment ~25 % slower.
             assert job.kv is not None
-            prefix = job.kv[:, :, :, :length].contiguous()
-            entry = _Prefix(segment=Segment(list(prefix[:, 0]), list(prefix[:, 1])))
+            layers, _, heads, _, dim = job.kv.shape
+            prefix = self._kv_buffer((layers, 2, heads, length, dim), job.kv.dtype)
+            prefix.copy_(job.kv[:, :, :, :length])
+            entry = _Prefix(Segment(list(prefix[:, 0]), list(prefix[:, 1])), prefix)
             self._prefixes[key] = entry
             model = self._model()
             for row in partners:
@@ -719,8 +731,8 @@ class TorchEngine:
             key = self._seqs[i].prefix
             if key is not None:
                 self._prefixes[key].rows -= 1
-                if not self._prefixes[key].rows:
-                    del self._prefixes[key]
+                if not self._prefixes[key].rows:  # its rows are gone, and so is the segment
+                    self._spare(self._prefixes.pop(key).kv)  # once `_shared` is rebuilt
         size = len(self._seqs) - len(gone)
         holes = [i for i in gone if i < size]
         movers = [i for i in range(size, len(self._seqs)) if i not in set(gone)]
