@@ -756,6 +756,7 @@ class TorchEngine:
         self._seqs = []
         self._prefilling = []
         self._prefixes = {}
+        self._spare_kv = []
         self._route_stale = True
         if self._decoder is not None:
             self._decoder.cache.clear()
