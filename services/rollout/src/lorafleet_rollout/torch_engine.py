@@ -78,7 +78,8 @@ _KEEP_IDLE_CACHE = 10.0
 #: faults and unmapping, and (d)'s first pass ran ~20 % slower than later ones (glibc maps
 #: buffers this big afresh until its threshold adapts; over 32 MB, always).
 _SPARE_KV_BYTES = 1 << 30
-#: Shortest cached prefix worth a shared decode segment (each costs a few ops per layer).
+#: Shortest cached prefix worth a shared decode segment (each costs a copy of the prefix, and a
+#: few torch ops per layer where the native kernels are missing).
 _MIN_SEGMENT = 64
 #: Python's GIL switch interval while this engine runs. The scheduler thread gives the GIL up
 #: in every torch op and must win it back from the gRPC loop and the adapter-prep thread, which
