@@ -181,3 +181,112 @@ async def test_context_and_group_tokens_travel_over_grpc(make_engine, h) -> None
     assert result.output == convert.fb_output_to_proto(direct)
     served, reference = h.slot_grads(engines[1], 0), h.slot_grads(engines[0], 0)
     assert all(torch.equal(served[k], reference[k]) for k in served)
+
+
+def one_by_one(engine, slot: int, data: list[Datum], first: int = 0) -> list:
+    """Each window as its own call, as a document job sends them; the results."""
+    out = []
+    for i, d in enumerate(data, first):
+        inp = ForwardBackwardInput([d], "cross_entropy")
+        (res,) = engine.forward_backward([ForwardBackwardItem(f"w{i}", slot, f"r{slot}", inp)])
+        assert not isinstance(res, Exception), res
+        out.append(res)
+    return out
+
+
+def test_windows_carry_keys_values_so_each_token_runs_once(make_engine, h) -> None:
+    """A document filling the model's 256 positions, one call per window: the carried
+    keys/values are reused (no context token computed again: forward tokens = document
+    tokens), and the result equals PEFT over the whole prefix. Dropping the carried cache
+    before each call recomputes the context (quadratic) and gives the same numbers."""
+    gen = torch.Generator().manual_seed(21)
+    doc = torch.randint(0, VOCAB, (256,), generator=gen).tolist()
+    data = windows(doc, gen)
+    engine = make_engine()
+    engine.bind(0, "r0", SPECS[0])
+    h.perturb(engine, 0, seed=22)
+    results = one_by_one(engine, 0, data)
+    # The first window has no context: it runs as a plain datum, its keys/values are not
+    # kept, so the second window computes them again (bptt.py); every later one carries.
+    assert "forward_tokens:sum" not in results[0].metrics
+    context = [r.metrics["context_tokens_computed:sum"] for r in results[1:]]
+    assert context == [WINDOW] + [0] * (len(data) - 2)
+    computed = WINDOW + sum(r.metrics["forward_tokens:sum"] for r in results[1:])
+    assert computed == len(doc) - 1 + WINDOW
+    ref_lp, ref_grads = reference(h, engine, 0, data)
+    for got, want in zip(results, ref_lp, strict=True):
+        assert (got.logprobs[0] - want).abs().max().item() <= TOL
+    assert max_diff(h.slot_grads(engine, 0), ref_grads) <= TOL
+
+    again = make_engine()
+    again.bind(0, "r0", SPECS[0])
+    h.perturb(again, 0, seed=22)
+    fresh = []
+    for i, d in enumerate(data):
+        again.slots.bindings[0].carried = None  # as after a restart: nothing to carry
+        fresh += one_by_one(again, 0, [d], first=i)
+    assert sum(r.metrics.get("context_tokens_computed:sum", 0) for r in fresh) == sum(
+        len(d.context) for d in data
+    )
+    for got, want in zip(fresh, results, strict=True):
+        assert (got.logprobs[0] - want.logprobs[0]).abs().max().item() <= TOL
+
+
+def test_a_skipped_window_runs_only_its_own_tokens(make_engine, h) -> None:
+    """A window whose context extends the carried tokens (the window between was left out
+    by max_train_tokens) computes just the tokens in between; a context that does not start
+    with the carried ones (another document) is computed whole."""
+    gen = torch.Generator().manual_seed(23)
+    doc = torch.randint(0, VOCAB, (40,), generator=gen).tolist()
+    other = torch.randint(0, VOCAB, (30,), generator=gen).tolist()
+    wd, wo = windows(doc, gen), windows(other, gen)
+    data = [wd[0], wd[2], wo[3], wd[3]]
+    engine = make_engine()
+    engine.bind(0, "r0", SPECS[1])
+    h.perturb(engine, 0, seed=24)
+    results = one_by_one(engine, 0, data)
+    computed = [r.metrics.get("context_tokens_computed:sum") for r in results]
+    assert computed == [None, 16, 24, 24]
+    data = [wd[1], wd[3]]
+    results += one_by_one(engine, 0, data, first=len(results))
+    assert [r.metrics["context_tokens_computed:sum"] for r in results[4:]] == [8, 8]
+    data = [wd[0], wd[2], wo[3], wd[3], wd[1], wd[3]]
+    ref_lp, ref_grads = reference(h, engine, 0, data)
+    for got, want in zip(results, ref_lp, strict=True):
+        assert (got.logprobs[0] - want).abs().max().item() <= TOL
+    assert max_diff(h.slot_grads(engine, 0), ref_grads) <= TOL
+
+
+def test_carried_keys_values_keep_the_weights_they_were_computed_with(make_engine, h) -> None:
+    """juno's semantics: an optimizer update between two windows of a document leaves the
+    carried keys/values as the earlier window computed them. Reference: PEFT with the old
+    weights computes the first window's cache, PEFT with the new weights reads the second
+    window after it."""
+    from lorafleet_trainer.domain import AdamParams
+
+    gen = torch.Generator().manual_seed(25)
+    doc = torch.randint(0, VOCAB, (25,), generator=gen).tolist()
+    first, second, third = windows(doc, gen)
+    engine = make_engine()
+    engine.bind(0, "r0", SPECS[0])
+    h.perturb(engine, 0, seed=26)
+    old = h.peft_model(engine, 0)
+    one_by_one(engine, 0, [first, second])
+    step = engine.optim_step("step", 0, "r0", AdamParams(learning_rate=0.05))
+    assert step.applied
+    (got,) = one_by_one(engine, 0, [third], first=2)
+    assert got.metrics["context_tokens_computed:sum"] == 0
+    second = third
+
+    new = h.peft_model(engine, 0)
+    t = second.loss_fn_inputs["target_tokens"]
+    with torch.no_grad():
+        cache = old(input_ids=torch.tensor([second.context]), use_cache=True).cache
+        logits = new(input_ids=torch.tensor([second.tokens]), cache=cache).logits[0]
+        fresh = new(input_ids=torch.tensor([second.context + second.tokens])).logits[0, 16:]
+
+    def lp(x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x.float(), -1).gather(-1, t.view(-1, 1))[:, 0]
+
+    assert (got.logprobs[0] - lp(logits)).abs().max().item() <= TOL
+    assert (got.logprobs[0] - lp(fresh)).abs().max().item() > 1e-4  # the choice shows

@@ -263,6 +263,7 @@ class TrainerEngine:
                 outputs = self._run(plans)
             except Exception as exc:  # a failed pass poisons every window it touched
                 for plan in plans:
+                    plan.binding.carried = None  # may hold a half-extended cache
                     if plan.backward:
                         plan.binding.optimizer.clear_gradients()
                         plan.binding.pending_datums = 0
@@ -326,6 +327,7 @@ class TrainerEngine:
         ]
         # id(datum) -> (its summed loss, target logprobs, elementwise_loss)
         scored: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        recomputed: dict[int, int] = {}  # id(plan) -> context tokens its windows computed
 
         def score(plan: _Plan, d: PreparedDatum, logp: torch.Tensor) -> None:
             n = len(d.tokens)
@@ -348,10 +350,12 @@ class TrainerEngine:
                 for r, (plan, d) in enumerate(rows):
                     score(plan, d, logp_all[r, : len(d.tokens)])
             for plan, d, group in windows:
-                logits = bptt.window_logits(
-                    self.model, self.router, group, d.context, d.tokens, dev
+                w = bptt.window_logits(
+                    self.model, self.router, group, d.context, d.tokens, dev, plan.binding.carried
                 )
-                score(plan, d, torch.log_softmax(logits.float(), dim=-1))
+                plan.binding.carried = w.carried
+                recomputed[id(plan)] = recomputed.get(id(plan), 0) + w.context_tokens
+                score(plan, d, torch.log_softmax(w.logits.float(), dim=-1))
             # grad_scale is exactly 1 unless the call asked for token-mean normalisation.
             backward_terms = [
                 torch.stack([scored[id(d)][0] for d in p.data]).sum() * p.cfg.grad_scale
@@ -363,10 +367,18 @@ class TrainerEngine:
         outputs = []
         for p in plans:
             loss, logprobs, elementwise = zip(*(scored[id(d)] for d in p.data), strict=True)
+            out_metrics = {"loss:sum": float(torch.stack(loss).sum().detach())}
+            own = sum(len(d.tokens) for d in p.data)
+            metrics.FORWARD_TOKENS.labels(kind="datum").inc(own)
+            if any(d.context for d in p.data):  # a document job's windows: what they cost
+                context = recomputed.get(id(p), 0)
+                metrics.FORWARD_TOKENS.labels(kind="context").inc(context)
+                out_metrics["forward_tokens:sum"] = float(own + context)
+                out_metrics["context_tokens_computed:sum"] = float(context)
             outputs.append(
                 ForwardBackwardOutput(
                     logprobs=[t.float().cpu() for t in logprobs],
-                    metrics={"loss:sum": float(torch.stack(loss).sum().detach())},
+                    metrics=out_metrics,
                     elementwise_loss=[t.float().cpu() for t in elementwise],
                 )
             )
@@ -520,6 +532,7 @@ class TrainerEngine:
             for name, (a, b) in pairs.items():
                 binding.a[name].copy_(a)
                 binding.b[name].copy_(b)
+        binding.carried = None  # keys/values of other weights: no window may read them now
 
     def load_state(
         self,

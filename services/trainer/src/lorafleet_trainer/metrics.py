@@ -6,6 +6,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 SLOTS = Gauge("lorafleet_trainer_slots", "LoRA slots by state.", ["state"])
 TOKENS = Counter("lorafleet_trainer_tokens_total", "Tokens trained (forward_backward datums).")
+FORWARD_TOKENS = Counter(
+    "lorafleet_trainer_forward_tokens_total",
+    "Tokens the forward computed: datum (every datum's own tokens) and context (truncated-BPTT "
+    "context not carried from the window before, so computed again).",
+    ["kind"],
+)
 OPTIM_STEPS = Counter("lorafleet_trainer_optim_steps_total", "Applied optimizer steps.")
 NONFINITE_VETOES = Counter(
     "lorafleet_trainer_nonfinite_vetoes_total", "optim_steps vetoed by a non-finite gradient."

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from lorafleet.errors import FailedPrecondition, InvalidArgument
+from lorafleet_trainer.bptt import Carried
 from lorafleet_trainer.domain import LoraSpec, SlotInfo
 from lorafleet_trainer.optim import SlotOptimizer
 
@@ -63,6 +64,7 @@ class Binding:
     ops: OpLog
     pending_datums: int = 0  # backward datums since the last optim_step (dropout ordinal)
     tokens_trained: int = 0
+    carried: Carried | None = None  # the last truncated-BPTT window's keys/values (bptt.py)
 
 
 class SlotTable:
