@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -12,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from lorafleet import errors
-from lorafleet.testing import RedisServer, child_env, free_port
+from lorafleet.testing import RedisServer, child_env, free_port, wait_until_async
 from lorafleet.v1 import controller_pb2
 
 from .fleet import Client, controller_proc
@@ -110,14 +111,49 @@ async def test_silent_sessions_are_finished(redis_server: RedisServer, tmp_path:
             for _ in range(2)
         ]
         silent, alive = new
-        for _ in range(8):  # 2 s: only `alive` heartbeats
+
+        async def silent_finished() -> bool:  # only `alive` heartbeats meanwhile
             await c("SessionHeartbeat", K.SessionHeartbeatRequest(tenant="a", session_id=alive))
-            await asyncio.sleep(0.25)
-        gone = await c("GetSession", K.GetSessionRequest(tenant="a", session_id=silent))
+            gone = await c("GetSession", K.GetSessionRequest(tenant="a", session_id=silent))
+            return bool(gone.session.finished)  # type: ignore[attr-defined]
+
+        await wait_until_async(silent_finished, "the silent session finished")
         kept = await c("GetSession", K.GetSessionRequest(tenant="a", session_id=alive))
-        assert gone.session.finished and not kept.session.finished  # type: ignore[attr-defined]
+        assert not kept.session.finished  # type: ignore[attr-defined]
         with pytest.raises(errors.Expired):
             await c("SessionHeartbeat", K.SessionHeartbeatRequest(tenant="a", session_id=silent))
     finally:
         await c.close()
         proc.stop()
+
+
+async def test_revoking_a_key_ends_the_sessions_it_opened(client: Client) -> None:
+    keys = [
+        (await client("CreateApiKey", K.CreateApiKeyRequest(tenant="a", label=n))).key_id  # type: ignore[attr-defined]
+        for n in ("revoked", "kept")
+    ]
+    revoked, kept = [
+        (await client("CreateSession", K.CreateSessionRequest(tenant="a", key_id=k))).session_id  # type: ignore[attr-defined]
+        for k in keys
+    ]
+    await client("RevokeApiKey", K.RevokeApiKeyRequest(key_id=keys[0]))
+    ended = await client("GetSession", K.GetSessionRequest(tenant="a", session_id=revoked))
+    live = await client("GetSession", K.GetSessionRequest(tenant="a", session_id=kept))
+    assert ended.session.finished and not live.session.finished  # type: ignore[attr-defined]
+    with pytest.raises(errors.Expired):
+        await client("SessionHeartbeat", K.SessionHeartbeatRequest(tenant="a", session_id=revoked))
+    with pytest.raises(errors.PermissionDenied):  # a gateway's cached lookup opens nothing new
+        await client("CreateSession", K.CreateSessionRequest(tenant="a", key_id=keys[0]))
+
+
+def test_the_documented_session_timeout_is_the_default() -> None:
+    """The README states the default the controller runs with (issue 23: they drifted)."""
+    from lorafleet_controller.settings import ControllerSettings
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    stated = re.search(r"`LORAFLEET_CONTROLLER_SESSION_TIMEOUT_SECONDS` \((\d+) s\)", readme)
+    assert stated is not None, "README no longer states the session timeout"
+    (field,) = [f for f in dataclasses.fields(ControllerSettings)
+                if f.name == "session_timeout_seconds"]  # fmt: skip
+    default = field.default
+    assert float(stated.group(1)) == default == 120.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import shutil
 import signal
@@ -15,9 +16,56 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# How long a test waits for something that must happen. Generous on purpose: a test waits
+# on the condition itself, never a fixed number of short polls, so a loaded CI machine
+# (two busy loops beside the suite) makes a test slower, never red.
+WAIT_SECONDS = 300.0
+_POLL_SECONDS = 0.05
+
+
+def _waited(what: str, started: float) -> None:
+    """Report how long a wait took (pytest shows it with the test's output)."""
+    print(f"waited {time.monotonic() - started:.2f}s for {what}", file=sys.stderr)
+
+
+def wait_until(condition: Callable[[], T], what: str, within: float = WAIT_SECONDS) -> T:
+    """Poll `condition()` until it returns something truthy and return that; raise
+    AssertionError naming `what` after `within` seconds. The one way tests wait."""
+    started = time.monotonic()
+    deadline = started + within
+    while True:
+        value = condition()
+        if value:
+            _waited(what, started)
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within:.0f}s: {what}")
+        time.sleep(_POLL_SECONDS)
+
+
+async def wait_until_async(
+    condition: Callable[[], Awaitable[T] | T], what: str, within: float = WAIT_SECONDS
+) -> T:
+    """`wait_until` for asyncio tests: `condition` may be a coroutine function."""
+    started = time.monotonic()
+    deadline = started + within
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            _waited(what, started)
+            return value  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within:.0f}s: {what}")
+        await asyncio.sleep(_POLL_SECONDS)
 
 
 def free_port() -> int:
@@ -27,7 +75,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(
+    port: int, timeout: float = WAIT_SECONDS, proc: subprocess.Popen | None = None
+) -> None:
     """Poll until something accepts connections on 127.0.0.1:port, or fail with its log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -199,13 +249,13 @@ def service_process(
             [sys.executable, "-m", module], env=env, stdout=out, stderr=subprocess.STDOUT
         )
         try:
-            wait_for_port(port, timeout=60, proc=proc)
+            wait_for_port(port, proc=proc)
             yield proc
         finally:
             stop_process(proc)
 
 
-async def wait_serving(channel: object, service: str, within: float = 60.0) -> None:
+async def wait_serving(channel: object, service: str, within: float = WAIT_SECONDS) -> None:
     """Poll gRPC health for `service` on `channel` (a grpc.aio.Channel) until SERVING: the
     runtime reports NOT_SERVING until startup (model load) is done, though the port is open."""
     import grpc

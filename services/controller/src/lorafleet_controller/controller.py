@@ -106,6 +106,10 @@ class Controller:
         # starved) for longer than a heartbeat interval, replicas get a full heartbeat
         # timeout from then before their silence counts (an outage fails nothing by itself).
         self._swept_at = self._heard_since = time.monotonic()
+        # Sessions heartbeat through the gateway and this controller: one that could not reach
+        # us (we were down, deposed, starved or cut off from Redis) gets a full session
+        # timeout from the moment dispatch resumed before its silence counts.
+        self._sessions_heard_since = self._heard_since
         self._side: set[asyncio.Task[None]] = set()
         self._leading = asyncio.Lock()
 
@@ -122,6 +126,7 @@ class Controller:
             if self._loops:
                 return
             epoch = await self.store.take_epoch()
+            self._sessions_heard_since = time.monotonic()
             log.info("dispatching under leader epoch %d", epoch)
             await self.scheduler.recover()
             await self.samplers.recover()
@@ -198,7 +203,7 @@ class Controller:
         await self.catalog.sweep_expired()
         now = time.monotonic()
         if now - self._swept_at > self.settings.heartbeat_interval_seconds:
-            self._heard_since = now
+            self._heard_since = self._sessions_heard_since = now
             # An id popped from a ready list around the outage can be lost with its reply
             # (seen in the chaos test: the head stayed QUEUED, marked pushed, in no list).
             # Queue every head again; a duplicate id is harmless, the claim takes it once.
@@ -215,7 +220,8 @@ class Controller:
             )
         for rid in await self.registry.binding_ids():
             await self.placer.finish_binding(rid)
-        if timeout := self.settings.session_timeout_seconds:
+        timeout = self.settings.session_timeout_seconds
+        if timeout and now - self._sessions_heard_since >= timeout:
             for tenant, session_id in await self.tenancy.silent_sessions(timeout):
                 log.info("session %s missed heartbeats for %gs: finishing it", session_id, timeout)
                 await self.finish_session(tenant, session_id, "heartbeat timeout")
@@ -321,9 +327,11 @@ class Controller:
         A finished session's client is closed (0.38 `close()`), so its runs can take no more
         operations: their queues are fenced and their slots freed for queued registrations.
         What they published stays: samplers keep serving, and saved states can be resumed
-        from another session (`create_training_client_from_state`).
+        from another session (`create_training_client_from_state`). The runs are retired
+        before the session is marked finished, so a controller killed in between leaves the
+        session live and silent, and the next sweep finishes the job (retiring is idempotent).
         """
-        await self.tenancy.finish(tenant, session_id, reason)
+        await self.tenancy.check_session(tenant, session_id)
         finished = errors.FailedPrecondition(
             f"session {session_id} finished before the operation ran", field="model_id",
             reason="SESSION_FINISHED",
@@ -349,6 +357,14 @@ class Controller:
         await self.recovery.forget(rid)
         await self.publisher.forget(rid, rec.base_model)
 
+        await self.tenancy.finish(tenant, session_id, reason)
+
+    async def revoke_api_key(self, key_id: str) -> None:
+        """Revoke a key and finish the live sessions it opened: their clients can no longer
+        heartbeat or submit, so their runs' slots go back now rather than after the timeout."""
+        await self.tenancy.revoke_key(key_id)
+        for tenant, session_id in await self.tenancy.sessions_of_key(key_id):
+            await self.finish_session(tenant, session_id, "API key revoked")
     # --- ledger ---------------------------------------------------------------------------
     async def submit_operation(
         self,

@@ -52,7 +52,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def RevokeApiKey(
         self, request: pb.RevokeApiKeyRequest, context: Context
     ) -> pb.RevokeApiKeyResponse:
-        await self.controller.tenancy.revoke_key(request.key_id)
+        await self.controller.revoke_api_key(request.key_id)
         return pb.RevokeApiKeyResponse()
 
     async def CreateSession(
@@ -60,7 +60,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     ) -> pb.CreateSessionResponse:
         session_id = await self.controller.tenancy.create_session(
             request.tenant, list(request.tags), dict(request.user_metadata),
-            request.sdk_version, request.project_id, request.display_name,
+            request.sdk_version, request.project_id, request.display_name, request.key_id,
         )  # fmt: skip
         return pb.CreateSessionResponse(session_id=session_id)
 

@@ -104,9 +104,13 @@ class ControllerSettings:
         5.0, doc="Heartbeat interval the controller asks replicas for.", min=0.05, max=600.0
     )
     session_timeout_seconds: float = setting(
-        1800.0,
-        doc="A session with no heartbeat for this long is finished and its trainer slots freed "
-        "(the SDK heartbeats every 10 s; 0.24.1 never calls finish). 0 = never.",
+        120.0,
+        doc="A session with no heartbeat for this long is finished and its trainer slots freed. "
+        "The SDKs heartbeat every 10 s and warn after 2 minutes of failed heartbeats, so a live "
+        "client misses 11 in a row before this; 0.24.1 never calls finish, so this is what frees "
+        "an abandoned client's slots. The silence counts from the later of the last heartbeat "
+        "and this controller's start of dispatch (an outage of the controller ends no session). "
+        "0 = never.",
         min=0.0,
         max=30 * 86400.0,
     )

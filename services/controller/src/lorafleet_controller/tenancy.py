@@ -109,6 +109,17 @@ class Tenancy:
             raise errors.NotFound(f"no API key {key_id!r}", field="key_id")
         await self.store.redis.hset(key, "revoked", "1")
 
+    async def sessions_of_key(self, key_id: str) -> list[tuple[str, str]]:
+        """(tenant, session_id) of the unfinished sessions opened with `key_id`."""
+        opened = await self.store.redis.smembers(self.keys.key_sessions(key_id))
+        ids = sorted(text(x) for x in opened)
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for session_id in ids:
+                pipe.hmget(self.keys.session(session_id), "tenant", "finished")
+            rows = await pipe.execute()
+        return [(text(tenant), sid) for (tenant, finished), sid in zip(rows, ids, strict=True)
+                if tenant is not None and finished != b"1"]  # fmt: skip
+
     # --- sessions -------------------------------------------------------------------------
     async def create_session(
         self,
@@ -118,9 +129,14 @@ class Tenancy:
         sdk_version: str,
         project_id: str,
         display_name: str,
+        key_id: str = "",
     ) -> str:
+        """A new live session. `key_id`: the API key that opened it (the gateway's caller),
+        so revoking that key ends it; sessions the controller opens itself have none."""
         if not tenant:
             raise errors.InvalidArgument("tenant is required", field="tenant")
+        if key_id and await self.store.redis.hget(self.keys.api_key(key_id), "revoked") == b"1":
+            raise errors.PermissionDenied("invalid or revoked API key", field="api_key")
         session_id = f"session-{uuid.uuid4().hex}"
         now = self.clock()
         async with self.store.redis.pipeline(transaction=True) as pipe:
@@ -131,9 +147,11 @@ class Tenancy:
                     "metadata": json.dumps(user_metadata, sort_keys=True),
                     "sdk_version": sdk_version, "project_id": project_id,
                     "display_name": display_name, "created_at": now, "finished": "0",
-                    "last_heartbeat": now,
+                    "last_heartbeat": now, "key_id": key_id,
                 },
             )  # fmt: skip
+            if key_id:
+                pipe.sadd(self.keys.key_sessions(key_id), session_id)
             pipe.zadd(self.keys.tenant_sessions(tenant), {session_id: now})
             pipe.zadd(self.keys.sessions_live, {session_id: now})
             await pipe.execute()

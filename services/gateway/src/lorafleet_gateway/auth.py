@@ -3,7 +3,8 @@
 Keys are never stored here; a successful lookup is remembered for `auth_cache_seconds`
 (at most 1 s) under the key's SHA-256, so a revoked key stops working within a second
 without a revocation channel from the controller. Missing or unknown keys are 401 in
-Tinker's shape. Every router takes the tenant from `Tenant`.
+Tinker's shape. Every router takes the tenant from `Tenant`; the key's id is left on
+`request.state.key_id` for `create_session`, so revoking the key ends the sessions it opened.
 """
 
 from __future__ import annotations
@@ -23,20 +24,21 @@ _MAX_ENTRIES = 10_000
 class AuthCache:
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
-        self.entries: dict[str, tuple[str, float]] = {}
+        self.entries: dict[str, tuple[str, str, float]] = {}
 
-    def get(self, digest: str) -> str | None:
+    def get(self, digest: str) -> tuple[str, str] | None:
+        """(tenant, key_id) of a recent successful lookup."""
         hit = self.entries.get(digest)
-        if hit is None or hit[1] < time.monotonic():
+        if hit is None or hit[2] < time.monotonic():
             return None
-        return hit[0]
+        return hit[0], hit[1]
 
-    def put(self, digest: str, tenant: str) -> None:
+    def put(self, digest: str, tenant: str, key_id: str) -> None:
         if self.ttl <= 0:
             return
         if len(self.entries) >= _MAX_ENTRIES:
             self.entries.clear()
-        self.entries[digest] = (tenant, time.monotonic() + self.ttl)
+        self.entries[digest] = (tenant, key_id, time.monotonic() + self.ttl)
 
 
 async def tenant_of(request: Request) -> str:
@@ -46,16 +48,17 @@ async def tenant_of(request: Request) -> str:
         raise errors.PermissionDenied("missing API key", field=HEADER)
     state = request.app.state
     digest = hashlib.sha256(key.encode()).hexdigest()
-    tenant = state.auth_cache.get(digest)
-    if tenant is None:
+    hit = state.auth_cache.get(digest)
+    if hit is None:
         try:
             reply = await state.serving.controller.authenticate(
                 cpb.AuthenticateRequest(api_key=key)
             )
         except (errors.NotFound, errors.InvalidArgument, errors.PermissionDenied):
             raise errors.PermissionDenied("invalid API key", field=HEADER) from None
-        tenant = reply.tenant
-        if not tenant:
+        if not reply.tenant:
             raise errors.PermissionDenied("invalid API key", field=HEADER)
-        state.auth_cache.put(digest, tenant)
+        hit = (reply.tenant, reply.key_id)
+        state.auth_cache.put(digest, *hit)
+    tenant, request.state.key_id = hit
     return tenant

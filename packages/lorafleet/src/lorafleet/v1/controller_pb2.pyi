@@ -402,10 +402,13 @@ class CreateSessionRequest(_message.Message):
     SDK_VERSION_FIELD_NUMBER: _builtins.int
     PROJECT_ID_FIELD_NUMBER: _builtins.int
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
+    KEY_ID_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     sdk_version: _builtins.str
     project_id: _builtins.str
     display_name: _builtins.str
+    key_id: _builtins.str
+    """The API key the gateway authenticated the caller with: revoking it ends the session."""
     @_builtins.property
     def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -419,10 +422,11 @@ class CreateSessionRequest(_message.Message):
         sdk_version: _builtins.str = ...,
         project_id: _builtins.str = ...,
         display_name: _builtins.str = ...,
+        key_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["display_name", b"display_name", "project_id", b"project_id", "sdk_version", b"sdk_version", "tags", b"tags", "tenant", b"tenant", "user_metadata", b"user_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["display_name", b"display_name", "key_id", b"key_id", "project_id", b"project_id", "sdk_version", b"sdk_version", "tags", b"tags", "tenant", b"tenant", "user_metadata", b"user_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

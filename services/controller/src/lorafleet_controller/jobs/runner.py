@@ -246,11 +246,15 @@ class JobRunner:
                 raise errors.InvalidArgument(
                     f"run {rid} trains {reg.base_model!r}", field="base_model"
                 )
-            self._check_shape(reg, p, raw)
+            self._check_shape(rid, reg.lora, p, raw)
         else:
             reg = await self._live_default(tenant)
             if reg is not None:
-                self._check_shape(reg, p, raw)
+                self._check_shape(reg.registration_id, reg.lora, p, raw)
+            elif resumed := (await self.records.default_run(tenant)).get("checkpoint", ""):
+                # the default run gave its slot back; the next one resumes this state
+                ckpt = await self.controller.catalog.get(tenant, resumed)
+                self._check_shape(resumed, ckpt.lora, p, raw)
         base = reg.base_model if reg is not None else await self._default_base(base_model)
         stored = {"pairs": [[x.question, x.answer] for x in pairs], "documents": list(documents)}
         plan = await self._plan(kind, base, p, stored)
@@ -284,19 +288,22 @@ class JobRunner:
 
     # --- validation helpers ---------------------------------------------------------------
     @staticmethod
-    def _check_shape(reg: RegRecord, p: JobParams, raw: dict[str, str]) -> None:
-        """A job on an existing run may not ask for a different adapter shape."""
-        have = {"rank": reg.lora.rank, "alpha": reg.lora.alpha or None,
-                "dropout": round(reg.lora.dropout, 6),
-                "lora_plus_ratio": reg.lora.lora_plus_ratio or 1.0,
-                "targets": tuple(reg.lora.target_modules)}  # fmt: skip
+    def _check_shape(
+        run: str, lora: common_pb2.LoraConfig, p: JobParams, raw: dict[str, str]
+    ) -> None:
+        """A job on an existing run (or the state the default run resumes) may not ask for a
+        different adapter shape."""
+        have = {"rank": lora.rank, "alpha": lora.alpha or None,
+                "dropout": round(lora.dropout, 6),
+                "lora_plus_ratio": lora.lora_plus_ratio or 1.0,
+                "targets": tuple(lora.target_modules)}  # fmt: skip
         want = {"rank": p.rank, "alpha": p.alpha, "dropout": round(p.dropout, 6),
                 "lora_plus_ratio": p.lora_plus_ratio,
                 "targets": tuple(p.lora_targets)}  # fmt: skip
         for name in params.LORA_SHAPE:
             if name in raw and have[name] is not None and have[name] != want[name]:
                 raise errors.InvalidArgument(
-                    f"run {reg.registration_id} has {name} {have[name]!r}; a job cannot "
+                    f"run {run} has {name} {have[name]!r}; a job cannot "
                     "change an existing adapter's shape (POST /v1/lora/reset for a new one)",
                     field=name,
                 )
@@ -381,6 +388,9 @@ class JobRunner:
         workers = list(self._workers.values())
         self._workers.clear()
         for task in workers:
+            # with its Adam moments and step count: giving the slot back between jobs
+            # (`_release_default`) changes nothing the next job computes
+            initial_with_optimizer=True,
             task.cancel()
         for task in workers:
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -405,7 +415,7 @@ class JobRunner:
                                                        queue[0])  # fmt: skip
                 continue
             try:
-                await self._execute(rec)
+                state = await self._execute(rec)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug must fail the job, not wedge the run's queue
@@ -413,14 +423,15 @@ class JobRunner:
                 await self.records.finish(rec, JobState.FAILED,
                                           error=job_error(errors.Internal(str(exc))))  # fmt: skip
 
-    async def _execute(self, rec: JobRecord) -> None:
+    async def _execute(self, rec: JobRecord) -> JobState:
+        """Run one job to its end; the state it finished in."""
         kind = JobKind(rec.kind)
         if rec.finished:
             await self.records.finish(rec, rec.state)
-            return
+            return JobState.FAILED
         if rec.cancel_requested and rec.state == JobState.QUEUED:
             await self.records.finish(rec, JobState.CANCELLED)
-            return
+            return JobState.CANCELLED
         if rec.cursor is None:
             reg = await self.controller.registry.get_any(rec.registration_id)
             if reg is None:
@@ -431,6 +442,31 @@ class JobRunner:
         else:
             cursor = loop.Cursor.from_dict(rec.cursor)
         p = params.parse(kind, rec.params)
+                continue
+            if state == JobState.SUCCEEDED:
+                await self._release_default(rec)
+
+    async def _release_default(self, rec: JobRecord) -> None:
+        """Give a tenant's default run's slot back as soon as its last job succeeded.
+
+        Its session belongs to the jobs (nobody else submits to it), and the job's final
+        state (weights and optimizer) is the default run's checkpoint, which the next job
+        resumes on a fresh run (`_create_default`), so the slot is not held idle until the
+        session times out. Only after a success: a cancelled or failed job's partial updates
+        are in no checkpoint, so that run keeps its slot until its session times out. Under
+        the tenant's lock, so a job created meanwhile either lands on this run (which then
+        keeps its slot: the worker goes on to it) or sees it retired and starts the fresh one.
+        """
+        async with self._tenant_locks.setdefault(rec.tenant, asyncio.Lock()):
+            default = await self.records.default_run(rec.tenant)
+            if default.get("rid") != rec.registration_id or not default.get("checkpoint"):
+                return
+            if await self.records.run_queue(rec.registration_id):
+                return
+            reg = await self.controller.registry.get(rec.tenant, rec.registration_id)
+            if reg.state != RegState.RETIRED:
+                log.info("run %s: its jobs are done, giving its slot back", reg.registration_id)
+                await self.controller.finish_session(rec.tenant, reg.session_id, "jobs done")
         ex = LedgerExecutor(self, rec, cursor.seq)
         try:
             if kind == JobKind.SAVE:
@@ -449,15 +485,16 @@ class JobRunner:
             await ex.abandon()
             await ex.ack()
             await self.records.finish(rec, JobState.CANCELLED, cursor=cursor.to_dict())
-            return
+            return rec.state
         except errors.LorafleetError as exc:
             await ex.abandon()
             await ex.ack()
             await self.records.finish(rec, JobState.FAILED, error=job_error(exc))
-            return
+            return JobState.CANCELLED
         await ex.ack()
         await self.records.finish(rec, JobState.SUCCEEDED, result=result,
                                   cursor=cursor.to_dict())  # fmt: skip
         default = await self.records.default_run(rec.tenant)
         if default.get("rid") == rec.registration_id:
             await self.records.set_default_run(rec.tenant, checkpoint=path)
+        return JobState.SUCCEEDED

@@ -75,6 +75,7 @@ KEY_FAMILIES: dict[str, str] = {
     "api_key": "key:{id}",  # hash: one API key (by key id)
     "key_hash": "apikey:{id}",  # string: key id of a key's SHA-256
     "tenant_keys": "keys:{id}",  # set: a tenant's key ids
+    "key_sessions": "key_sessions:{id}",  # set: sessions opened with a key (ended on revoke)
     "session": "sess:{id}",  # hash: one session
     "tenant_sessions": "sessions:{id}",  # zset: a tenant's sessions by creation time
     "sessions_live": "sessions_live",  # zset: unfinished sessions by last heartbeat
@@ -193,6 +194,9 @@ class Keys:
 
     def tenant_keys(self, tenant: str) -> str:
         return self._key("tenant_keys", tenant)
+
+    def key_sessions(self, key_id: str) -> str:
+        return self._key("key_sessions", key_id)
 
     def session(self, session_id: str) -> str:
         return self._key("session", session_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from lorafleet_gateway.deps import Areas, Tenant
 from lorafleet_gateway.protocol import (
@@ -23,9 +23,9 @@ router = APIRouter(prefix="/api/v1", tags=["sessions"])
 
 @router.post("/create_session")
 async def create_session(
-    body: CreateSessionRequest, tenant: Tenant, serving: Areas
+    body: CreateSessionRequest, tenant: Tenant, serving: Areas, request: Request
 ) -> CreateSessionResponse:
-    return await serving.sessions.create(tenant, body)
+    return await serving.sessions.create(tenant, request.state.key_id, body)
 
 
 @router.post("/session_heartbeat")

@@ -18,9 +18,12 @@ class SessionServing:
     def __init__(self, controller: ControllerClient) -> None:
         self._controller = controller
 
-    async def create(self, tenant: str, body: CreateSessionRequest) -> CreateSessionResponse:
+    async def create(
+        self, tenant: str, key_id: str, body: CreateSessionRequest
+    ) -> CreateSessionResponse:
         request = cpb.CreateSessionRequest(
             tenant=tenant,
+            key_id=key_id,
             tags=body.tags,
             user_metadata=convert.metadata(body.user_metadata),
             sdk_version=body.sdk_version,
