@@ -211,7 +211,9 @@ def test_values_files_match_schema(name):
     [
         ({"redis": {"appendfsync": "no"}}, "appendfsync"),
         ({"trainer": {"replicaCnt": 2}}, "replicaCnt"),
-        ({"rollout": {"engine": "vllm"}}, "engine"),
+        ({"rollout": {"engine": "tensorrt"}}, "engine"),
+        ({"rollout": {"vllm": {"maxLoraRank": 48}}}, "maxLoraRank"),
+        ({"rollout": {"sglang": {"loraTargetModules": ["qproj"]}}}, "loraTargetModules"),
         ({"trainer": {"gpu": {"count": -1}}}, "count"),
         ({"controller": {"logLevel": "verbose"}}, "logLevel"),
         ({"controller": {"settings": {"sessionTimeout": 60}}}, "sessionTimeout"),
@@ -234,6 +236,8 @@ def test_schema_rejects_bad_values(chart, override, path):
         ({"gateway": {"downloadSecret": {"value": "x", "existingSecret": "y"}}}, "not both"),
         ({"rollout": {"sglang": {"maxLorasPerBatch": 8, "maxLoadedLoras": 4}}}, "maxLoadedLoras"),
         ({"rollout": {"numSlots": 32}}, "numSlots"),
+        ({"rollout": {"engine": "vllm", "numSlots": 32}}, "vllm.maxCpuLoras"),
+        ({"rollout": {"engine": "vllm", "vllm": {"maxLoras": 32}}}, "maxCpuLoras must be >= "),
         ({"redis": {"external": {"cluster": True}}}, "Redis Cluster"),
     ],
 )
@@ -341,7 +345,7 @@ def _settings_classes() -> dict[str, tuple[str, list[type]]]:
 FROM_CLUSTER = "value-from-the-cluster-0123456789abcdef"
 
 
-@pytest.mark.parametrize("name", ["default", "full", "multinode"])
+@pytest.mark.parametrize("name", ["default", "full", "multinode", "vllm"])
 def test_service_env_loads_through_the_services_own_settings(render, name):
     """Every LORAFLEET_<SVC>_* variable the chart sets is a setting that service reads (a
     misspelt or stale name would be silently ignored), and the values pass its validation."""
@@ -382,13 +386,8 @@ LEFT_TO_DEFAULTS = {
         "TRANSPORT_RETRY_SECONDS",
     },
     "trainer": {"GROUP_KEEPALIVE_SECONDS", "MAX_MESSAGE_BYTES", "REGISTER_INTERVAL_SECONDS"},
-    # ENGINE_LAUNCH: SGLang runs as its own container; SERVED_MODEL_NAME: vLLM only.
-    "rollout": {
-        "ENGINE_LAUNCH",
-        "MAX_MESSAGE_BYTES",
-        "REGISTER_INTERVAL_SECONDS",
-        "SERVED_MODEL_NAME",
-    },
+    # ENGINE_LAUNCH: SGLang and vLLM run as their own containers.
+    "rollout": {"ENGINE_LAUNCH", "MAX_MESSAGE_BYTES", "REGISTER_INTERVAL_SECONDS"},
     # Wire-protocol switches keep their defaults; the key comes from DOWNLOAD_SECRET (a Secret).
     "gateway": {
         "ACK_RESULTS",
@@ -483,6 +482,159 @@ def test_sglang_is_the_default_rollout_engine(render):
     # SGLang reads published adapters by path: same model and checkpoint mounts.
     mounts = {m["name"]: m for m in sglang["volumeMounts"]}
     assert mounts["model"]["readOnly"] is True and "checkpoints" in mounts
+
+
+# SGLang 0.5.23 compares an adapter's targets with --lora-target-modules after folding fused
+# sub-projections (srt/lora/utils.py get_normalized_target_modules): the reference the chart's
+# render-time guard (templates/rollout/_pod.tpl) must agree with.
+SGLANG_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def _sglang_name(module: str) -> str:
+    return SGLANG_FUSED.get(module, module)
+
+
+def _sdk_default_targets(preset: str) -> list[str]:
+    """The modules of the adapter our trainer exports for the SDK's create_lora_training_client
+    defaults (train_attn, train_mlp, train_unembed), under SGLang's module names (expert banks
+    as experts.{e}.gate_up_proj / down_proj: their last part)."""
+    from transformers import AutoModelForCausalLM
+
+    from lorafleet_models.build import model_config
+    from lorafleet_models.presets import PRESETS
+    from lorafleet_trainer.domain import LoraSpec
+    from lorafleet_trainer.lora import Router
+    from lorafleet_trainer.sites import wrap_model
+    from lorafleet_trainer.targets import peft_targets, resolve_targets
+
+    model = AutoModelForCausalLM.from_config(model_config(PRESETS[preset], 0, 0))
+    _, sites = wrap_model(model, Router())
+    spec = LoraSpec(rank=32, train_attn=True, train_mlp=True, train_unembed=True)
+    modules, parameters = peft_targets(resolve_targets(spec, sites), sites)
+    return sorted({name.rsplit(".", 1)[-1] for name in modules + parameters})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-phi3", "tiny-moe"])
+def test_sglang_target_guard_agrees_with_the_trainers_default_adapter(chart, preset):
+    """Dense, fused (Phi-3) and MoE: --lora-target-modules naming exactly what the trainer's
+    default adapter targets renders; leaving out any module that SGLang would then refuse
+    (no other listed module folds to the same name) fails rendering, naming it."""
+    targets = _sdk_default_targets(preset)
+    assert "lm_head" in targets
+
+    def render(modules: list[str]) -> None:
+        values = {"rollout": {"sglang": {"loraTargetModules": modules}}}
+        chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+
+    render(targets)
+    for module in targets:
+        rest = [m for m in targets if m != module]
+        if _sglang_name(module) in {_sglang_name(m) for m in rest}:
+            render(rest)  # SGLang folds a sibling into the same fused module: still loads
+            continue
+        with pytest.raises(helm_python.HelmRenderError, match=f"missing {_sglang_name(module)}"):
+            render(rest)
+
+
+def _merged(name: str) -> dict[str, Any]:
+    """A values file over the chart's defaults, as Helm coalesces them."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    return deep_merge(defaults, load_values(name))
+
+
+SGLANG_PROFILES = [n for n in values_names() if _merged(n)["rollout"]["engine"] == "sglang"]
+
+
+@pytest.mark.parametrize("name", SGLANG_PROFILES, ids=lambda n: f"{n}-values")
+def test_every_sglang_profile_loads_the_sdk_default_adapter(chart, render, name):
+    """Every profile on SGLang names lm_head (or all) and renders it into the server's flags;
+    the same profile without lm_head fails rendering with a message naming it."""
+    values = _merged(name)
+    modules = values["rollout"]["sglang"]["loraTargetModules"]
+    command = render(load_values(name)).container("rollout", "sglang")["command"]
+    start = command.index("--lora-target-modules") + 1
+    assert command[start : start + len(modules)] == modules
+    if modules == ["all"]:
+        return
+    assert "lm_head" in modules
+    without = [m for m in modules if m != "lm_head"]
+    broken = deep_merge(load_values(name), {"rollout": {"sglang": {"loraTargetModules": without}}})
+    with pytest.raises(helm_python.HelmRenderError, match="missing lm_head"):
+        chart.render(values=broken, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("name", ["default", "multinode"])
+def test_sglang_honours_seeds_and_returns_unscaled_logprobs(render, name):
+    """--enable-deterministic-inference (SGLang ignores sampling_seed without it) by default,
+    off by value; SGLANG_RETURN_ORIGINAL_LOGPROB=1 on every SGLang container (leader and
+    workers of a group): logprobs before temperature scaling, as the trainer computes them."""
+    values = load_values(name)
+    rendered = render(values)
+    group = _merged(name)["rollout"]["leaderWorkerSet"]["enabled"]
+    roles = ("leader", "worker") if group else ("leader",)
+    for role in roles:
+        sglang = rendered.container("rollout", "sglang", role=role)
+        assert "--enable-deterministic-inference" in sglang["command"], role
+        assert env_of(sglang)["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1", role
+    off = render(deep_merge(values, {"rollout": {"sglang": {"deterministicInference": False}}}))
+    for role in roles:
+        sglang = off.container("rollout", "sglang", role=role)
+        assert "--enable-deterministic-inference" not in sglang["command"], role
+        assert env_of(sglang)["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1", role
+
+
+def test_vllm_engine_runs_a_vllm_server_beside_the_rollout(render):
+    """engine vllm: the rollout container drives a loopback vLLM server the way VLLMEngine
+    expects (runtime LoRA loading on, the base model under the served name the rollout is
+    told), the GPUs go to the vLLM container, and both read adapters from the same volume."""
+    values = load_values("vllm")
+    rendered = render(values)
+    pod = rendered.workload("rollout")["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["rollout", "vllm"]
+    rollout = rendered.container("rollout")
+    env = env_of(rollout)
+    assert env["LORAFLEET_ROLLOUT_ENGINE"] == "vllm"
+    assert env["LORAFLEET_ROLLOUT_ENGINE_URL"] == "http://127.0.0.1:8000"
+    assert env["LORAFLEET_ROLLOUT_SERVED_MODEL_NAME"] == "base"
+    assert env["LORAFLEET_ROLLOUT_MAX_LOADED_ADAPTERS"] == "16"
+    assert "nvidia.com/gpu" not in rollout["resources"].get("limits", {})
+
+    vllm = rendered.container("rollout", "vllm")
+    cmd = vllm["command"]
+    assert cmd[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag in (
+        f"--model={env['LORAFLEET_ROLLOUT_MODEL_PATH']}",
+        "--served-model-name=base",
+        "--host=127.0.0.1",
+        "--port=8000",
+        "--enable-lora",
+        "--max-lora-rank=32",
+        "--max-loras=8",
+        "--max-cpu-loras=16",
+        "--tensor-parallel-size=1",
+        "--gpu-memory-utilization=0.85",
+        "--max-model-len=32768",
+    ):
+        assert flag in cmd, flag
+    vllm_env = env_of(vllm)
+    assert vllm_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert vllm_env["HF_HUB_OFFLINE"] == "1"
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "127.0.0.1:8000/health" in " ".join(vllm["livenessProbe"]["exec"]["command"])
+    assert "127.0.0.1:8000/health" in " ".join(vllm["startupProbe"]["exec"]["command"])
+    mounts = {m["name"]: m for m in vllm["volumeMounts"]}
+    assert mounts["model"]["readOnly"] is True
+    assert mounts["checkpoints"]["mountPath"] == "/checkpoints"
+    assert env["LORAFLEET_ROLLOUT_ADAPTER_DIR"].startswith("/checkpoints/")
+    # The rollout accepts no rank its server cannot load.
+    assert int(env["LORAFLEET_ROLLOUT_MAX_LORA_RANK"]) <= values["rollout"]["vllm"]["maxLoraRank"]
+    assert "sglang" not in json.dumps(pod)
 
 
 def test_gpu_values(render):

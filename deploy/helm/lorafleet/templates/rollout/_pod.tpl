@@ -1,19 +1,78 @@
 {{/*
+SGLang loads an adapter only if every target is in --lora-target-modules, compared after its
+own normalisation (q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj; a dotted name by its
+last part): srt/lora/utils.py get_normalized_target_modules, mem_pool.py can_support; otherwise
+/load_lora_adapter answers 400. The Tinker SDK's create_lora_training_client defaults
+(train_attn, train_mlp, train_unembed all true) adapt every attention and MLP projection and
+lm_head (MoE experts: gate_up_proj and down_proj under SGLang's names), so a profile that
+cannot load that adapter refuses every default training run: fail at render time instead.
+*/}}
+{{- define "lorafleet.rollout.checkSglangTargets" -}}
+{{- $modules := . -}}
+{{- if not (has "all" $modules) -}}
+{{- $fused := dict "q_proj" "qkv_proj" "k_proj" "qkv_proj" "v_proj" "qkv_proj" "gate_proj" "gate_up_proj" "up_proj" "gate_up_proj" -}}
+{{- $normalized := list -}}
+{{- range $modules -}}
+{{- $base := last (splitList "." .) -}}
+{{- $normalized = append $normalized (get $fused $base | default $base) -}}
+{{- end -}}
+{{- $missing := list -}}
+{{- range list "qkv_proj" "o_proj" "gate_up_proj" "down_proj" "lm_head" -}}
+{{- if not (has . $normalized) -}}
+{{- $missing = append $missing . -}}
+{{- end -}}
+{{- end -}}
+{{- if $missing -}}
+{{- fail (printf "rollout.sglang.loraTargetModules %v cannot load the SDK's default adapter (train_attn, train_mlp, train_unembed): missing %s; use [all] or add them" $modules (join ", " $missing)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A model server container's loopback health probe (GET /health), for SGLang and vLLM alike.
+*/}}
+{{- define "lorafleet.rollout.serverProbes" -}}
+{{- $probe := printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d/health', timeout=%d)" (int .port) (int .probes.liveness.timeoutSeconds) -}}
+startupProbe:
+  exec:
+    command: [python3, -c, {{ $probe | quote }}]
+  {{- toYaml .probes.startup | nindent 2 }}
+livenessProbe:
+  exec:
+    command: [python3, -c, {{ $probe | quote }}]
+  {{- toYaml .probes.liveness | nindent 2 }}
+{{- end -}}
+
+{{/*
 The rollout pod spec. role: "single" (a StatefulSet pod), "leader" or "worker" (the pods of
 one LeaderWorkerSet group: one SGLang server spread over `size` nodes, tensor/pipeline
 parallel; the leader also runs the lorafleet rollout container, workers only SGLang).
+With engine sglang or vllm the model server runs as a second container of the pod, on
+loopback, and holds the GPUs; with engine torch the rollout container does.
 */}}
 {{- define "lorafleet.rollout.podSpec" -}}
 {{- $ := .ctx -}}
 {{- $c := dict "ctx" $ "component" "rollout" -}}
 {{- $v := $.Values.rollout -}}
 {{- $s := $v.sglang -}}
+{{- $vl := $v.vllm -}}
 {{- $lws := $v.leaderWorkerSet -}}
 {{- $sglang := eq $v.engine "sglang" -}}
-{{- if and $sglang (gt (int $v.numSlots) (int $s.maxLoadedLoras)) -}}
+{{- $vllm := eq $v.engine "vllm" -}}
+{{- if $sglang -}}
+{{- if gt (int $v.numSlots) (int $s.maxLoadedLoras) -}}
 {{- fail "rollout.numSlots must be <= rollout.sglang.maxLoadedLoras: the SGLang server holds every resident adapter" -}}
 {{- end -}}
-{{- $probe := printf "import urllib.request; urllib.request.urlopen('http://127.0.0.1:%d/health', timeout=%d)" (int $s.port) (int $s.probes.liveness.timeoutSeconds) -}}
+{{- include "lorafleet.rollout.checkSglangTargets" $s.loraTargetModules -}}
+{{- end -}}
+{{- if $vllm -}}
+{{- if gt (int $vl.maxLoras) (int $vl.maxCpuLoras) -}}
+{{- fail "rollout.vllm.maxCpuLoras must be >= rollout.vllm.maxLoras" -}}
+{{- end -}}
+{{- if gt (int $v.numSlots) (int $vl.maxCpuLoras) -}}
+{{- fail "rollout.numSlots must be <= rollout.vllm.maxCpuLoras: the vLLM server holds every resident adapter" -}}
+{{- end -}}
+{{- end -}}
 automountServiceAccountToken: false
 enableServiceLinks: false
 terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
@@ -41,6 +100,11 @@ containers:
       {{- if $sglang }}
       - name: LORAFLEET_ROLLOUT_ENGINE_URL
         value: {{ printf "http://127.0.0.1:%d" (int $s.port) | quote }}
+      {{- else if $vllm }}
+      - name: LORAFLEET_ROLLOUT_ENGINE_URL
+        value: {{ printf "http://127.0.0.1:%d" (int $vl.port) | quote }}
+      - name: LORAFLEET_ROLLOUT_SERVED_MODEL_NAME
+        value: {{ $vl.servedModelName | quote }}
       {{- end }}
       - name: LORAFLEET_ROLLOUT_MODEL_PATH
         value: {{ include "lorafleet.modelPath" $ | quote }}
@@ -49,7 +113,7 @@ containers:
       - name: LORAFLEET_ROLLOUT_MAX_LOADED_ADAPTERS
         value: {{ $v.numSlots | quote }}
       # Pushed adapters (the service adds its replica id): on the checkpoint volume, which the
-      # SGLang container (and, multi-node, every pod of the group) reads them from by path.
+      # SGLang or vLLM container (and, multi-node, every pod of the group) reads them from by path.
       - name: LORAFLEET_ROLLOUT_ADAPTER_DIR
         value: {{ printf "%s/rollout-adapters" (trimSuffix "/" $.Values.checkpoints.mountPath) | quote }}
       {{- if eq $.Values.checkpoints.mode "shared" }}
@@ -70,7 +134,7 @@ containers:
       {{- end }}
     {{- include "lorafleet.grpcProbes" (dict "ctx" $ "v" $v "service" "lorafleet.v1.RolloutService") | nindent 4 }}
     resources:
-      {{- if $sglang }}
+      {{- if or $sglang $vllm }}
       {{- toYaml $v.resources | nindent 6 }}
       {{- else }}
       {{- include "lorafleet.gpuResources" (dict "ctx" $ "resources" $v.resources "gpu" $v.gpu) | nindent 6 }}
@@ -120,6 +184,10 @@ containers:
       {{- if $s.memFractionStatic }}
       - --mem-fraction-static={{ $s.memFractionStatic }}
       {{- end }}
+      {{- if $s.deterministicInference }}
+      # Honours each request's sampling_seed (ignored without it); cost: values.yaml.
+      - --enable-deterministic-inference
+      {{- end }}
       - --enable-metrics
       {{- with $s.extraArgs }}
       {{- toYaml . | nindent 6 }}
@@ -134,21 +202,67 @@ containers:
       - {name: XDG_CACHE_HOME, value: /tmp/.cache}
       - {name: TRITON_CACHE_DIR, value: /tmp/.triton}
       - {name: HF_HUB_OFFLINE, value: "1"}
+      # Logprobs before temperature scaling, as the trainer computes them (RL losses need
+      # them unscaled); without it SGLang divides the logits by the temperature first.
+      - {name: SGLANG_RETURN_ORIGINAL_LOGPROB, value: "1"}
       {{- with $s.extraEnv }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
     {{- if ne .role "worker" }}
-    startupProbe:
-      exec:
-        command: [python3, -c, {{ $probe | quote }}]
-      {{- toYaml $s.probes.startup | nindent 6 }}
-    livenessProbe:
-      exec:
-        command: [python3, -c, {{ $probe | quote }}]
-      {{- toYaml $s.probes.liveness | nindent 6 }}
+    {{- include "lorafleet.rollout.serverProbes" $s | nindent 4 }}
     {{- end }}
     resources:
       {{- include "lorafleet.gpuResources" (dict "ctx" $ "resources" $s.resources "gpu" $v.gpu) | nindent 6 }}
+    securityContext:
+      {{- include "lorafleet.containerSecurityContext" $ | nindent 6 }}
+    volumeMounts:
+      {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v) | nindent 6 }}
+  {{- end }}
+  {{- if $vllm }}
+  # The vLLM server: loopback only (its /v1/load_lora_adapter is an admin route), reading
+  # adapters by path from the checkpoint volume. Flags and env are what VLLMEngine drives:
+  # runtime LoRA loading, the base model under servedModelName. lm_head LoRA needs no flag
+  # (vLLM wraps lm_head for models that declare it, e.g. Llama, Qwen3, Qwen3-MoE).
+  - name: vllm
+    image: {{ include "lorafleet.thirdPartyImage" $vl.image }}
+    imagePullPolicy: {{ $vl.image.pullPolicy }}
+    command:
+      - python3
+      - -m
+      - vllm.entrypoints.openai.api_server
+      - --model={{ include "lorafleet.modelPath" $ }}
+      - --served-model-name={{ $vl.servedModelName }}
+      - --host=127.0.0.1
+      - --port={{ $vl.port }}
+      - --enable-lora
+      - --max-lora-rank={{ $vl.maxLoraRank }}
+      - --max-loras={{ $vl.maxLoras }}
+      - --max-cpu-loras={{ $vl.maxCpuLoras }}
+      - --tensor-parallel-size={{ $vl.tpSize }}
+      {{- if $vl.gpuMemoryUtilization }}
+      - --gpu-memory-utilization={{ $vl.gpuMemoryUtilization }}
+      {{- end }}
+      {{- if $vl.maxModelLen }}
+      - --max-model-len={{ $vl.maxModelLen }}
+      {{- end }}
+      {{- with $vl.extraArgs }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    env:
+      # Caches (torch.compile, triton, HF) go to /tmp: the root filesystem is read-only.
+      - {name: HOME, value: /tmp}
+      - {name: XDG_CACHE_HOME, value: /tmp/.cache}
+      - {name: TRITON_CACHE_DIR, value: /tmp/.triton}
+      - {name: HF_HUB_OFFLINE, value: "1"}
+      - {name: VLLM_NO_USAGE_STATS, value: "1"}
+      # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this set.
+      - {name: VLLM_ALLOW_RUNTIME_LORA_UPDATING, value: "True"}
+      {{- with $vl.extraEnv }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    {{- include "lorafleet.rollout.serverProbes" $vl | nindent 4 }}
+    resources:
+      {{- include "lorafleet.gpuResources" (dict "ctx" $ "resources" $vl.resources "gpu" $v.gpu) | nindent 6 }}
     securityContext:
       {{- include "lorafleet.containerSecurityContext" $ | nindent 6 }}
     volumeMounts:
