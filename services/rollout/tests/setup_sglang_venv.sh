@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Create .venvs/sglang for the slow real-SGLang-on-CPU tier (platform.md §4.2): ~3 min cold, 3.5 GB.
+# sglang 0.5.23 requires a CUDA torch 2.14.1 and a CUDA-only kernel stack, none of which loads or
+# is needed on its CPU backend. So: the CPU torch wheel, sglang without its dependencies, then its
+# non-extra requirements read from the installed METADATA minus the CUDA-only ones, under a
+# torch==2.13.0 constraint so nothing pulls the CUDA torch back in. The three stand-ins SGLang's
+# CPU path still needs (sgl_kernel, torchvision, sitecustomize) live in
+# services/rollout/sglang_cpu_shims/ and go on the server's PYTHONPATH only
+# (lorafleet_rollout.sglang_server), never into this venv.
+# pip's cache (~/.cache/pip) stays on: a second install on this machine (CI on a clean clone)
+# reuses the downloaded wheels.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+VENV=.venvs/sglang
+SGLANG=0.5.23
+if [[ -x $VENV/bin/python ]] && $VENV/bin/python -c "import sglang, sglang.srt.entrypoints.http_server" 2>/dev/null \
+  && [[ -f $VENV/.installed ]]; then
+  echo "$VENV is ready"
+  exit 0
+fi
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install -q torch==2.13.0
+"$VENV/bin/pip" install -q --no-deps "sglang==$SGLANG"
+CONSTRAINTS=$VENV/constraints.txt
+REQUIREMENTS=$VENV/requirements-cpu.txt
+echo "torch==2.13.0" >"$CONSTRAINTS"
+# Requirements without an `extra` marker, minus what exists only for CUDA (or only for multimodal
+# models: torchvision's PyPI build does not even load beside the CPU torch).
+"$VENV/bin/python" - "$REQUIREMENTS" <<'PY'
+import re
+import sys
+from importlib.metadata import requires
+
+CUDA_ONLY = re.compile(
+    r"^(torch|cuda-python|flashinfer.*|flash-attn.*|flash_attn.*|nvidia-.*|nvshmem.*|sgl-.*|sglang-kernel"
+    r"|tilelang|quack-kernels|humming-kernels|torchaudio|torch[-_]memory[-_]saver|torchcodec"
+    r"|torchvision|timm|av|decord2?)$"
+)
+kept = []
+for line in requires("sglang") or []:
+    spec, _, marker = line.partition(";")
+    if "extra" in marker:
+        continue
+    name = re.split(r"[\s\[<>=!~;(]", spec.strip(), maxsplit=1)[0]
+    if CUDA_ONLY.match(name.lower().replace("_", "-")) or CUDA_ONLY.match(name.lower()):
+        continue
+    kept.append(line)
+with open(sys.argv[1], "w", encoding="utf-8") as out:
+    out.write("\n".join(kept) + "\n")
+print(f"{len(kept)} non-CUDA requirements of sglang")
+PY
+"$VENV/bin/pip" install -q -r "$REQUIREMENTS" -c "$CONSTRAINTS"
+"$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+touch "$VENV/.installed"
+echo "$VENV is ready"
