@@ -6,6 +6,8 @@ import dataclasses
 import sys
 
 from lorafleet import hub
+from lorafleet.errors import InvalidArgument
+from lorafleet.families import check_torch_servable
 from lorafleet.replica import ReplicaSettings
 from lorafleet.settings import ServerSettings, SettingsError, load_or_exit
 from lorafleet.shared_storage import check_root
@@ -26,6 +28,11 @@ def main() -> None:
         _exit(f"{PREFIX}ENGINE_URL is required when {PREFIX}ENGINE={settings.engine}")
     if settings.engine == "torch" and not (settings.model_path / "config.json").is_file():
         _exit(f"{PREFIX}MODEL_PATH={settings.model_path}: no config.json there")
+    if settings.engine == "torch":
+        try:
+            check_torch_servable(settings.model_path)  # the rule `lorafleet up` checks too
+        except InvalidArgument as exc:
+            _exit(f"{PREFIX}MODEL_PATH={exc.message}")
     try:
         served = settings.served_base_model
     except ValueError as exc:

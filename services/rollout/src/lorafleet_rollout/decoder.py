@@ -16,9 +16,13 @@ the projection GEMMs (oneDNN at 16 rows: ~46 GFLOP/s, streaming 84 MB of weights
 without overlapping compute), ~8 % attention, the rest elementwise ops and Python.
 
 The arithmetic is transformers' (the same RMSNorm, rotate-half rotary from the model's own
-rotary module, so rope scaling variants match, softmax attention with the same scaling);
-tests hold logprobs to 1e-4 of transformers + PEFT. Llama, Mistral (no sliding window), Qwen2
-and Qwen3 checkpoints load; others are refused at start-up, naming the type.
+rotary module, so rope scaling variants match, partial rotary too, softmax attention with the
+same scaling); tests hold logprobs to 1e-4 of transformers + PEFT. The families served are
+`lorafleet.families`' rule (the one `lorafleet up` checks): Llama, Mistral, Qwen2, Qwen3,
+Phi-3 (fused `qkv_proj` and `gate_up_proj`: one Projection each, its LoRA PEFT's on the
+fused output), and the Qwen MoEs (`Moe`: top-k routing, per-expert LoRA, Qwen2-MoE's gated
+shared expert). A sliding window caps the context at the window instead: every key is then
+inside it, so attention is exact without a windowed mask.
 """
 
 from __future__ import annotations
@@ -26,26 +30,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lorafleet.errors import InvalidArgument
+from lorafleet.families import torch_engine_refusal
 from lorafleet_rollout import kernels
-from lorafleet_rollout.lora import AdapterWeights, LoraStacks, Route, SlotWeights
+from lorafleet_rollout.lora import AdapterWeights, ExpertStacks, LoraStacks, Route, SlotWeights
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-_GROUPS = {
-    "qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "o": ("self_attn", ("o_proj",)),
-    "gate_up": ("mlp", ("gate_proj", "up_proj")),
-    "down": ("mlp", ("down_proj",)),
-}
+_M = TypeVar("_M", bound=nn.Module)
+#: The LoRA stacks of one projection or expert bank.
+Stacks = LoraStacks | ExpertStacks
 
 
 #: Rows [first, last) of a prefill batch that go through adapter slot `slot` (others: base).
@@ -121,7 +122,163 @@ class LaidOut:
     per targeted stack."""
 
     rank: int
-    stacks: dict[LoraStacks, SlotWeights]
+    stacks: dict[Stacks, SlotWeights]
+
+
+def _fused(owner: nn.Module, fused: str, parts: tuple[str, ...]) -> list[nn.Linear]:
+    """The Linears of a fused projection: Phi-3's one `fused` Linear, else the `parts`
+    (concatenated here in the same output order)."""
+    one = getattr(owner, fused, None)
+    return [one] if isinstance(one, nn.Linear) else [_child(owner, n, nn.Linear) for n in parts]
+
+
+def _child(owner: nn.Module, name: str, kind: type[_M]) -> _M:
+    """owner.name, checked to be a `kind` (nn.Module attributes are untyped)."""
+    child = getattr(owner, name)
+    if not isinstance(child, kind):
+        raise TypeError(f"{type(owner).__name__}.{name} is not a {kind.__name__}")
+    return child
+
+
+class Mlp:
+    """A gated MLP: gate and up as one GEMM (Phi-3 stores them fused already), then down."""
+
+    def __init__(self, mlp: nn.Module, native: kernels.DecodeLora | None) -> None:
+        self.gate_up_linears = _fused(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        self.down_linear = _child(mlp, "down_proj", nn.Linear)
+        self.gate_up = Projection(self.gate_up_linears, native)
+        self.down = Projection([self.down_linear], native)
+
+    def projections(self) -> list[tuple[Projection, list[nn.Linear]]]:
+        return [(self.gate_up, self.gate_up_linears), (self.down, [self.down_linear])]
+
+    def __call__(
+        self, x: torch.Tensor, adapter: Route | Spans | None, slots: torch.Tensor | None
+    ) -> torch.Tensor:
+        gate, up = self.gate_up(x, adapter).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, adapter)
+
+
+class Moe:
+    """A sparse MoE block (Qwen3-MoE; Qwen2-MoE adds a gated shared expert), as transformers
+    runs it: router softmax (float32) over experts, top-k, renormalised when the config's
+    `norm_topk_prob` says so, each expert a gated MLP on its fused [gate; up] bank, outputs
+    weighted and summed per token. Per-expert LoRA on either bank (`ExpertStacks`, the
+    trainer's target_parameters adapters); the router takes none (the trainer cannot adapt
+    its raw weight either), the shared expert's Linears take LoRA like any MLP's.
+
+    The (token, expert) pairs are sorted by expert once, so each expert is one GEMM over its
+    rows and the LoRA of every pair is one gathered `bmm` per bank, whatever the mix of
+    adapters. Torch ops only: on the tiny model a decode step's expert loop is a few
+    microseconds per expert; a grouped native kernel would pay once expert counts reach the
+    hundreds (one Python-level GEMM per hit expert per layer) or LoRA pairs the thousands
+    (the gather copies each pair's A and B).
+    """
+
+    def __init__(
+        self, block: nn.Module, config: PretrainedConfig, native: kernels.DecodeLora | None
+    ) -> None:
+        experts = _child(block, "experts", nn.Module)
+        if not _standard_experts(experts):
+            raise InvalidArgument(
+                f"{type(experts).__name__}: expert banks other than transformers' fused "
+                "[gate; up] / down layout are not supported by the torch engine",
+                field="model_path",
+            )
+        gate_up, down = (_tensor(experts, bank) for bank in ("gate_up_proj", "down_proj"))
+        self.num_experts, inter2, hidden = (int(n) for n in gate_up.shape)
+        self.top_k = int(config.num_experts_per_tok)
+        self.norm_topk = bool(getattr(config, "norm_topk_prob", False))
+        self.router = pack(_detached_weight(_child(block, "gate", nn.Module)))
+        self.gate_up = [pack(w) for w in gate_up]
+        self.down = [pack(w) for w in down]
+        self.gate_up_lora = ExpertStacks(self.num_experts, hidden, inter2)
+        self.down_lora = ExpertStacks(self.num_experts, inter2 // 2, hidden)
+        shared = getattr(block, "shared_expert", None)
+        self.shared = None if shared is None else Mlp(shared, native)
+        shared_gate = getattr(block, "shared_expert_gate", None)
+        self.shared_gate = None if shared_gate is None else Projection([shared_gate], native)
+        self.shared_gate_linear = shared_gate
+
+    def projections(self) -> list[tuple[Projection, list[nn.Linear]]]:
+        out = [] if self.shared is None else self.shared.projections()
+        if self.shared_gate is not None and self.shared_gate_linear is not None:
+            out.append((self.shared_gate, [self.shared_gate_linear]))
+        return out
+
+    def __call__(
+        self, x: torch.Tensor, adapter: Route | Spans | None, slots: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, hidden] normalised; slots [M] each row's adapter slot (None: all base)."""
+        probs = torch.softmax(linear(x, self.router, None), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs by expert, tokens in order within one
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // self.top_k
+        xs = x.index_select(0, token)
+        h = _per_expert(self.gate_up, xs, counts)
+        pair_slots = None if slots is None else slots.index_select(0, token)
+        experts = flat.index_select(0, order)
+        if pair_slots is not None:
+            self.gate_up_lora.add(h, xs, pair_slots, experts)
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        y = _per_expert(self.down, h, counts)
+        if pair_slots is not None:
+            self.down_lora.add(y, h, pair_slots, experts)
+        y.mul_(weights.reshape(-1).index_select(0, order).to(y.dtype)[:, None])
+        out = torch.zeros_like(x).index_add_(0, token, y)
+        if self.shared is not None:
+            shared = self.shared(x, adapter, slots)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x, adapter)) * shared
+            out = out + shared
+        return out
+
+
+def _per_expert(weights: list[torch.Tensor], x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows x [P, in] sorted by expert, counts[e] of them for expert e: each run through its
+    expert's packed weight, one GEMM per expert hit."""
+    out: torch.Tensor | None = None
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        y = linear(x[start : start + n], weights[expert], None)
+        if out is None:
+            out = x.new_empty(x.shape[0], y.shape[1])
+        out[start : start + n] = y
+        start += n
+    assert out is not None  # every pair has an expert
+    return out
+
+
+def _tensor(owner: nn.Module, name: str) -> torch.Tensor:
+    """owner.name detached, checked to be a tensor."""
+    value = getattr(owner, name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{type(owner).__name__}.{name} is not a tensor")
+    return value.detach()
+
+
+def _standard_experts(module: nn.Module) -> bool:
+    """transformers' fused expert layout: 3-D [gate; up] and down banks, not transposed, no
+    bias (the layout the trainer adapts, `lorafleet_trainer.experts.is_standard_experts`)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and getattr(module, "is_transposed", False) is False
+        and getattr(module, "has_bias", False) is False
+        and getattr(module, "is_concatenated", True) is True
+        and getattr(module, "has_gate", True) is True
+        and getattr(module, "has_post_expert_norm", False) is False
+    )
 
 
 @dataclass
@@ -130,8 +287,7 @@ class Layer:
     ln2: torch.Tensor
     qkv: Projection
     o: Projection
-    gate_up: Projection
-    down: Projection
+    mlp: Mlp | Moe
     #: Qwen3's per-head q and k RMSNorm weights, [heads + kv_heads, dim] (None: no norm).
     qk_norm: torch.Tensor | None
 
@@ -215,18 +371,11 @@ class Decoder:
 
     def __init__(self, model: PreTrainedModel, native: bool = True) -> None:
         cfg = model.config
-        if cfg.model_type not in SUPPORTED:
-            raise InvalidArgument(
-                f"the torch engine runs {', '.join(SUPPORTED)} models, not {cfg.model_type!r}",
-                field="model_path",
-            )
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-            raise InvalidArgument("sliding-window attention is not supported", field="model_path")
+        # to_dict writes the class's model_type; the instance's is what was loaded.
+        why = torch_engine_refusal({**cfg.to_dict(), "model_type": cfg.model_type})
+        if why is not None:
+            raise InvalidArgument(why, field="model_path")
         rotary = model.model.rotary_emb
-        if not getattr(rotary, "rope_type", "default").startswith(("default", "linear", "llama3")):
-            raise InvalidArgument(
-                f"rope type {rotary.rope_type!r} is not supported", field="model_path"
-            )
         attn = model.model.layers[0].self_attn
         self.heads: int = cfg.num_attention_heads
         self.kv_heads: int = cfg.num_key_value_heads
@@ -234,6 +383,10 @@ class Decoder:
         self.scaling: float = attn.scaling
         self.eps: float = cfg.rms_norm_eps
         self.max_positions = int(cfg.max_position_embeddings)
+        window = getattr(cfg, "sliding_window", None)
+        if window and getattr(cfg, "use_sliding_window", True):
+            # A key further back than the window would be masked; within it, none is.
+            self.max_positions = min(self.max_positions, int(window))
         self.embed = _detached_weight(model.get_input_embeddings())
         self.norm = model.model.norm.weight.detach()
         self.dtype = self.embed.dtype
@@ -249,34 +402,48 @@ class Decoder:
         with torch.inference_mode():
             positions = torch.arange(self.max_positions)[None]
             cos, sin = rotary(self.embed[:1], positions)
-        half = self.head_dim // 2
+        #: Columns of a head that rotate (Phi-3's partial rotary: the first ones), the rest pass.
+        self.rotary_dim = int(cos.shape[-1])
+        half = self.rotary_dim // 2
         self.cos = cos[0].contiguous()
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # see `_qkv`
         self.layers: list[Layer] = []
-        #: PEFT module path -> (projection, index within the fused projection)
-        self.targets: dict[str, tuple[Projection, int]] = {}
+        #: PEFT target (module path, or "<experts module>.<bank>") -> (its LoRA stacks,
+        #: index within the fused projection)
+        self.targets: dict[str, tuple[Stacks, int]] = {}
         paths = {id(m): name for name, m in model.named_modules()}
-        self.targets[paths[id(head)]] = (self.lm_head, 0)
+        self.targets[paths[id(head)]] = (self.lm_head.lora, 0)
+        #: Whether rows need their slot per token (`_row_slots`): expert LoRA is per pair.
+        self.moe = False
         for layer in model.model.layers:
-            projections = {}
-            for group, (parent, names) in _GROUPS.items():
-                owner = getattr(layer, parent)
-                linears = [getattr(owner, n) for n in names]
-                projections[group] = Projection(linears, lora_kernel)
-                for j, linear in enumerate(linears):
-                    self.targets[paths[id(linear)]] = (projections[group], j)
+            attn = layer.self_attn
+            qkv_linears = _fused(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+            qkv, o = Projection(qkv_linears, lora_kernel), Projection([attn.o_proj], lora_kernel)
+            mlp: Mlp | Moe
+            if hasattr(layer.mlp, "experts"):
+                mlp = Moe(layer.mlp, cfg, lora_kernel)
+                experts = paths[id(layer.mlp.experts)]
+                self.targets[f"{experts}.gate_up_proj"] = (mlp.gate_up_lora, 0)
+                self.targets[f"{experts}.down_proj"] = (mlp.down_lora, 0)
+                self.moe = True
+            else:
+                mlp = Mlp(layer.mlp, lora_kernel)
+            for projection, linears in [(qkv, qkv_linears), (o, [attn.o_proj]), *mlp.projections()]:
+                for j, lin in enumerate(linears):
+                    self.targets[paths[id(lin)]] = (projection.lora, j)
             self.layers.append(
                 Layer(
                     layer.input_layernorm.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
-                    **projections,
-                    qk_norm=self._qk_norm(layer.self_attn),
+                    qkv,
+                    o,
+                    mlp,
+                    qk_norm=self._qk_norm(attn),
                 )
             )
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
-        self._stacks = [
-            p.lora for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ] + [self.lm_head.lora]
+        self._stacks = list(dict.fromkeys(stacks for stacks, _ in self.targets.values()))
+        self._route_slots: tuple[Route, torch.Tensor] | None = None
         self.capacity = 1  # slots, slot 0 (the base model) included
         self.rank = 0
         self._slots: dict[str, int] = {}
@@ -295,7 +462,7 @@ class Decoder:
             if module not in self.targets:
                 raise InvalidArgument(
                     f"LoRA on {module} is not supported by the torch engine (only attention, "
-                    "MLP and lm_head projections)",
+                    "MLP, expert bank and lm_head projections)",
                     field="adapter_model.safetensors",
                 )
 
@@ -310,10 +477,10 @@ class Decoder:
         rank the stacks will have once it is in. Reads only what is fixed after start-up
         (and the current rank, re-checked by `install`), so it runs off the decoding thread."""
         self.check_targets(adapter)
-        parts: dict[LoraStacks, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        parts: dict[Stacks, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, weights in adapter.modules.items():
-            projection, j = self.targets[module]
-            parts.setdefault(projection.lora, {})[j] = weights
+            stacks, j = self.targets[module]
+            parts.setdefault(stacks, {})[j] = weights
         rank = max(self.rank, adapter.rank)
         return LaidOut(adapter.rank, {s: s.lay_out(p, rank) for s, p in parts.items()})
 
@@ -367,16 +534,42 @@ class Decoder:
             qk = F.rms_norm(qk, (dim,), None, self.eps).mul_(layer.qk_norm)
         cos, sin = rotary
         # rotate_half(x) * sin == roll(x, dim / 2) * (sin with its first half negated)
-        qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+        rot = self.rotary_dim
+        if rot == dim:
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)
+        else:  # partial rotary: the first `rot` columns turn, the others pass unchanged
+            part = qk[..., :rot]
+            turned = torch.addcmul(part * cos, part.roll(rot // 2, -1), sin)
+            qk = torch.cat((turned, qk[..., rot:]), dim=-1)
         return qk[:, : self.heads], qk[:, self.heads :], v
 
     def _rest(
-        self, layer: Layer, x: torch.Tensor, attn: torch.Tensor, adapter: Route | Spans | None
+        self,
+        layer: Layer,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        adapter: Route | Spans | None,
+        slots: torch.Tensor | None,
     ) -> torch.Tensor:
         x = x + layer.o(attn, adapter)
-        gate_up = layer.gate_up(self._rms(x, layer.ln2), adapter)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up, adapter)
+        return x + layer.mlp(self._rms(x, layer.ln2), adapter, slots)
+
+    def _row_slots(self, adapter: Route | Spans | None, rows: int) -> torch.Tensor | None:
+        """Each row's adapter slot [rows] (0 = base), for the expert banks' per-pair LoRA;
+        None when the model has no experts or no row uses an adapter. A decode route's is
+        made once per route, not per step."""
+        if not self.moe or not adapter:
+            return None
+        if isinstance(adapter, Route):
+            if self._route_slots is None or self._route_slots[0] is not adapter:
+                slots = torch.zeros(rows, dtype=torch.long)
+                slots[adapter.order.long()] = adapter.order_slots.long()
+                self._route_slots = (adapter, slots)
+            return self._route_slots[1]
+        slots = torch.zeros(rows, dtype=torch.long)
+        for first, last, slot in adapter:
+            slots[first:last] = slot
+        return slots
 
     def logits(self, x: torch.Tensor, adapter: Route | Spans | None = None) -> torch.Tensor:
         """Logits of hidden states x, with the rows' lm_head LoRA (if their adapter has one)."""
@@ -400,6 +593,7 @@ class Decoder:
             if part.slot:
                 spans.append((first, first + len(part.tokens), part.slot))
         x = self.embed[torch.cat([p.tokens for p in parts])]
+        slots = self._row_slots(spans, x.shape[0])
         rotary = self._rotary(
             torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in parts])
         )
@@ -419,7 +613,7 @@ class Decoder:
                     scale=self.scaling,
                 )
                 outs.append(out.view(self.heads, length, -1).transpose(0, 1).reshape(length, -1))
-            x = self._rest(layer, x, torch.cat(outs), spans)
+            x = self._rest(layer, x, torch.cat(outs), spans, slots)
         return x
 
     def decode(
@@ -448,6 +642,7 @@ class Decoder:
         if not shared:
             self._shared_bound = None  # holds the last batch's segments: let them go
         x = self.embed[tokens]
+        slots = self._row_slots(route, rows)
         rotary = self._rotary(pos)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, route, rotary)
@@ -471,7 +666,7 @@ class Decoder:
                 out = self._merge(q, *own, [(seg.layers[i], r) for seg, r in shared])
             else:
                 out = own[0]
-            x = self._rest(layer, x, out.reshape(rows, -1), route)
+            x = self._rest(layer, x, out.reshape(rows, -1), route, slots)
         return self.logits(x, route)
 
     def _shared_call(self, shared: list[tuple[Segment, torch.Tensor]]) -> Callable[..., None]:

@@ -33,30 +33,33 @@ from peft.utils.other import get_pattern_key
 
 from lorafleet.errors import InvalidArgument
 from lorafleet_rollout.kernels import DecodeLora
-from lorafleet_rollout.peft_io import WEIGHTS_FILE
-
-_PREFIX = "base_model.model."
+from lorafleet_rollout.peft_io import WEIGHTS_FILE, Banks, target_of
 
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """One adapter ready to install: module path -> (A^T [in, r], (scale * B)^T [r, out])."""
+    """One adapter ready to install: module path -> (A^T [in, r], (scale * B)^T [r, out]);
+    an expert bank ("<experts module>.<parameter>") -> per expert, [experts, in, r] and
+    [experts, r, out]."""
 
     rank: int
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def adapter_weights(config: LoraConfig, tensors: dict[str, torch.Tensor]) -> AdapterWeights:
+def adapter_weights(
+    config: LoraConfig, tensors: dict[str, torch.Tensor], banks: Banks | None = None
+) -> AdapterWeights:
     """Pair the PEFT tensors per module and fold in PEFT's scaling; raise before any change.
 
-    Expects tensors already checked by `peft_io.check_fits` (names, shapes, finiteness).
+    Expects tensors already checked by `peft_io.check_fits` (names, shapes, finiteness), with
+    the same `banks`. An expert bank's rank is per expert (PEFT's `r`; its lora_A holds
+    experts * r rows), and its scale is PEFT's alpha / r like any module's.
     """
     if getattr(config, "alora_invocation_tokens", None):
         raise InvalidArgument("activated LoRA (aLoRA) adapters are not supported", field="config")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        stem = key.removeprefix(_PREFIX)
-        module, _, kind = stem.removesuffix(".weight").rpartition(".")
+        module, kind = target_of(key, config, banks or {})
         pairs.setdefault(module, {})[kind] = tensor
     # PEFT types both patterns Optional: a config saved with `null` loads them as None.
     rank_pattern = config.rank_pattern or {}
@@ -68,18 +71,33 @@ def adapter_weights(config: LoraConfig, tensors: dict[str, torch.Tensor]) -> Ada
                 f"{module} has {sorted(pair)} but needs both lora_A and lora_B", field=WEIGHTS_FILE
             )
         a, b = pair["lora_A"], pair["lora_B"]
+        experts = _experts(module, banks or {})
+        n = experts or 1
         rank = rank_pattern.get(get_pattern_key(list(rank_pattern), module), config.r)
         alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), module), config.lora_alpha)
-        if a.shape[0] != rank or b.shape[1] != rank:
+        if a.shape[0] != rank * n or b.shape[1] != rank * n:
             raise InvalidArgument(
                 f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not have "
                 f"the configured rank {rank}",
                 field=WEIGHTS_FILE,
             )
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        # Transposed views: `LoraStacks.lay_out` copies them into place once.
-        modules[module] = (a.to(torch.float32).t(), (b.to(torch.float32) * scale).t())
-    return AdapterWeights(max(a.shape[1] for a, _ in modules.values()), modules)
+        a, b = a.to(torch.float32), b.to(torch.float32) * scale
+        if experts is not None:  # PEFT's rows (expert, rank) and columns (rank, expert), per expert
+            modules[module] = (
+                a.view(experts, rank, -1).transpose(1, 2),
+                b.view(-1, rank, experts).permute(2, 1, 0),
+            )
+        else:  # transposed views: `LoraStacks.lay_out` copies them into place once
+            modules[module] = (a.t(), b.t())
+    return AdapterWeights(max(a.shape[-1] for a, _ in modules.values()), modules)
+
+
+def _experts(target: str, banks: Banks) -> int | None:
+    """How many experts an expert bank target has (None: a Linear)."""
+    module, _, param = target.rpartition(".")
+    bank = banks.get(module, {}).get(param)
+    return None if bank is None else bank[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -255,3 +273,88 @@ class LoraStacks:
             rows = rows * route.keep
         h = torch.bmm(rows.view(a.shape[0], route.width, self.in_features), a)
         out.index_add_(0, route.rows, torch.bmm(h, b).view(-1, self.out_features))
+
+
+class ExpertStacks:
+    """The per-expert LoRA of one MoE expert bank (`gate_up_proj` or `down_proj`), for every
+    slot: A^T [slots, experts, in, R] and (scale * B)^T [slots, experts, R, out], R the largest
+    resident rank, zero beyond an adapter's own rank and for slots that do not target the
+    bank (the padding adds exact zeros), as `LoraStacks` does for a Linear.
+
+    The delta of a (token, expert) pair is `scale * B_e(A_e(x))` of its row's adapter, the
+    trainer's `experts.MultiLoraExperts` and PEFT's merged `(W_e + scale * B_e A_e) x`.
+    Computed with torch ops: one gather of the pairs' (slot, expert) weights and two `bmm`s
+    per bank (a grouped native kernel reading the stacks in place, like `DecodeLora`, is where
+    one would pay on large expert counts; see `decoder.Moe`).
+    """
+
+    def __init__(self, experts: int, in_features: int, out_features: int) -> None:
+        self.experts = experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.rank = 0
+        self.a = torch.zeros(1, experts, in_features, 0)
+        self.b = torch.zeros(1, experts, 0, out_features)
+        self.used: set[int] = set()
+        self.stale: set[int] = set()
+        #: [slots] bool: the slot's adapter targets this bank (pairs of other slots skip it).
+        self.active = torch.zeros(1, dtype=torch.bool)
+
+    def resize(self, capacity: int, rank: int) -> None:
+        a = self.a.new_zeros(capacity, self.experts, self.in_features, rank)
+        b = self.b.new_zeros(capacity, self.experts, rank, self.out_features)
+        s, r = min(capacity, self.a.shape[0]), min(rank, self.rank)
+        a[:s, :, :, :r] = self.a[:s, :, :, :r]
+        b[:s, :, :r] = self.b[:s, :, :r]
+        active = torch.zeros(capacity, dtype=torch.bool)
+        active[:s] = self.active[:s]
+        self.a, self.b, self.rank, self.active = a, b, rank, active
+
+    def lay_out(
+        self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], rank: int
+    ) -> SlotWeights:
+        """One adapter's bank, (A^T [experts, in, r], B^T [experts, r, out]), at stack rank
+        `rank`. Pure, so it runs on the adapter-prep thread."""
+        pa, pb = parts[0]
+        a = torch.zeros(self.experts, self.in_features, rank)
+        b = torch.zeros(self.experts, rank, self.out_features)
+        a[:, :, : pa.shape[-1]] = pa
+        b[:, : pb.shape[1]] = pb
+        return SlotWeights(parts, rank, a, b)
+
+    def put(self, slot: int, weights: SlotWeights | None) -> None:
+        """Write slot's weights (None: the adapter does not target this bank)."""
+        if weights is None:
+            if slot in self.stale or slot in self.used:
+                self.a[slot].zero_()
+                self.b[slot].zero_()
+            self.used.discard(slot)
+        else:
+            if weights.rank != self.rank:
+                weights = self.lay_out(weights.parts, self.rank)
+            self.a[slot].copy_(weights.a)
+            self.b[slot].copy_(weights.b)
+            self.used.add(slot)
+        self.stale.discard(slot)
+        self.active[slot] = weights is not None
+
+    def release(self, slot: int) -> None:
+        """Slot's adapter is gone; its weights stay until the slot's next `put`."""
+        if slot in self.used:
+            self.used.discard(slot)
+            self.stale.add(slot)
+        self.active[slot] = False
+
+    def add(
+        self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor
+    ) -> None:
+        """out [P, out] += each pair's LoRA for x [P, in]: pair p's row uses slot slots[p]
+        (0 = the base model) and was routed to expert experts[p]."""
+        if not self.used:
+            return
+        live = self.active.index_select(0, slots).nonzero()[:, 0]
+        if live.numel() == 0:
+            return
+        s, e = slots.index_select(0, live), experts.index_select(0, live)
+        h = torch.bmm(x.index_select(0, live)[:, None], self.a[s, e])
+        out.index_add_(0, live, torch.bmm(h, self.b[s, e])[:, 0])

@@ -4,6 +4,11 @@ A pushed adapter must fit the base exactly: every tensor names an existing Linea
 lora_A [r, in] / lora_B [out, r] shapes, and the rank is within the engine's limit. Checking
 here, on the caller's thread, means a bad adapter is refused with a clear message and the
 running batch never sees it.
+
+Expert banks (MoE `gate_up_proj` / `down_proj`, 3-D parameters) are PEFT `target_parameters`
+LoRA, as the trainer exports them: lora_A [experts * r, in], lora_B [out, r * experts], keyed
+by the experts module, where the i-th of k targeted banks of one module sits under k-1-i
+`.base_layer` hops (PEFT nests one ParamWrapper per parameter; `target_of` undoes that).
 """
 
 from __future__ import annotations
@@ -43,6 +48,53 @@ def read_peft_dir(folder: Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     return config, tensors
 
 
+#: Expert module path -> {bank parameter: (experts, out, in)}, in the module's parameter order.
+Banks = dict[str, dict[str, tuple[int, int, int]]]
+EXPERT_BANKS = ("gate_up_proj", "down_proj")
+
+
+def expert_banks(model: torch.nn.Module) -> Banks:
+    """The 3-D expert banks of the unwrapped base (empty for a dense model)."""
+    banks: Banks = {}
+    for name, module in model.named_modules():
+        for param, tensor in module.named_parameters(recurse=False):
+            if param in EXPERT_BANKS and tensor.dim() == 3:
+                experts, out, fan_in = tensor.shape
+                banks.setdefault(name, {})[param] = (int(experts), int(out), int(fan_in))
+    return banks
+
+
+def _parameter_targeted(config: LoraConfig, name: str) -> bool:
+    """PEFT's `target_parameters` match: the full name, or a dotted suffix of it."""
+    patterns = getattr(config, "target_parameters", None) or []
+    return any(name == p or name.endswith("." + p) for p in patterns)
+
+
+def target_of(key: str, config: LoraConfig, banks: Banks) -> tuple[str, str]:
+    """(target, "lora_A" | "lora_B") of a PEFT key: a Linear's module path, or an expert
+    bank's "<experts module>.<parameter>". InvalidArgument if it is neither."""
+    stem = key.removeprefix(_PREFIX)
+    for kind in ("lora_A", "lora_B"):
+        if stem.endswith(f".{kind}.weight"):
+            module = stem.removesuffix(f".{kind}.weight")
+            break
+    else:
+        raise InvalidArgument(f"{key!r} is not a LoRA A/B weight", field=WEIGHTS_FILE)
+    hops = 0
+    while module.endswith(".base_layer"):
+        module, hops = module.removesuffix(".base_layer"), hops + 1
+    if module not in banks:
+        return stem.removesuffix(f".{kind}.weight"), kind
+    targeted = [p for p in banks[module] if _parameter_targeted(config, f"{module}.{p}")]
+    if hops >= len(targeted):
+        raise InvalidArgument(
+            f"{key!r} names no expert bank of {module} that target_parameters "
+            f"{getattr(config, 'target_parameters', None)} selects",
+            field=WEIGHTS_FILE,
+        )
+    return f"{module}.{targeted[len(targeted) - 1 - hops]}", kind
+
+
 def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """module path -> (in_features, out_features) of every Linear in the unwrapped base."""
     return {
@@ -57,8 +109,10 @@ def check_fits(
     config: LoraConfig,
     linears: dict[str, tuple[int, int]],
     max_rank: int,
+    banks: Banks | None = None,
 ) -> None:
-    """Raise InvalidArgument unless every tensor is a LoRA A/B of a base Linear within rank."""
+    """Raise InvalidArgument unless every tensor is a LoRA A/B of a base Linear (or expert
+    bank, `banks`) within rank."""
     if not tensors:
         raise InvalidArgument("the adapter has no tensors", field=WEIGHTS_FILE)
     if not 1 <= config.r <= max_rank:
@@ -66,23 +120,25 @@ def check_fits(
             f"rank {config.r} is outside [1, {max_rank}]", field="lora_config.rank"
         )
     for key, tensor in tensors.items():
-        stem = key.removeprefix(_PREFIX)
-        if stem.endswith(".lora_A.weight"):
-            module, rank_dim = stem.removesuffix(".lora_A.weight"), 0
-        elif stem.endswith(".lora_B.weight"):
-            module, rank_dim = stem.removesuffix(".lora_B.weight"), 1
+        module, kind = target_of(key, config, banks or {})
+        rank_dim = 0 if kind == "lora_A" else 1
+        experts = 1
+        if module in linears:
+            fan_in, fan_out = linears[module]
+        elif (bank := _bank(module, banks or {})) is not None:
+            experts, fan_out, fan_in = bank
         else:
-            raise InvalidArgument(f"{key!r} is not a LoRA A/B weight", field=WEIGHTS_FILE)
-        if module not in linears:
             raise InvalidArgument(
                 f"{key!r} names no Linear module of the base model", field=WEIGHTS_FILE
             )
-        fan_in, fan_out = linears[module]
-        rank = tensor.shape[rank_dim] if tensor.dim() == 2 else -1
-        want = (rank, fan_in) if rank_dim == 0 else (fan_out, rank)
+        total = tensor.shape[rank_dim] if tensor.dim() == 2 else -1
+        rank = total // experts if total % experts == 0 else -1
+        want = (total, fan_in) if rank_dim == 0 else (fan_out, total)
         if tuple(tensor.shape) != want or not 1 <= rank <= max_rank:
+            per = f" ({experts} experts x rank)" if experts > 1 else ""
             raise InvalidArgument(
-                f"{key!r} has shape {tuple(tensor.shape)}, expected {want} with rank <= {max_rank}",
+                f"{key!r} has shape {tuple(tensor.shape)}, expected {want}{per} with rank "
+                f"<= {max_rank}",
                 field=WEIGHTS_FILE,
             )
     # One sum over all tensors: any inf or NaN makes it non-finite (a per-tensor isfinite
@@ -92,3 +148,8 @@ def check_fits(
         for key, tensor in tensors.items():
             if not torch.isfinite(tensor).all():
                 raise InvalidArgument(f"{key!r} holds non-finite values", field=WEIGHTS_FILE)
+
+
+def _bank(target: str, banks: Banks) -> tuple[int, int, int] | None:
+    module, _, param = target.rpartition(".")
+    return banks.get(module, {}).get(param)

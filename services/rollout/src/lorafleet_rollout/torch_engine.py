@@ -50,7 +50,13 @@ from lorafleet_rollout.decoder import Decoder, LaidOut, PrefillPart, Segment
 from lorafleet_rollout.engine import AdapterSource
 from lorafleet_rollout.lora import Route, adapter_weights, make_route
 from lorafleet_rollout.pacing import CpuBudget
-from lorafleet_rollout.peft_io import check_fits, linear_shapes, read_peft_dir
+from lorafleet_rollout.peft_io import (
+    Banks,
+    check_fits,
+    expert_banks,
+    linear_shapes,
+    read_peft_dir,
+)
 from lorafleet_rollout.prefix_cache import BLOCK, PrefixCache
 from lorafleet_rollout.sampling import choose_tokens, make_generator
 from lorafleet_rollout.stopping import StopRule
@@ -216,6 +222,7 @@ class TorchEngine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._decoder: Decoder | None = None
         self._linears: dict[str, tuple[int, int]] = {}
+        self._banks: Banks = {}
         self._tokenizer: Any = None
         self._eos: frozenset[int] = frozenset()
         self._info: EngineInfo | None = None
@@ -267,6 +274,7 @@ class TorchEngine:
         model.eval()
         self._decoder = Decoder(model, native=self.native_kernels)
         self._linears = linear_shapes(model)
+        self._banks = expert_banks(model)
         with contextlib.suppress(Exception):
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         eos: set[int] = set()
@@ -352,8 +360,8 @@ class TorchEngine:
                 inference_mode=True,
             )
             tensors = source
-        check_fits(tensors, config, self._linears, self.max_lora_rank)
-        return self._model().lay_out(adapter_weights(config, tensors))
+        check_fits(tensors, config, self._linears, self.max_lora_rank, self._banks)
+        return self._model().lay_out(adapter_weights(config, tensors, self._banks))
 
     def _model(self) -> Decoder:
         if self._decoder is None:
