@@ -17,7 +17,10 @@ export TOKENIZERS_PARALLELISM := false
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
 
-.venv/.installed: requirements.txt requirements-dev.txt $(wildcard packages/*/pyproject.toml services/*/pyproject.toml)
+# The rollout's kernel sources too: the editable install compiles them (services/rollout/setup.py).
+.venv/.installed: requirements.txt requirements-dev.txt $(wildcard packages/*/pyproject.toml services/*/pyproject.toml) \
+                  services/rollout/setup.py $(wildcard services/rollout/src/lorafleet_rollout/csrc/*) \
+                  services/rollout/src/lorafleet_rollout/kernel_abi.py
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q -r requirements-dev.txt
 	$(PIP) install -q --no-deps --no-build-isolation $(PKGS)

@@ -38,8 +38,14 @@ def make_engine(settings: RolloutSettings) -> RolloutEngine:
             served_model_name=settings.served_model_name,
             max_lora_rank=settings.max_lora_rank,
         )
+    from lorafleet_rollout import kernels, metrics
     from lorafleet_rollout.torch_engine import TorchEngine
 
+    # Loaded here, at start-up (a library built with the package: no compiler runs), and
+    # reported, so a deployment shows whether it decodes natively or on the torch fallback.
+    decode_path = kernels.path()
+    metrics.DECODE_KERNELS.labels(path=decode_path).set(1)
+    log.info("torch engine: decode kernels %s", decode_path)
     return TorchEngine(
         settings.model_path,
         max_batch_size=settings.max_batch_size,

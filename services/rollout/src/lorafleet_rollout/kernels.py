@@ -1,28 +1,27 @@
 """The torch engine's native decode kernels (`csrc/`: attention, shared-segment attention,
-LoRA), built on first use.
+LoRA), compiled when the package is built and loaded here.
 
-Compiled together with the machine's C compiler (`$CC`, else gcc or cc) for this CPU
-(`-march=native`) into the user cache (`$XDG_CACHE_HOME/lorafleet/kernels`, keyed by sources,
-flags, compiler and CPU), loaded with ctypes (which drops the GIL for the call). Building
-takes about a second, once per machine. Without a compiler, or if the build fails, `load()`
-logs why and returns None, and the engine keeps its torch attention and LoRA: same results,
-slower decoding.
+The package build (`services/rollout/setup.py`) compiles one library per CPU variant
+(`kernel_abi.VARIANTS`: portable x86-64-v3, and x86-64-v4 with AVX-512) after checking the
+ctypes declarations against `csrc/kernels.h`; `load()` picks the best variant this CPU runs
+(from its flags), checks that the library was built from the sources beside it, and binds
+the declarations of `kernel_abi.SIGNATURES` (ctypes drops the GIL for each call). Nothing is
+compiled at run time, so no request waits for a compiler and every process loads the same
+code. Without a library (installed without a compiler, another machine type) `load()` logs
+why and returns None, and the engine keeps its torch attention and LoRA: same results within
+float rounding, slower decoding. `path()` names what runs, for logs and metrics.
 
-Floating-point flags: reassociation lets the compiler vectorise the dot products; the
-results differ from torch's by float rounding only (tests hold them to 1e-5).
+Floating point: no -ffast-math class flags; results differ from torch's by the order of
+float operations only (tests hold them to 1e-5).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
+import importlib.machinery
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,27 +29,19 @@ from typing import Any
 
 import torch
 
+from lorafleet_rollout import kernel_abi
+
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("decode_attention.c", "decode_shared.c", "decode_lora.c"))
-FLAGS = (
-    "-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-    "-fno-trapping-math", "-shared", "-fPIC",
-)  # fmt: skip
+#: path() without native kernels.
+TORCH = "torch"
 
 
 class DecodeAttention:
     """The loaded kernel: one decode step's attention over each row's own columns."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.decode_attention
-        fn.restype = None
-        pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [pointer, pointer, pointer, pointer, pointer, i64, i64, pointer]
-        fn.argtypes += [i32, i32, i32, i32, i64, i64, ctypes.c_float]
-        fn.argtypes += [pointer, pointer, pointer, pointer]
-        self._fn = fn
+        self._fn = _bind(library, "decode_attention")
 
     def __call__(
         self,
@@ -101,14 +92,8 @@ class DecodeShared:
     into the rows' own (`DecodeAttention`'s out, peak and total)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.decode_shared
-        fn.restype = None
-        pointer, i32 = ctypes.c_void_p, ctypes.c_int32
-        fn.argtypes = [pointer, i32, i32, i32, ctypes.c_float, i32, *[pointer] * 10]
-        self._fn = fn
-        self._scratch = library.decode_shared_scratch
-        self._scratch.restype = ctypes.c_int64
-        self._scratch.argtypes = [ctypes.c_int64, i32, i32]
+        self._fn = _bind(library, "decode_shared")
+        self._scratch = _bind(library, "decode_shared_scratch")
 
     def bind(
         self,
@@ -195,12 +180,7 @@ class DecodeLora:
     """The loaded kernel: one decode step's LoRA, each row through its own slot's weights."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.decode_lora
-        fn.restype = None
-        pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        fn.argtypes = [pointer, pointer, i32, i32, i32, pointer, i64, pointer, i64]
-        fn.argtypes += [pointer, pointer, i32, pointer, pointer]
-        self._fn = fn
+        self._fn = _bind(library, "decode_lora")
 
     def bind(
         self,
@@ -262,51 +242,114 @@ class _BoundLora:
                  *self._tail)  # fmt: skip
 
 
+def _bind(library: ctypes.CDLL, name: str) -> Any:
+    """The library's function `name` with its declaration from `kernel_abi.SIGNATURES` (the
+    one the package build checked against `csrc/kernels.h`)."""
+    fn = getattr(library, name)
+    fn.restype, argtypes = kernel_abi.SIGNATURES[name]
+    fn.argtypes = list(argtypes)
+    return fn
+
+
 @dataclass(frozen=True)
 class Kernels:
+    variant: str  # the build variant loaded, "x86-64-v4" or "x86-64-v3"
     attention: DecodeAttention
     shared: DecodeShared
     lora: DecodeLora
 
 
-@functools.cache
 def load() -> Kernels | None:
-    """The kernels for this machine, building them if needed; None if they cannot be built."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        log.warning("no C compiler: the torch engine decodes with its torch kernels (slower)")
-        return None
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorafleet"
-    key = hashlib.sha256()
-    for part in (*(f.read_bytes() for f in SOURCES), " ".join(FLAGS).encode(), compiler.encode(),
-                 _cpu()):  # fmt: skip
-        key.update(part)
-    target = cache / "kernels" / f"decode-{key.hexdigest()[:16]}.so"
+    """The kernels for this CPU, or None (logged once, with why; `path()` says "torch")."""
+    return _load()[0]
+
+
+def path() -> str:
+    """What decodes in this process: the native variant ("x86-64-v4", "x86-64-v3") or
+    "torch"."""
+    kernels = load()
+    return kernels.variant if kernels is not None else TORCH
+
+
+def unavailable_reason() -> str:
+    """Why `load()` returned None ("" when it did not)."""
+    return _load()[1]
+
+
+def runnable_variants() -> list[str]:
+    """The build variants this CPU can run, best first (`kernel_abi.VARIANTS`)."""
+    cpu = _cpu_flags()
+    variants = kernel_abi.VARIANTS.get(platform.machine(), ())
+    return [name for name, _flags, needs in variants if cpu.issuperset(needs)]
+
+
+class KernelsUnavailable(RuntimeError):
+    """A variant's library is missing, does not load, or was built from other sources."""
+
+
+def load_variant(variant: str) -> Kernels:
+    """One variant's kernels (the CPU must run it: see `runnable_variants`)."""
+    found = _library_file(variant)
+    if found is None:
+        raise KernelsUnavailable(
+            f"no {variant} kernel library in this install (it was built without a working "
+            "C compiler: reinstall lorafleet-rollout where gcc or cc exists)"
+        )
     try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                built = Path(tmp) / target.name
-                subprocess.run(
-                    [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"],
-                    check=True, capture_output=True, text=True, timeout=300,
-                )  # fmt: skip
-                os.replace(built, target)  # atomic: concurrent builders race harmlessly
-        library = ctypes.CDLL(str(target))
-        return Kernels(DecodeAttention(library), DecodeShared(library), DecodeLora(library))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", None) or exc
-        log.warning("building the decode kernels failed, decoding with torch: %s", detail)
+        library = ctypes.CDLL(str(found))
+        built = _bind(library, "lorafleet_kernels_digest")().decode()
+    except (OSError, AttributeError) as exc:
+        raise KernelsUnavailable(f"{found.name} does not load: {exc}") from exc
+    expected = _expected_digest(variant)
+    if expected is not None and built != expected:
+        raise KernelsUnavailable(
+            f"{found.name} was built from other sources or flags than those beside it "
+            "(reinstall lorafleet-rollout, or `make venv`, to rebuild the kernels)"
+        )
+    return Kernels(variant, DecodeAttention(library), DecodeShared(library), DecodeLora(library))
+
+
+@functools.cache
+def _load() -> tuple[Kernels | None, str]:
+    runnable = runnable_variants()
+    if not kernel_abi.VARIANTS.get(platform.machine()):
+        reason = f"no native kernels are built for {platform.machine()!r}"
+    elif not runnable:
+        reason = "this CPU lacks the flags of every native variant (needs at least x86-64-v3)"
+    else:
+        try:
+            return load_variant(runnable[0]), ""
+        except KernelsUnavailable as exc:
+            reason = str(exc)
+    log.warning("native decode kernels unavailable, decoding with torch (slower): %s", reason)
+    return None, reason
+
+
+def _library_file(variant: str) -> Path | None:
+    """The built library of a variant beside this module (an extension module's file name)."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / (kernel_abi.module_name(variant) + suffix)
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _expected_digest(variant: str) -> str | None:
+    """The digest a library of this variant must carry, from the sources shipped beside it
+    (None where they are not shipped: nothing to compare)."""
+    if not all(f.exists() for f in (*kernel_abi.HEADERS, *kernel_abi.SOURCES)):
         return None
+    return kernel_abi.sources_digest(variant)
 
 
-def _cpu() -> bytes:
-    """What -march=native depends on: the machine type and the CPU's model and flags."""
-    described = platform.machine()
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where unreadable)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            lines = [line for line in info if line.startswith(("model name", "flags"))]
-        described += "".join(sorted(set(lines)))
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return described.encode()
+    return set()

@@ -39,3 +39,9 @@ DECODE_ROWS = Counter(
     "a segment shared with other rows (read once for all of them), or the row's own slot.",
     ["prefix"],  # shared, own
 )
+DECODE_KERNELS = Gauge(
+    "lorafleet_rollout_decode_kernels",
+    "1 for the decode kernels the torch engine runs: a native build variant (x86-64-v4 with "
+    "AVX-512, x86-64-v3) or the torch fallback (installed without a compiler, another CPU).",
+    ["path"],  # x86-64-v4, x86-64-v3, torch
+)

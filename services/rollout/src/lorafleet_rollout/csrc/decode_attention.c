@@ -22,6 +22,8 @@
  *   scratch >= group * max(lengths) floats
  * peak and total let the caller merge this with attention over a shared prefix exactly.
  */
+#include "kernels.h"
+#include "vector.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -47,9 +49,7 @@ void decode_attention(const float *q, float *keys, float *values, const float *n
                 const float *kt = k + (int64_t)t * dim;
                 for (int32_t g = 0; g < group; g++) {
                     const float *qg = qh + (int64_t)g * dim;
-                    float dot = 0.0f;
-                    for (int32_t d = 0; d < dim; d++) dot += qg[d] * kt[d];
-                    scratch[(int64_t)g * n + t] = dot * scale;
+                    scratch[(int64_t)g * n + t] = dot(qg, kt, dim) * scale;
                 }
             }
             for (int32_t g = 0; g < group; g++) {

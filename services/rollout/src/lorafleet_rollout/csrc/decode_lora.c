@@ -17,13 +17,11 @@
  *   slots   [n]: the slot of each entry of `order`
  *   col_lo, col_hi [nr]: rank column k adds to output columns [col_lo[k], col_hi[k])
  */
-#include <stdint.h>
+#include "kernels.h"
+#include "vector.h"
 
-/* Eight floats: GCC's generic vectors, one 256-bit register on AVX2 (split on narrower
- * machines). Written out because GCC's auto-vectoriser turned the rank-sized loops below
- * into shuffles (~6 GFLOP/s); `_u` is the same vector at any float alignment. */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8_u __attribute__((vector_size(32), aligned(4)));
+/* Vectors (v8, vector.h) written out because GCC's auto-vectoriser turned the rank-sized
+ * loops below into shuffles (~6 GFLOP/s). */
 
 /* h[k] = sum_i x[i] * a[i * nr + k]: rank columns eight at a time, with four independent
  * partial sums over `in` (a rank-8 shrink is one vector wide, and a single FMA chain would

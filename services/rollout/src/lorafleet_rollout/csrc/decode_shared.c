@@ -26,6 +26,8 @@
  *   scratch >= max over segments of decode_shared_scratch(its rows * group, lengths[s], dim)
  *           floats
  */
+#include "kernels.h"
+#include "vector.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -39,8 +41,8 @@ static inline float vexp(float x) {
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    /* Cody-Waite: ln2 in two parts, fused so -fassociative-math cannot merge them back
-     * (which cost 16 ulp: measured) */
+    /* Cody-Waite: ln2 in two parts, fused so no compiler flag can merge them back (with
+     * -fassociative-math that cost 16 ulp: measured) */
     const float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, x));
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -92,9 +94,7 @@ static void attend_dots(const float *q, const int32_t *ids, int64_t first, int64
         const float *kt = k + (int64_t)t * dim;
         for (int64_t i = 0; i < count; i++) {
             const float *qi = query(q, ids, first + i, kv_heads, h, group, dim);
-            float dot = 0.0f;
-            for (int32_t d = 0; d < dim; d++) dot += qi[d] * kt[d];
-            weights[i * n + t] = dot * scale;
+            weights[i * n + t] = dot(qi, kt, dim) * scale;
         }
     }
     for (int64_t i = 0; i < count; i++) {
