@@ -637,6 +637,89 @@ def test_vllm_engine_runs_a_vllm_server_beside_the_rollout(render):
     assert "sglang" not in json.dumps(pod)
 
 
+# Reads each rendered server command with the server's own argument parser (SGLang 0.5.23's
+# ServerArgs, vLLM 0.32's serve parser and LoRAConfig validation), in that server's venv from
+# `make tiers`; prints what it parsed, by key.
+_PARSE_SERVER_FLAGS = {
+    "sglang": """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser(prog="sglang serve")
+ServerArgs.add_cli_args(parser)
+out = {}
+for key, argv in json.loads(sys.argv[1]).items():
+    a = parser.parse_args(argv)
+    out[key] = {"enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank,
+                "targets": a.lora_target_modules, "deterministic": a.enable_deterministic_inference}
+print(json.dumps(out))
+""",
+    "vllm": """
+import json, sys
+from vllm.config.lora import LoRAConfig
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser())
+out = {}
+for key, argv in json.loads(sys.argv[1]).items():
+    a = parser.parse_args(argv)
+    validate_parsed_serve_args(a)
+    LoRAConfig(max_lora_rank=a.max_lora_rank, max_loras=a.max_loras, max_cpu_loras=a.max_cpu_loras)
+    out[key] = {"enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank,
+                "served": a.served_model_name, "model": a.model}
+print(json.dumps(out))
+""",
+}
+# What the kubelet substitutes in a LeaderWorkerSet pod's command.
+_KUBELET_VARS = {"$(LWS_WORKER_INDEX)": "1", "$(LWS_LEADER_ADDRESS)": "10.0.0.1"}
+
+
+@pytest.mark.slow
+# (ids not the bare engine name: the root conftest skips anything with the keyword "sglang")
+@pytest.mark.parametrize("engine", ["sglang", "vllm"], ids=lambda e: f"{e}-parser")
+def test_rendered_server_flags_parse_with_the_servers_own_parser(render, engine):
+    """Every SGLang / vLLM server command any profile renders (StatefulSet pods and both roles
+    of a LeaderWorkerSet group) is accepted by that server's real argument parser, which reads
+    back LoRA on, the rank, and (SGLang) the targets and determinism switch the values set."""
+    python = REPO / ".venvs" / engine / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f".venvs/{engine} is absent: run `make tiers`")
+    commands: dict[str, list[str]] = {}
+    profiles: dict[str, dict[str, Any]] = {}
+    for name in [*values_names(), "engine-vllm"]:
+        values = {"rollout": {"engine": "vllm"}} if name == "engine-vllm" else load_values(name)
+        for pod_name, pod in render(values).pod_specs():
+            for c in pod["containers"]:
+                if c["name"] == engine:
+                    argv = c["command"][3:]
+                    for var, value in _KUBELET_VARS.items():
+                        argv = [a.replace(var, value) for a in argv]
+                    commands[f"{name}:{pod_name}"] = argv
+                    profiles[f"{name}:{pod_name}"] = deep_merge(
+                        yaml.safe_load((CHART / "values.yaml").read_text()), values
+                    )["rollout"][engine]
+    assert len(commands) >= (6 if engine == "sglang" else 2), sorted(commands)
+    result = subprocess.run(
+        [str(python), "-c", _PARSE_SERVER_FLAGS[engine], json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parsed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(parsed) == set(commands)
+    for key, got in parsed.items():
+        want = profiles[key]
+        assert got["enable_lora"] is True, key
+        assert got["max_lora_rank"] == want["maxLoraRank"], key
+        if engine == "sglang":
+            assert got["targets"] == want["loraTargetModules"], key
+            assert got["deterministic"] is want["deterministicInference"], key
+        else:
+            assert got["served"] == [want["servedModelName"]], key
+            assert got["model"].startswith("/models"), key
+
+
 def test_gpu_values(render):
     values = load_values("gpu")
     rendered = render(values)
