@@ -239,6 +239,35 @@ def check_rank(rank: int, max_rank: int = MAX_RANK, field: str = "lora_config.ra
         raise InvalidArgument(f"must be in [1, {max_rank}], got {rank}", field=field)
 
 
+# --- sampling seeds -------------------------------------------------------------------------
+
+#: Seeds a sampling request may carry: Tinker's `optional uint64 seed`, so [0, 2**64).
+SEED_LIMIT = 2**64
+#: Seeds an engine is handed: [0, 2**63). SGLang refuses a sampling_seed >= 2**63
+#: (`srt/sampling/sampling_params.py`); vLLM's seed and torch generators are int64.
+ENGINE_SEED_LIMIT = 2**63
+#: Sample i of a seeded request draws with `seed ^ (i * stride)`. The stride is odd, so
+#: i -> i * stride is a bijection modulo 2**63 and one request's samples get distinct seeds;
+#: its golden-ratio bits spread neighbouring indices over the whole range.
+SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def check_seed(seed: int | None, field: str = "sampling_params.seed") -> None:
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise InvalidArgument(f"seed {seed} is outside [0, 2**64)", field=field)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The engine seed of sample `index` (0-based) of a request seeded with `seed`.
+
+    Reproducible, distinct across one request's samples (engines that share one seed between
+    the n copies of a request, as SGLang does, would return n identical samples) and within
+    [0, ENGINE_SEED_LIMIT): seeds are taken modulo 2**63, so s and s + 2**63 draw alike.
+    """
+    check_seed(seed)
+    return (seed ^ (index * SAMPLE_SEED_STRIDE)) % ENGINE_SEED_LIMIT
+
+
 # --- ids ------------------------------------------------------------------------------------
 
 TINKER_SCHEME = "tinker://"
