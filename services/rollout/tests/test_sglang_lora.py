@@ -1,0 +1,163 @@
+"""Adapters published to SGLang: expert LoRA converted to SGLang's per-expert layout, and what
+SGLang cannot serve refused before it reaches the server.
+
+The reference is PEFT: the adapter is PEFT's own `target_parameters` export (what our trainer
+writes), and the per-expert weights SGLang's loader builds from the converted folder (its key
+mapping and normalisation, ported in `fake_sglang.py`) must give PEFT's merged expert weights.
+The strict fake runs the tiny Qwen3-MoE with serve=False: the torch engine does not generate
+with it, but the fake checks loads as SGLang does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fake_sglang import (
+    DEFAULT_TARGETS,
+    FakeSGLang,
+    get_normalized_target_modules,
+    process_weights,
+)
+from peft import LoraConfig, PeftModel, get_peft_model
+from rollout_helpers import load_base
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from lorafleet.errors import InvalidArgument
+from lorafleet_rollout import sglang_api
+from lorafleet_rollout.sglang_lora import ModelShape, ServerLora, publish
+
+BANKS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def moe_dir() -> Path:
+    from lorafleet_models.tiny import ensure_model
+
+    return ensure_model("tiny-moe", Path(__file__).resolve().parents[3] / ".cache" / "models")
+
+
+def peft_adapter(
+    model_dir: Path,
+    out: Path,
+    *,
+    banks: list[str],
+    modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    rank: int = 4,
+) -> Path:
+    """PEFT's export of a seeded random LoRA on `modules` and the given expert banks."""
+    torch.manual_seed(11)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=list(modules),
+        target_parameters=banks,
+        init_lora_weights=False,
+    )
+    get_peft_model(load_base(model_dir), config).save_pretrained(out)
+    return out
+
+
+def shape_of(model_dir: Path) -> ModelShape:
+    return ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
+
+
+def test_converted_expert_lora_equals_peft(moe_dir: Path, tmp_path: Path) -> None:
+    # q_proj alone: SGLang cannot stack it without v_proj, so a zero v_proj joins it.
+    source = peft_adapter(moe_dir, tmp_path / "peft", banks=BANKS, modules=("q_proj",))
+    dest = tmp_path / "sglang"
+    publish(source, dest, ServerLora.from_flags(list(DEFAULT_TARGETS), 64), shape_of(moe_dir))
+    config = json.loads((dest / "adapter_config.json").read_text())
+    assert "target_parameters" not in config
+    assert set(config["target_modules"]) == {"q_proj", "gate_up_proj", "down_proj"}
+    hf = AutoConfig.from_pretrained(moe_dir)
+    layers, _ = process_weights(
+        load_file(str(dest / "adapter_model.safetensors")),
+        get_normalized_target_modules(config["target_modules"]),
+        hf.num_hidden_layers,
+    )
+    base = load_base(moe_dir)
+    merged = PeftModel.from_pretrained(load_base(moe_dir), source).merge_and_unload()
+    scale, rank, inter = config["lora_alpha"] / config["r"], config["r"], hf.moe_intermediate_size
+    for i in range(hf.num_hidden_layers):
+        prefix = f"base_model.model.model.layers.{i}.mlp.experts"
+        want_gate_up = (
+            merged.model.layers[i].mlp.experts.gate_up_proj
+            - base.model.layers[i].mlp.experts.gate_up_proj
+        )
+        want_down = (
+            merged.model.layers[i].mlp.experts.down_proj
+            - base.model.layers[i].mlp.experts.down_proj
+        )
+        for e in range(hf.num_experts):
+            a = layers[i][f"{prefix}.{e}.gate_up_proj.lora_A.weight"]  # gate and up A, stacked
+            b = layers[i][f"{prefix}.{e}.gate_up_proj.lora_B.weight"]
+            gate_up = torch.cat((b[:inter] @ a[:rank], b[inter:] @ a[rank:])) * scale
+            assert (gate_up - want_gate_up[e]).abs().max() <= 1e-6
+            a = layers[i][f"{prefix}.{e}.down_proj.lora_A.weight"]
+            b = layers[i][f"{prefix}.{e}.down_proj.lora_B.weight"]
+            assert (b @ a * scale - want_down[e]).abs().max() <= 1e-6
+        qkv_b = layers[i][f"base_model.model.model.layers.{i}.self_attn.qkv_proj.lora_B.weight"]
+        q_rows = merged.model.layers[i].self_attn.q_proj.weight.shape[0]
+        assert qkv_b[q_rows:].abs().max() == 0  # the k and v parts: no change
+
+
+async def test_strict_fake_loads_converted_and_refuses_peft_layout(
+    moe_dir: Path, tmp_path: Path
+) -> None:
+    source = peft_adapter(moe_dir, tmp_path / "peft", banks=BANKS)
+    dest = tmp_path / "sglang"
+    publish(source, dest, ServerLora.from_flags(list(DEFAULT_TARGETS), 64), shape_of(moe_dir))
+    with FakeSGLang(moe_dir, serve=False) as fake:
+        async with httpx.AsyncClient(base_url=fake.url, timeout=60) as http:
+            raw = await http.post(
+                "/load_lora_adapter", json={"lora_name": "raw", "lora_path": str(source)}
+            )
+            body = sglang_api.LoraUpdateResult.model_validate_json(raw.content)
+            assert raw.status_code == 400 and not body.success
+            assert "did not match any target module" in (body.error_message or "")
+            assert "mlp.experts.base_layer.lora_A.weight" in (body.error_message or "")
+            q_only = peft_adapter(moe_dir, tmp_path / "q", banks=[], modules=("q_proj",))
+            no_v = await http.post(
+                "/load_lora_adapter", json={"lora_name": "q", "lora_path": str(q_only)}
+            )
+            assert no_v.status_code == 400 and "v_proj.lora_A.weight" in no_v.text  # KeyError
+            ok = await http.post(
+                "/load_lora_adapter", json={"lora_name": "ok", "lora_path": str(dest)}
+            )
+            assert ok.status_code == 200, ok.text
+            assert (await http.get("/health")).status_code == 200
+    # Without down_proj among its targets the server would not wrap the MoE layers: refused.
+    gate_only = ServerLora.from_flags(["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], 64)
+    with pytest.raises(InvalidArgument, match="down_proj"):
+        publish(source, tmp_path / "refused", gate_only, shape_of(moe_dir))
+    assert not (tmp_path / "refused").exists()
+
+
+def test_one_bank_converts_and_odd_layouts_are_refused(moe_dir: Path, tmp_path: Path) -> None:
+    server = ServerLora.from_flags(list(DEFAULT_TARGETS), 64)
+    source = peft_adapter(moe_dir, tmp_path / "down", banks=["experts.down_proj"])
+    publish(source, tmp_path / "ok", server, shape_of(moe_dir))
+    keys = load_file(str(tmp_path / "ok" / "adapter_model.safetensors"))
+    assert {k.split(".experts.")[1].split(".", 1)[1] for k in keys if ".experts." in k} == {
+        "down_proj.lora_A.weight",
+        "down_proj.lora_B.weight",
+    }
+    # The same export against a model with other expert shapes is not guessed at.
+    with pytest.raises(InvalidArgument, match="expert banks"):
+        other = dataclasses.replace(shape_of(moe_dir), moe_intermediate=64)
+        publish(source, tmp_path / "no", server, other)
+    with pytest.raises(InvalidArgument, match="max-lora-rank 2"):
+        publish(source, tmp_path / "no", ServerLora.from_flags(None, 2), shape_of(moe_dir))
+    config = json.loads((source / "adapter_config.json").read_text())
+    (source / "adapter_config.json").write_text(
+        json.dumps({**config, "target_parameters": ["experts.w1"]})
+    )
+    with pytest.raises(InvalidArgument, match=r"experts\.w1"):
+        publish(source, tmp_path / "no", server, shape_of(moe_dir))
+    assert not (tmp_path / "no").exists()
