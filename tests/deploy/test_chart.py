@@ -420,11 +420,12 @@ def test_every_service_setting_is_wired_exposed_or_left_by_decision(render):
 
 def test_settings_values_become_env(render):
     """Each component's `settings` map renders as <PREFIX><UPPER_SNAKE> (whole numbers stay
-    integers); null keys render nothing, and full-values sets every key."""
+    integers); null keys render nothing, and full-values sets every key. (Bare render on
+    engine torch: with a server engine a null maxLoraRank takes the server's, tested below.)"""
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     full = load_values("full")
     rendered = render(full)
-    bare = render()
+    bare = render({"rollout": {"engine": "torch"}})
     for component, (prefix, _) in _settings_classes().items():
         keys = defaults[component]["settings"]
         assert all(v is None for v in keys.values()), component
@@ -438,6 +439,30 @@ def test_settings_values_become_env(render):
     env = env_of(rendered.container("rollout"))
     assert env["LORAFLEET_ROLLOUT_PREFIX_CACHE_BYTES"] == "268435456"
     assert env["LORAFLEET_ROLLOUT_MAX_ADAPTER_BYTES"] == "2147483648"
+
+
+@pytest.mark.parametrize(
+    ("values", "want"),
+    [
+        ({}, "64"),  # SGLang's default --max-lora-rank
+        (load_values("gpu"), "32"),
+        ({"rollout": {"engine": "vllm", "vllm": {"maxLoraRank": 16}}}, "16"),
+        ({"rollout": {"settings": {"maxLoraRank": 8}}}, "8"),  # lower than the server's
+        ({"rollout": {"engine": "torch"}}, None),  # the service's own default
+    ],
+)
+def test_rollout_accepts_no_rank_its_server_cannot_load(chart, render, values, want):
+    """A null settings.maxLoraRank becomes the server's --max-lora-rank; a larger one fails
+    rendering (the rollout would accept adapters the server refuses at publish)."""
+    env = env_of(render(values).container("rollout"))
+    assert env.get("LORAFLEET_ROLLOUT_MAX_LORA_RANK") == want
+    names = [e["name"] for e in render(values).container("rollout")["env"]]
+    assert len(names) == len(set(names))
+    engine = values.get("rollout", {}).get("engine", "sglang")
+    if engine != "torch":
+        too_big = deep_merge(values, {"rollout": {"settings": {"maxLoraRank": 128}}})
+        with pytest.raises(helm_python.HelmRenderError, match=f"rollout.{engine}.maxLoraRank"):
+            chart.render(values=too_big, name=RELEASE, namespace=NAMESPACE)
 
 
 def test_rollout_adapters_live_where_sglang_reads_them(render):

@@ -65,6 +65,13 @@ loopback, and holds the GPUs; with engine torch the rollout container does.
 {{- end -}}
 {{- include "lorafleet.rollout.checkSglangTargets" $s.loraTargetModules -}}
 {{- end -}}
+{{- $serverRank := 0 -}}
+{{- if $sglang -}}{{- $serverRank = int $s.maxLoraRank -}}{{- end -}}
+{{- if $vllm -}}{{- $serverRank = int $vl.maxLoraRank -}}{{- end -}}
+{{- $rank := $v.settings.maxLoraRank -}}
+{{- if and $serverRank (not (kindIs "invalid" $rank)) (gt (int $rank) $serverRank) -}}
+{{- fail (printf "rollout.settings.maxLoraRank (%d) must be <= rollout.%s.maxLoraRank (%d): the rollout would accept adapters its server cannot load" (int $rank) $v.engine $serverRank) -}}
+{{- end -}}
 {{- if $vllm -}}
 {{- if gt (int $vl.maxLoras) (int $vl.maxCpuLoras) -}}
 {{- fail "rollout.vllm.maxCpuLoras must be >= rollout.vllm.maxLoras" -}}
@@ -97,6 +104,12 @@ containers:
       {{- include "lorafleet.commonEnv" (dict "ctx" $ "prefix" "LORAFLEET_ROLLOUT_" "v" $v) | nindent 6 }}
       - name: LORAFLEET_ROLLOUT_ENGINE
         value: {{ $v.engine | quote }}
+      {{- if and $serverRank (kindIs "invalid" $rank) }}
+      # The largest rank the rollout accepts is what its server loads (settings.maxLoraRank
+      # may lower it): a larger adapter is refused when its run is created, not at publish.
+      - name: LORAFLEET_ROLLOUT_MAX_LORA_RANK
+        value: {{ $serverRank | quote }}
+      {{- end }}
       {{- if $sglang }}
       - name: LORAFLEET_ROLLOUT_ENGINE_URL
         value: {{ printf "http://127.0.0.1:%d" (int $s.port) | quote }}
