@@ -106,7 +106,8 @@ containers:
         value: {{ $v.engine | quote }}
       {{- if and $serverRank (kindIs "invalid" $rank) }}
       # The largest rank the rollout accepts is what its server loads (settings.maxLoraRank
-      # may lower it): a larger adapter is refused when its run is created, not at publish.
+      # may lower it): the rollout refuses a larger adapter itself, naming its rank, and
+      # reports that maximum to the controller.
       - name: LORAFLEET_ROLLOUT_MAX_LORA_RANK
         value: {{ $serverRank | quote }}
       {{- end }}
