@@ -52,7 +52,8 @@ def peft_job(model_dir: Path, passes: int, rank: int, out: Path) -> float:
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules="all-linear"))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-    plan = qa_plan(codec, [Pair(p["Q"], p["A"]) for p in PAIRS], 0.0, 0, 0)
+    positions = model.config.max_position_embeddings
+    plan = qa_plan(codec, [Pair(p["Q"], p["A"]) for p in PAIRS], 0.0, 0, 0, positions)
 
     def loss_of(chunk, weight: float) -> torch.Tensor:
         logits = model(torch.tensor([chunk.tokens])).logits[0].float()

@@ -5,6 +5,7 @@ formula, stopping rules, parameters and data validation."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 
@@ -16,6 +17,8 @@ from lorafleet_controller.jobs import data, loop, params, schedule, stopping, un
 from lorafleet_controller.jobs.params import JobKind, JobParams, Schedule
 from lorafleet_controller.jobs.runner import datum, stored_params
 from lorafleet_controller.jobs.tokenizer import HfCodec
+
+POSITIONS = 512  # the tiny model's
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def trained_text(hf, chunk: units.Chunk) -> str:
 
 def test_one_pair_is_four_chat_templated_phrasings_trained_on_answer_and_turn_end(hf, codec):
     pair = data.Pair("What is my name?", "Dima")
-    made = units.qa_units(codec, [pair])
+    made = units.qa_units(codec, [pair], POSITIONS)
     assert len(made) == 4 and {u.group for u in made} == {0}
     for unit, phrasing in zip(made, units.PHRASINGS, strict=True):
         (chunk,) = unit.chunks
@@ -97,10 +100,10 @@ def test_turn_end_token_of_other_templates_is_trained(hf, template, specials, tu
 def test_a_tokenizer_without_chat_template_is_refused_for_qa(hf):
     codec = with_template(hf, None)
     with pytest.raises(FailedPrecondition) as err:
-        units.qa_plan(codec, [data.Pair("q?", "a")], 0.0, 0, 0)
+        units.qa_plan(codec, [data.Pair("q?", "a")], 0.0, 0, 0, POSITIONS)
     assert err.value.field == "base_model" and err.value.reason == "NO_CHAT_TEMPLATE"
     # Documents need no template.
-    plan = units.text_plan(codec, ["some words to train on"], 4, 0.0, 0, 0)
+    plan = units.text_plan(codec, ["some words to train on"], 4, 0.0, 0, 0, POSITIONS)
     assert plan.chat_template == "" and plan.unit_count == 1
 
 
@@ -109,15 +112,51 @@ def test_a_tokenizer_without_chat_template_is_refused_for_qa(hf):
 
 def test_windows_predict_every_next_token_after_their_documents_context():
     tokens = list(range(100, 111))  # 11 tokens → 10 predictions
-    got = units.windows(tokens, 4)
+    got = units.windows(tokens, 4, POSITIONS)
     assert [c.tokens for c in got] == [(100, 101, 102, 103), (104, 105, 106, 107), (108, 109)]
     assert [c.targets for c in got] == [(101, 102, 103, 104), (105, 106, 107, 108), (109, 110)]
     assert [c.context for c in got] == [(), (100, 101, 102, 103), tuple(range(100, 108))]
     assert all(c.mask == (1,) * len(c.tokens) for c in got)
 
 
+def test_documents_longer_than_the_positions_shift_their_context():
+    """juno's context shift: a window that would pass the positions reads only the last
+    positions/16 tokens before it; every window fits; the trainer's forward cost (a context
+    that extends the previous window's context + tokens is carried) stays linear."""
+    tokens = list(range(5001))
+    got = units.windows(tokens, 32, 512)
+    assert [t for c in got for t in c.tokens] == tokens[:-1]  # the whole document, in order
+    assert all(len(c.context) + len(c.tokens) <= 512 for c in got)
+    assert got[15].context == tuple(range(480)) and got[16].context == tuple(range(480, 512))
+    for c, nxt in itertools.pairwise(got):  # a context ends where its window starts
+        assert nxt.context == tuple(range(nxt.tokens[0] - len(nxt.context), nxt.tokens[0]))
+        assert len(nxt.context) >= 32 and c.tokens[-1] + 1 == nxt.tokens[0]
+    carried: tuple[int, ...] = ()
+    computed = 0
+    for c in got:  # what trainer/bptt.py computes (the first window is not carried)
+        new = c.context[len(carried) :] if c.context[: len(carried)] == carried else c.context
+        computed += len(new) + len(c.tokens)
+        carried = (c.context + c.tokens) if c.context else ()
+    assert computed / 5000 <= 1.1
+    # A window as long as the positions reads no context; a longer one is refused.
+    assert all(c.context == () for c in units.windows(tokens[:100], 16, 16))
+    with pytest.raises(InvalidArgument) as err:
+        units.windows(tokens, 513, 512)
+    assert err.value.field == "chunk_tokens"
+
+
+def test_what_would_fail_in_the_trainer_is_refused_when_the_job_is_made(codec):
+    with pytest.raises(InvalidArgument) as err:
+        units.text_plan(codec, ["some words"], 600, 0.0, 0, 0, 512)
+    assert err.value.field == "chunk_tokens"
+    pairs = [data.Pair("short?", "yes"), data.Pair("long " * 600 + "?", "no")]
+    with pytest.raises(InvalidArgument) as err:
+        units.qa_plan(codec, pairs, 0.0, 0, 0, 512)
+    assert err.value.field == "pairs[1]" and "512 positions" in err.value.message
+
+
 def test_a_window_datum_carries_its_context_for_truncated_bptt():
-    chunk = units.windows(list(range(10, 17)), 3)[1]  # tokens 13..15, context 10..12
+    chunk = units.windows(list(range(10, 17)), 3, POSITIONS)[1]  # tokens 13..15, context 10..12
     d = datum(chunk)
     assert (list(d.tokens), list(d.context)) == ([13, 14, 15], [10, 11, 12])
     assert struct.unpack("<3q", d.loss_fn_inputs["target_tokens"].data) == (14, 15, 16)
@@ -125,7 +164,7 @@ def test_a_window_datum_carries_its_context_for_truncated_bptt():
 
 
 def test_qa_datums_weigh_only_the_completion(codec):
-    (unit,) = units.qa_units(codec, [data.Pair("Where do I live?", "Lisbon")])[:1]
+    (unit,) = units.qa_units(codec, [data.Pair("Where do I live?", "Lisbon")], POSITIONS)[:1]
     (chunk,) = unit.chunks
     d = datum(chunk)
     n = len(d.tokens)
@@ -162,8 +201,8 @@ def test_a_split_leaving_nothing_to_train_is_refused():
 
 
 def test_max_train_tokens_takes_a_seeded_sample_of_whole_chunks():
-    doc = units.Unit(0, units.windows(list(range(41)), 4))  # 10 windows of 4 tokens
-    other = units.Unit(1, units.windows(list(range(21)), 4))  # 5 windows
+    doc = units.Unit(0, units.windows(list(range(41)), 4, POSITIONS))  # 10 windows of 4 tokens
+    other = units.Unit(1, units.windows(list(range(21)), 4, POSITIONS))  # 5 windows
     kept, dropped = units.subsample([doc, other], 30, seed=3)
     chunks = [c for u in kept for c in u.chunks]
     assert sum(len(c.tokens) for c in chunks) <= 30 and len(chunks) == 7 and dropped == 8

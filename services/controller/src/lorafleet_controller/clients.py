@@ -161,6 +161,25 @@ class TrainerClient(_Base):
 
         return await self.call(fetch)
 
+    async def export_tokenizer(self) -> dict[str, bytes]:
+        """The base model's tokenizer files as {name: bytes}, each checked by its SHA-256."""
+        req = trainer_pb2.ExportTokenizerRequest()
+
+        async def fetch() -> dict[str, bytes]:
+            files: dict[str, bytearray] = {}
+            digests: dict[str, str] = {}
+            async for part in self.stub.ExportTokenizer(req, timeout=60):
+                c = part.chunk
+                files.setdefault(c.path, bytearray()).extend(c.data)
+                if c.sha256:
+                    digests[c.path] = c.sha256
+            for path, data in files.items():
+                if digests.get(path) != sha256(bytes(data)):
+                    raise errors.Unavailable(f"tokenizer file {path} arrived damaged; retry")
+            return {path: bytes(data) for path, data in files.items()}
+
+        return await self.call(fetch)
+
     async def write_shared_adapter(
         self, slot: int, rid: str, version: int
     ) -> dict[str, common_pb2.BlobRef]:

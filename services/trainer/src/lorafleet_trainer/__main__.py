@@ -103,7 +103,9 @@ def main() -> None:
             serve_worker(engine, group)  # never returns
         serving = GroupEngine(engine, group, settings.group_keepalive_seconds, exit_lost)
     snapshots = Snapshotter(serving, settings.snapshot_every_steps, settings.snapshot_every_seconds)
-    servicer = TrainerServicer(serving, settings.replica_id, snapshots, shared_root)
+    servicer = TrainerServicer(
+        serving, settings.replica_id, snapshots, shared_root, model_path=settings.model_path
+    )
     info = serving.info()
     registrar = Registrar(
         replica,

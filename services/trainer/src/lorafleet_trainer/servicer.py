@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from lorafleet import shared_storage
+from lorafleet import names, shared_storage
 from lorafleet.errors import FailedPrecondition, InvalidArgument, LorafleetError
 from lorafleet.rpc.errors import error_info
 from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
@@ -29,6 +29,7 @@ from lorafleet_trainer.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lorafleet_trainer.domain import ForwardBackwardItem
 from lorafleet_trainer.engine import TrainerEngine
 from lorafleet_trainer.snapshots import Snapshotter
+from lorafleet_trainer.tokenizer import tokenizer_files
 
 if TYPE_CHECKING:
     from lorafleet_trainer.group import GroupEngine
@@ -45,11 +46,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         replica_id: str,
         snapshots: Snapshotter | None = None,
         shared_root: Path | None = None,
+        model_path: Path | None = None,
     ) -> None:
         self.engine = engine
         self.replica_id = replica_id
         self.snapshots = snapshots
         self.shared_root = shared_root
+        self.model_path = model_path  # where ExportTokenizer reads the tokenizer
+        self._tokenizer: dict[str, bytes] | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -214,6 +218,30 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    async def ExportTokenizer(
+        self, request: trainer_pb2.ExportTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[trainer_pb2.ExportTokenizerChunk]:
+        if self.model_path is None:
+            raise FailedPrecondition(
+                "this trainer was started without a model folder to serve a tokenizer from",
+                field="base_model",
+                reason="NO_TOKENIZER",
+            )
+        if self._tokenizer is None:  # off the torch thread: training goes on meanwhile
+            self._tokenizer = await asyncio.to_thread(tokenizer_files, self.model_path)
+        for name, data in self._tokenizer.items():
+            digest = hashlib.sha256(data).hexdigest()
+            for offset in range(0, max(len(data), 1), CHUNK_BYTES):
+                last = offset + CHUNK_BYTES >= len(data)
+                yield trainer_pb2.ExportTokenizerChunk(
+                    chunk=common_pb2.FileChunk(
+                        path=name,
+                        offset=offset,
+                        data=data[offset : offset + CHUNK_BYTES],
+                        sha256=digest if last else "",
+                    )
+                )
+
     async def WriteSharedAdapter(
         self, request: trainer_pb2.WriteSharedAdapterRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.WriteSharedAdapterResponse:
@@ -276,7 +304,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                         f"chunk of {c.path} at offset {c.offset} is out of order",
                         field="chunk.offset",
                     )
-                with (folder / c.path).open("ab") as f:
+                target = names.resolve_under(folder, c.path, field="chunk.path")
+                with target.open("ab") as f:
                     f.write(c.data)
                 sizes[c.path] = c.offset + len(c.data)
                 hashes.setdefault(c.path, hashlib.sha256()).update(c.data)

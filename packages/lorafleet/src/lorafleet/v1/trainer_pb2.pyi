@@ -729,3 +729,38 @@ class ImportAdapterResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ImportAdapterResponse: _TypeAlias = ImportAdapterResponse  # noqa: Y015
+
+@_typing.final
+class ExportTokenizerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportTokenizerRequest: _TypeAlias = ExportTokenizerRequest  # noqa: Y015
+
+@_typing.final
+class ExportTokenizerChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> _common_pb2.FileChunk: ...
+    def __init__(
+        self,
+        *,
+        chunk: _common_pb2.FileChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportTokenizerChunk: _TypeAlias = ExportTokenizerChunk  # noqa: Y015

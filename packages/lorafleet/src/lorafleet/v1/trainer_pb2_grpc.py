@@ -89,6 +89,11 @@ class TrainerServiceStub:
                 request_serializer=lorafleet_dot_v1_dot_trainer__pb2.ImportAdapterChunk.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_trainer__pb2.ImportAdapterResponse.FromString,
                 _registered_method=True)
+        self.ExportTokenizer = channel.unary_stream(
+                '/lorafleet.v1.TrainerService/ExportTokenizer',
+                request_serializer=lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerChunk.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -179,6 +184,16 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportTokenizer(self, request, context):
+        """Stream the base model's tokenizer as the files AutoTokenizer loads from a folder (its
+        chat template included): managed jobs tokenise with them, so the controller needs no
+        hub, no model folder and no name that resolves. FAILED_PRECONDITION (NO_TOKENIZER) when
+        the model folder has none. Deadline 60 s. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +251,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ImportAdapter,
                     request_deserializer=lorafleet_dot_v1_dot_trainer__pb2.ImportAdapterChunk.FromString,
                     response_serializer=lorafleet_dot_v1_dot_trainer__pb2.ImportAdapterResponse.SerializeToString,
+            ),
+            'ExportTokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportTokenizer,
+                    request_deserializer=lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -535,6 +555,33 @@ class TrainerService:
             '/lorafleet.v1.TrainerService/ImportAdapter',
             lorafleet_dot_v1_dot_trainer__pb2.ImportAdapterChunk.SerializeToString,
             lorafleet_dot_v1_dot_trainer__pb2.ImportAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lorafleet.v1.TrainerService/ExportTokenizer',
+            lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerRequest.SerializeToString,
+            lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -73,6 +73,12 @@ class TrainerServiceStub:
     """Import an HF PEFT adapter into a bound slot (header first, then file chunks). Deadline 300 s.
     Idempotent per operation id.
     """
+    ExportTokenizer: _grpc.UnaryStreamMultiCallable[_trainer_pb2.ExportTokenizerRequest, _trainer_pb2.ExportTokenizerChunk]
+    """Stream the base model's tokenizer as the files AutoTokenizer loads from a folder (its
+    chat template included): managed jobs tokenise with them, so the controller needs no
+    hub, no model folder and no name that resolves. FAILED_PRECONDITION (NO_TOKENIZER) when
+    the model folder has none. Deadline 60 s. Idempotent.
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
@@ -111,6 +117,12 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     ImportAdapter: _aio.StreamUnaryMultiCallable[_trainer_pb2.ImportAdapterChunk, _trainer_pb2.ImportAdapterResponse]  # type: ignore[assignment]
     """Import an HF PEFT adapter into a bound slot (header first, then file chunks). Deadline 300 s.
     Idempotent per operation id.
+    """
+    ExportTokenizer: _aio.UnaryStreamMultiCallable[_trainer_pb2.ExportTokenizerRequest, _trainer_pb2.ExportTokenizerChunk]  # type: ignore[assignment]
+    """Stream the base model's tokenizer as the files AutoTokenizer loads from a folder (its
+    chat template included): managed jobs tokenise with them, so the controller needs no
+    hub, no model folder and no name that resolves. FAILED_PRECONDITION (NO_TOKENIZER) when
+    the model folder has none. Deadline 60 s. Idempotent.
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -213,6 +225,18 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_trainer_pb2.ImportAdapterResponse, _abc.Awaitable[_trainer_pb2.ImportAdapterResponse]]:
         """Import an HF PEFT adapter into a bound slot (header first, then file chunks). Deadline 300 s.
         Idempotent per operation id.
+        """
+
+    @_abc_1.abstractmethod
+    def ExportTokenizer(
+        self,
+        request: _trainer_pb2.ExportTokenizerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_trainer_pb2.ExportTokenizerChunk], _abc.AsyncIterator[_trainer_pb2.ExportTokenizerChunk]]:
+        """Stream the base model's tokenizer as the files AutoTokenizer loads from a folder (its
+        chat template included): managed jobs tokenise with them, so the controller needs no
+        hub, no model folder and no name that resolves. FAILED_PRECONDITION (NO_TOKENIZER) when
+        the model folder has none. Deadline 60 s. Idempotent.
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -211,6 +211,8 @@ class JobRunner:
         self.records = Records(controller.store, controller.notifier)
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._tenant_locks: dict[str, asyncio.Lock] = {}
+        # base model -> ((replica id, incarnation) it came from, its tokenizer)
+        self._codecs: dict[str, tuple[tuple[str, str], tokenizer.HfCodec]] = {}
         self._running = False
 
     # --- requests ---------------------------------------------------------------------------
@@ -331,28 +333,36 @@ class JobRunner:
             f"several base models are served ({served}); name one", field="base_model"
         )
 
-    async def _codec(self, base_model: str) -> tokenizer.HfCodec:
-        trainers = await self.controller.registry.replicas(TRAINER, base_model)
-        ids = sorted({r.tokenizer_id for r in trainers if r.tokenizer_id})
-        if not ids:
-            raise errors.Unavailable(
-                f"no trainer of {base_model!r} announced a tokenizer", field="base_model"
-            )
-        return await asyncio.to_thread(tokenizer.load, ids[0])
+    async def _codec(self, base_model: str) -> tuple[tokenizer.HfCodec, int]:
+        """The base model's tokenizer, streamed from a trainer that serves the model (kept
+        while that trainer process lives), and the model's positions (the fewest any of its
+        trainers has): the controller itself loads nothing by name."""
+        trainers = sorted((r for r in await self.controller.registry.replicas(TRAINER, base_model)
+                           if r.healthy), key=lambda r: r.replica_id)  # fmt: skip
+        if not trainers:
+            raise errors.Unavailable(f"no trainer of {base_model!r} is up", field="base_model")
+        rep = trainers[0]
+        source = (rep.replica_id, rep.incarnation)
+        known = self._codecs.get(base_model)
+        if known is None or known[0] != source:
+            files = await self.controller.pool.trainer(rep.address).export_tokenizer()
+            known = source, await asyncio.to_thread(tokenizer.from_files, files)
+            self._codecs[base_model] = known
+        return known[1], min(r.max_context_length for r in trainers)
 
     async def _plan(
         self, kind: JobKind, base_model: str, p: JobParams, stored: dict[str, Any]
     ) -> units.Plan | None:
         if kind == JobKind.SAVE:
             return None
-        codec = await self._codec(base_model)
+        codec, positions = await self._codec(base_model)
         if kind == JobKind.QA:
             pairs = [data.Pair(q, a) for q, a in stored["pairs"]]
             return await asyncio.to_thread(units.qa_plan, codec, pairs, p.validation_split,
-                                           p.seed, p.max_train_tokens)  # fmt: skip
+                                           p.seed, p.max_train_tokens, positions)  # fmt: skip
         return await asyncio.to_thread(units.text_plan, codec, stored["documents"],
                                        p.chunk_tokens, p.validation_split, p.seed,
-                                       p.max_train_tokens)  # fmt: skip
+                                       p.max_train_tokens, positions)  # fmt: skip
 
     async def _create_default(self, tenant: str, base_model: str, p: JobParams) -> RegRecord:
         """The tenant's default run: a fresh adapter of the job's shape, or, when the last

@@ -1,14 +1,16 @@
 """The base model's tokenizer, as jobs need it: encode text and render chat templates.
 
-Loaded with `transformers.AutoTokenizer` from the trainer's announced `tokenizer_id` (a local
-folder or a hub name), the same call a Tinker client makes, and kept per id: a job formats
-its data exactly as a client of the same model would.
+Built with `transformers.AutoTokenizer` from the files the trainer serving the model streams
+(`TrainerService.ExportTokenizer`), written to a private folder: no hub, no model folder and
+no name that must resolve in the controller (issue 23). It is the tokenizer a Tinker client
+of the same model loads, so a job formats its data exactly as such a client would.
 """
 
 from __future__ import annotations
 
-import functools
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -33,8 +35,11 @@ class HfCodec:
         return str(out)
 
 
-@functools.lru_cache(maxsize=8)
-def load(tokenizer_id: str) -> HfCodec:
+def from_files(files: dict[str, bytes]) -> HfCodec:
+    """The codec of a tokenizer given as its files."""
     from transformers import AutoTokenizer
 
-    return HfCodec(AutoTokenizer.from_pretrained(tokenizer_id))
+    with tempfile.TemporaryDirectory(prefix="lorafleet-tokenizer-") as tmp:
+        for name, data in files.items():
+            (Path(tmp) / Path(name).name).write_bytes(data)  # plain names only: no traversal
+        return HfCodec(AutoTokenizer.from_pretrained(tmp, local_files_only=True))

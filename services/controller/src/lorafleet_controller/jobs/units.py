@@ -3,9 +3,21 @@
 A *unit* is what the validation split holds out whole and what a pass shuffles: one
 phrasing of a Q&A pair, or one document. A unit is made of *chunks*, one datum each: a
 phrasing is one chunk; a document is cut into windows of `chunk_tokens` (truncated BPTT:
-each window carries its document's earlier tokens as `context`, which the trainer runs
-without gradient). All of it is a pure function of the data, the parameters and the
-tokenizer, so a resumed job rebuilds exactly the units it started with.
+each window names the document tokens it reads before itself as `context`; the trainer
+reads their keys/values, detached, carried from the window before: trainer/bptt.py). All
+of it is a pure function of the data, the parameters, the tokenizer and the model's
+positions, so a resumed job rebuilds exactly the units it started with.
+
+Documents of any length: a window's context starts where its *segment* starts. When a
+window would not fit in the model's positions after its context, the context shifts
+(juno's context shift: drop the oldest tokens and keep going, here with the kept tokens
+recomputed rather than re-rotated): it keeps only the document's last `shift_keep` tokens
+before the window, which the trainer computes again from position 0, and the windows after
+it carry as before. A shift recomputes `shift_keep` (positions / 16) tokens once per more
+than positions − positions / 16 − chunk_tokens new ones: a long document in 32-token
+windows on 512 positions costs 1.07 forward tokens per token (the first window's tokens,
+which the second computes again, included), and a window after the first always reads at
+least `shift_keep` tokens before it.
 
 Q&A (juno §11.6): each pair becomes four phrasings of the question (generalisation), each
 rendered with the model's chat template as a user turn and an assistant turn. The loss is
@@ -164,34 +176,63 @@ def qa_chunk(codec: Codec, question: str, answer: str) -> Chunk:
     return Chunk(tuple(ids[:-1]), tuple(ids[1:]), tuple(mask))
 
 
-def qa_units(codec: Codec, pairs: Sequence[Pair]) -> list[Unit]:
-    """Four units per pair, one per phrasing, grouped by pair."""
-    return [
-        Unit(i, (qa_chunk(codec, phrasing.format(q=pair.question), pair.answer),))
-        for i, pair in enumerate(pairs)
-        for phrasing in PHRASINGS
-    ]
-
-
-def windows(tokens: Sequence[int], chunk_tokens: int) -> tuple[Chunk, ...]:
-    """A document's truncated-BPTT windows: `chunk_tokens` inputs each, predicting the next
-    token at every position, with the document's earlier tokens as context."""
+def qa_units(codec: Codec, pairs: Sequence[Pair], positions: int) -> list[Unit]:
+    """Four units per pair, one per phrasing, grouped by pair; each within `positions`."""
     out = []
+    for i, pair in enumerate(pairs):
+        for phrasing in PHRASINGS:
+            chunk = qa_chunk(codec, phrasing.format(q=pair.question), pair.answer)
+            if len(chunk.tokens) > positions:
+                raise InvalidArgument(
+                    f"phrased and chat-templated, the pair is {len(chunk.tokens)} tokens; the "
+                    f"base model has {positions} positions",
+                    field=f"pairs[{i}]",
+                )
+            out.append(Unit(i, (chunk,)))
+    return out
+
+
+def shift_keep(positions: int, chunk_tokens: int) -> int:
+    """How many of a document's tokens a shifted context keeps (see the module docstring)."""
+    return min(positions // 16, positions - chunk_tokens)
+
+
+def check_chunk_tokens(chunk_tokens: int, positions: int) -> None:
+    """A window must fit in the model's positions (with room for no context at all)."""
+    if chunk_tokens > positions:
+        raise InvalidArgument(
+            f"{chunk_tokens} tokens per window exceed the base model's {positions} positions",
+            field="chunk_tokens",
+        )
+
+
+def windows(tokens: Sequence[int], chunk_tokens: int, positions: int) -> tuple[Chunk, ...]:
+    """A document's truncated-BPTT windows: `chunk_tokens` inputs each, predicting the next
+    token at every position, each after its segment's earlier tokens as context, context
+    and window together within `positions`."""
+    check_chunk_tokens(chunk_tokens, positions)
+    keep = shift_keep(positions, chunk_tokens)
+    out = []
+    segment = 0
     last = len(tokens) - 1  # the final token is only ever a target
     for start in range(0, last, chunk_tokens):
         end = min(start + chunk_tokens, last)
+        if end - segment > positions:
+            segment = start - keep
         out.append(
             Chunk(
                 tuple(tokens[start:end]),
                 tuple(tokens[start + 1 : end + 1]),
                 (1,) * (end - start),
-                tuple(tokens[:start]),
+                tuple(tokens[segment:start]),
             )
         )
     return tuple(out)
 
 
-def document_units(codec: Codec, documents: Sequence[str], chunk_tokens: int) -> list[Unit]:
+def document_units(
+    codec: Codec, documents: Sequence[str], chunk_tokens: int, positions: int
+) -> list[Unit]:
     units = []
     for i, doc in enumerate(documents):
         tokens = codec.encode(doc)
@@ -199,7 +240,7 @@ def document_units(codec: Codec, documents: Sequence[str], chunk_tokens: int) ->
             raise InvalidArgument(
                 "a document needs at least 2 tokens to train on", field=f"documents[{i}]"
             )
-        units.append(Unit(i, windows(tokens, chunk_tokens)))
+        units.append(Unit(i, windows(tokens, chunk_tokens, positions)))
     return units
 
 
@@ -246,9 +287,11 @@ def subsample(units: Sequence[Unit], budget: int, seed: int) -> tuple[list[Unit]
     return out, len(flat) - len(keep)
 
 
-def qa_plan(codec: Codec, pairs: Sequence[Pair], fraction: float, seed: int, budget: int) -> Plan:
+def qa_plan(
+    codec: Codec, pairs: Sequence[Pair], fraction: float, seed: int, budget: int, positions: int
+) -> Plan:
     family = require_template(codec)
-    units = qa_units(codec, pairs)
+    units = qa_units(codec, pairs, positions)
     train, validation = split(units, fraction, seed)
     train, dropped = subsample(train, budget, seed)
     return Plan(tuple(train), tuple(validation), len(pairs), len(units), family, dropped)
@@ -256,9 +299,10 @@ def qa_plan(codec: Codec, pairs: Sequence[Pair], fraction: float, seed: int, bud
 
 def text_plan(
     codec: Codec, documents: Sequence[str], chunk_tokens: int, fraction: float, seed: int,
-    budget: int,
+    budget: int, positions: int,
 ) -> Plan:  # fmt: skip
-    units = document_units(codec, documents, chunk_tokens)
+    check_chunk_tokens(chunk_tokens, positions)  # before the documents are tokenised
+    units = document_units(codec, documents, chunk_tokens, positions)
     train, validation = split(units, fraction, seed)
     train, dropped = subsample(train, budget, seed)
     family = template_family(codec.chat_template) if codec.chat_template else ""
