@@ -660,6 +660,7 @@ def test_vllm_engine_runs_a_vllm_server_beside_the_rollout(render):
     # The rollout accepts no rank its server cannot load.
     assert int(env["LORAFLEET_ROLLOUT_MAX_LORA_RANK"]) <= values["rollout"]["vllm"]["maxLoraRank"]
     assert "sglang" not in json.dumps(pod)
+    assert "engine vllm (vLLM v0.32.0)" in rendered.files["lorafleet/templates/NOTES.txt"]
 
 
 # Reads each rendered server command with the server's own argument parser (SGLang 0.5.23's
