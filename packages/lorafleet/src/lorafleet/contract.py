@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from lorafleet import names
 from lorafleet.errors import InvalidArgument
 
 # --- losses ---------------------------------------------------------------------------------
@@ -281,18 +282,6 @@ class CheckpointKind(StrEnum):
     EXTERNAL_WEIGHTS = "external_weights"
 
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
-
-
-def check_name(name: str, field: str = "name") -> str:
-    """A checkpoint name: 1-128 of letters, digits, '_', '.', '-' (it becomes a path part)."""
-    if not _NAME_RE.match(name):
-        raise InvalidArgument(
-            f"{name!r} is not a valid name (1-128 of letters, digits, '_', '.', '-')", field=field
-        )
-    return name
-
-
 @dataclass(frozen=True)
 class TinkerPath:
     """`tinker://<run>/<kind>/<name>`, exactly three parts, as the SDK parses it."""
@@ -316,9 +305,11 @@ class TinkerPath:
         kinds = [k.value for k in CheckpointKind]
         if len(parts) != 3 or not all(parts) or parts[1] not in kinds:
             raise InvalidArgument(
-                f"{path!r} is not a tinker://<run>/<{'|'.join(kinds)}>/<name> path", field=field
+                f"{path[:80]!r} is not a tinker://<run>/<{'|'.join(kinds)}>/<name> path",
+                field=field,
             )
-        return cls(parts[0], CheckpointKind(parts[1]), parts[2])
+        names.check_name(parts[2], field)
+        return cls(names.check_run_id(parts[0], field), CheckpointKind(parts[1]), parts[2])
 
 
 @dataclass(frozen=True)

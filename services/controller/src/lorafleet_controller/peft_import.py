@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lorafleet import contract, errors
+from lorafleet import contract, errors, names
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.catalog import TRAINING
 from lorafleet_controller.registry import TRAINER, Replica, base_model_name
@@ -223,7 +223,7 @@ class Importer:
         c = self.c
         if not tenant:
             raise errors.InvalidArgument("tenant is required", field="tenant")
-        contract.check_name(name)
+        names.check_name(name)
         adapter = parse_adapter(files)
         trainers = await c.registry.replicas(TRAINER)
         base = choose_base(adapter, base_model, trainers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from lorafleet import contract, errors
+from lorafleet import contract, errors, names
 from lorafleet.v1 import controller_pb2
 
 KIND_OF_FIELD = {
@@ -47,7 +47,7 @@ def parse_tinker_path(path: str, field: str) -> tuple[str, str, str]:
             f"{path!r} is not tinker://<run>/weights/<name> or .../sampler_weights/<name>",
             field=field,
         )
-    contract.check_name(parsed.name, field)
+    names.check_name(parsed.name, field)
     return parsed.run_id, parsed.kind.value, parsed.name
 
 
@@ -84,7 +84,7 @@ def _validate(payload: controller_pb2.OperationPayload) -> None:
         adam = payload.optim_step
         contract.check_adam({name: getattr(adam, name) for name in contract.ADAM_RULES})
     elif which == "save_state":
-        contract.check_name(payload.save_state.name, "name")
+        names.check_name(payload.save_state.name, "name")
         if payload.save_state.ttl_seconds < 0:
             raise errors.InvalidArgument("must be >= 0", field="ttl_seconds")
     elif which == "load_state":
@@ -92,7 +92,7 @@ def _validate(payload: controller_pb2.OperationPayload) -> None:
     elif which == "save_weights_for_sampler":
         sw = payload.save_weights_for_sampler
         if sw.name:
-            contract.check_name(sw.name, "name")
+            names.check_name(sw.name, "name")
         elif not sw.sampler_session_id:
             raise errors.InvalidArgument(
                 "either a name or a sampler_session_id is required", field="name"

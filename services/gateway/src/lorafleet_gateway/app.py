@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Response
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet_gateway import errors, protocol
 from lorafleet_gateway.auth import AuthCache
+from lorafleet_gateway.bodies import refuse_invalid_text
 from lorafleet_gateway.controller import ControllerClient
 from lorafleet_gateway.middleware import GatewayMiddleware
 from lorafleet_gateway.routers import (
@@ -86,6 +87,7 @@ def build_app(settings: GatewaySettings, download_secret: bytes) -> FastAPI:
         summary="The Tinker REST API (SDK 0.24.1 and 0.38.0) in front of a lorafleet controller.",
         version="0.1.0",
         lifespan=lifespan,
+        dependencies=[Depends(refuse_invalid_text)],
     )
     app.state.auth_cache = AuthCache(settings.auth_cache_seconds)
     errors.install(app)

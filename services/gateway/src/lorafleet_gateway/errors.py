@@ -115,7 +115,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        body = {"detail": exc.detail, "field": None, "reason": "HTTP", "category": "user"}
+        # FastAPI's only 400 of its own: a body its parser gave up on (too deep, say)
+        field = "body" if exc.status_code == 400 else None
+        body = {"detail": exc.detail, "field": field, "reason": "HTTP", "category": "user"}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)

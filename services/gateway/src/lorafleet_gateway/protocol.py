@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from lorafleet.contract import ADAM_DEFAULTS, DEFAULT_RANK, MAX_RANK
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-SeqId = Annotated[int, Field(ge=0, lt=2**31)]
+SEQ_ID_LIMIT = 2**31  # seq_ids are int32 in tinker_public
+SeqId = Annotated[int, Field(ge=0, lt=SEQ_ID_LIMIT)]
 # Seconds until a checkpoint expires (int64 on the wire; bounded far below it).
 TtlSeconds = Annotated[int, Field(ge=1, lt=2**40)]
 

@@ -11,10 +11,10 @@ refused instead of silently training on garbage. Names are immutable.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -23,9 +23,11 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lorafleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from lorafleet import names
+from lorafleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from lorafleet_trainer.domain import StateRef
 
 STATE_FORMAT = "lorafleet-trainer-state-v1"
@@ -34,8 +36,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
-NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
-REGISTRATION_RE = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 
 
 def peft_key(module: str, which: str) -> str:
@@ -79,15 +79,13 @@ def read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     return config, tensors
 
 
-def validate_name(name: str) -> None:
-    if not NAME_RE.fullmatch(name):
-        raise InvalidArgument("must match [A-Za-z0-9._-]{1,128}", field="name")
-
-
 def state_dir(root: Path, registration_id: str, name: str) -> Path:
-    if not REGISTRATION_RE.fullmatch(registration_id) or registration_id in (".", ".."):
-        raise InvalidArgument("not usable as a storage folder name", field="registration_id")
-    return root / registration_id / name
+    """`<root>/<registration_id>/<name>`: the run id must be one path part, and the folder
+    must resolve inside the run's own folder under the root (the second wall behind the
+    name rule every layer checks first: a name that got through anyway cannot escape)."""
+    names.check_run_id(registration_id, "registration_id")
+    run = names.resolve_under(root, registration_id, field="registration_id")
+    return names.resolve_under(run, name, field="name")
 
 
 def save_state(
@@ -98,12 +96,13 @@ def save_state(
     optimizer: dict[str, torch.Tensor] | None,
     trainer_state: dict[str, Any],
 ) -> StateRef:
-    """Write a state folder atomically; refuses an existing name (AlreadyExists)."""
+    """Write a state folder atomically; refuses an existing name (AlreadyExists). A full
+    disk is ResourceExhausted naming the folder and the space left, and leaves nothing."""
     if final.exists():
         raise AlreadyExists(f"a state named {final.name!r} already exists", field="name")
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex}"
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
         write_adapter(tmp, adapter_config, adapter)
         if optimizer is not None:
             save_file(
@@ -121,10 +120,50 @@ def save_state(
             with p.open("rb") as f:
                 os.fsync(f.fileno())
         os.rename(tmp, final)
+    except (OSError, SafetensorError) as exc:
+        if not out_of_space(exc):
+            raise
+        full = True
+    else:
+        full = False
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    if full:  # reported once the partial folder is gone: the space a retry would have
+        raise disk_full(final)
     return _ref(final)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def out_of_space(exc: Exception) -> bool:
+    """ENOSPC or EDQUOT, raised by Python (OSError) or by safetensors' Rust writer, which
+    reports it as a SafetensorError carrying "os error <errno>"."""
+    if isinstance(exc, OSError):
+        return exc.errno in _NO_SPACE
+    return any(f"(os error {code})" in str(exc) for code in _NO_SPACE)
+
+
+def disk_full(path: Path) -> ResourceExhausted:
+    """ENOSPC/EDQUOT as the client should see it: which folder, how much space is left.
+    Nothing was written (the temporary folder is removed), so the run and its earlier
+    states are intact and the save can be retried once space is freed."""
+    try:
+        free = shutil.disk_usage(_existing(path)).free
+    except OSError:
+        free = -1
+    left = f"{free} bytes free" if free >= 0 else "free space unknown"
+    return ResourceExhausted(
+        f"no space left to write {path} ({left} on its filesystem)",
+        field="storage_root", reason="DISK_FULL", retry_after=60.0,
+    )  # fmt: skip
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _ref(final: Path) -> StateRef:

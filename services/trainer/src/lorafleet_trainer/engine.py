@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lorafleet import names
 from lorafleet.contract import LOSS_NAMES, OPTIMIZERS
 from lorafleet.errors import FailedPrecondition, Internal, InvalidArgument, LorafleetError
 from lorafleet_trainer import bptt, checkpoint, metrics
@@ -457,7 +458,7 @@ class TrainerEngine:
         self._require_op_id(operation_id)
         if operation_id in binding.ops:
             return self._replay(binding, operation_id)
-        checkpoint.validate_name(name)
+        names.check_name(name)
         final = checkpoint.state_dir(self.storage_root, registration_id, name)
         earlier = checkpoint.saved_by(final, operation_id)
         if earlier is not None:  # this very operation, saved before its trainer was lost

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Any
 
-from lorafleet import contract
+from lorafleet import contract, names
 from lorafleet.errors import InvalidArgument
 
 
@@ -127,7 +127,7 @@ def _targets(name: str, raw: str) -> tuple[str, ...]:
 
 
 def _name(name: str, raw: str) -> str:
-    return contract.check_name(raw, field=name)
+    return names.check_name(raw, field=name)
 
 
 PARSERS: Mapping[str, Callable[[str, str], Any]] = {

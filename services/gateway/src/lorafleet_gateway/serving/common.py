@@ -11,7 +11,7 @@ from lorafleet.rpc.errors import error_info
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway import views
 from lorafleet_gateway.controller import ControllerClient
-from lorafleet_gateway.protocol import UntypedAPIFuture
+from lorafleet_gateway.protocol import SEQ_ID_LIMIT, UntypedAPIFuture
 
 
 class Ledger:
@@ -52,7 +52,7 @@ class Ledger:
         unspent seq_id would hold the run's queue until the gap timeout seals it. Best effort:
         if the ledger refuses too (unknown run, another tenant), the client's 4xx stands alone.
         """
-        if seq_id <= 0 or not model_id:
+        if not 0 < seq_id < SEQ_ID_LIMIT or not model_id:  # no SDK sends one out of range
             return
         request = cpb.SubmitOperationRequest(
             tenant=tenant, registration_id=model_id, seq_id=seq_id, rejection=error_info(exc)

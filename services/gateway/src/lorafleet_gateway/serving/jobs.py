@@ -47,6 +47,8 @@ def _json(body: bytes, field: str = "body") -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise errors.InvalidArgument(f"not valid JSON: {exc}", field=field) from None
+    except RecursionError:
+        raise errors.InvalidArgument("JSON nested too deeply", field=field) from None
 
 
 def _file_part(body: bytes, content_type: str) -> tuple[str, bytes]:

@@ -147,7 +147,7 @@ class TrainingServing:
             error = errors.InvalidArgument(first["msg"], field=dotted(first["loc"]) or "body")
         try:
             named = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
             named = None
         await self._ledger.spend_named(tenant, named, error)
         raise error

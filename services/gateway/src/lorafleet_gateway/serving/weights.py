@@ -13,7 +13,7 @@ future id carries the name (`FutureKind.EXTERNAL`). Age encryption is not suppor
 
 from __future__ import annotations
 
-from lorafleet import contract, errors
+from lorafleet import contract, errors, names
 from lorafleet.contract import FutureId, FutureKind
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway import convert, views
@@ -38,7 +38,7 @@ class WeightsServing:
     async def save_weights(self, tenant: str, body: SaveWeightsRequest) -> UntypedAPIFuture:
         def payload() -> cpb.OperationPayload:
             save = cpb.SaveStatePayload(
-                name=contract.check_name(body.path, "path"),
+                name=names.check_name(body.path, "path"),
                 ttl_seconds=body.ttl_seconds or 0,
                 user_metadata=convert.metadata(body.user_metadata),
             )
@@ -56,7 +56,7 @@ class WeightsServing:
                 user_metadata=convert.metadata(body.user_metadata),
             )
             if body.path:
-                save.name = contract.check_name(body.path, "path")
+                save.name = names.check_name(body.path, "path")
             elif body.sampling_session_seq_id is not None:
                 session = views.session_of(body.model_id)
                 save.sampler_session_id = views.sampler_id(session, body.sampling_session_seq_id)
@@ -79,7 +79,7 @@ class WeightsServing:
                     "age encryption is not supported by this server; omit the recipients",
                     field="age_encryption_recipients",
                 )
-            name = views.EXTERNAL_PREFIX + contract.check_name(body.path, "path")
+            name = views.EXTERNAL_PREFIX + names.check_name(body.path, "path")
             save = cpb.SaveStatePayload(name=name, ttl_seconds=body.ttl_seconds or 0)
             return cpb.OperationPayload(save_state=save)
 
