@@ -343,6 +343,14 @@ class Controller:
             await self.ledger.fence(rid, RegState.RETIRED, finished)
             await self.placer.retire(rid)
             await self.recovery.forget(rid)
+        await self.tenancy.finish(tenant, session_id, reason)
+
+    async def revoke_api_key(self, key_id: str) -> None:
+        """Revoke a key and finish the live sessions it opened: their clients can no longer
+        heartbeat or submit, so their runs' slots go back now rather than after the timeout."""
+        await self.tenancy.revoke_key(key_id)
+        for tenant, session_id in await self.tenancy.sessions_of_key(key_id):
+            await self.finish_session(tenant, session_id, "API key revoked")
 
     async def delete_registration(self, tenant: str, rid: str) -> None:
         rec = await self.registry.get(tenant, rid)
@@ -357,14 +365,6 @@ class Controller:
         await self.recovery.forget(rid)
         await self.publisher.forget(rid, rec.base_model)
 
-        await self.tenancy.finish(tenant, session_id, reason)
-
-    async def revoke_api_key(self, key_id: str) -> None:
-        """Revoke a key and finish the live sessions it opened: their clients can no longer
-        heartbeat or submit, so their runs' slots go back now rather than after the timeout."""
-        await self.tenancy.revoke_key(key_id)
-        for tenant, session_id in await self.tenancy.sessions_of_key(key_id):
-            await self.finish_session(tenant, session_id, "API key revoked")
     # --- ledger ---------------------------------------------------------------------------
     async def submit_operation(
         self,

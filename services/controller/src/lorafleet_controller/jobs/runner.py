@@ -379,6 +379,9 @@ class JobRunner:
         req = pb.CreateRegistrationRequest(
             tenant=tenant, session_id=session, model_seq_id=0, base_model=base_model,
             lora_config=lora, initial_checkpoint=previous.get("checkpoint", ""),
+            # with its Adam moments and step count: giving the slot back between jobs
+            # (`_release_default`) changes nothing the next job computes
+            initial_with_optimizer=True,
         )  # fmt: skip
         reg, _ = await self.controller.create_registration(req)
         await self.records.set_default_run(tenant, rid=reg.registration_id, checkpoint="")
@@ -398,9 +401,6 @@ class JobRunner:
         workers = list(self._workers.values())
         self._workers.clear()
         for task in workers:
-            # with its Adam moments and step count: giving the slot back between jobs
-            # (`_release_default`) changes nothing the next job computes
-            initial_with_optimizer=True,
             task.cancel()
         for task in workers:
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -432,26 +432,6 @@ class JobRunner:
                 log.exception("job %s failed", rec.job_id)
                 await self.records.finish(rec, JobState.FAILED,
                                           error=job_error(errors.Internal(str(exc))))  # fmt: skip
-
-    async def _execute(self, rec: JobRecord) -> JobState:
-        """Run one job to its end; the state it finished in."""
-        kind = JobKind(rec.kind)
-        if rec.finished:
-            await self.records.finish(rec, rec.state)
-            return JobState.FAILED
-        if rec.cancel_requested and rec.state == JobState.QUEUED:
-            await self.records.finish(rec, JobState.CANCELLED)
-            return JobState.CANCELLED
-        if rec.cursor is None:
-            reg = await self.controller.registry.get_any(rec.registration_id)
-            if reg is None:
-                raise errors.NotFound(f"no run {rec.registration_id}", field="registration_id")
-            cursor = loop.Cursor(seq=reg.max_seq + 1)
-            await self.records.update(rec.job_id, state=JobState.RUNNING.value,
-                                      started_at=time.time(), cursor=cursor.to_dict())  # fmt: skip
-        else:
-            cursor = loop.Cursor.from_dict(rec.cursor)
-        p = params.parse(kind, rec.params)
                 continue
             if state == JobState.SUCCEEDED:
                 await self._release_default(rec)
@@ -477,6 +457,26 @@ class JobRunner:
             if reg.state != RegState.RETIRED:
                 log.info("run %s: its jobs are done, giving its slot back", reg.registration_id)
                 await self.controller.finish_session(rec.tenant, reg.session_id, "jobs done")
+
+    async def _execute(self, rec: JobRecord) -> JobState:
+        """Run one job to its end; the state it finished in."""
+        kind = JobKind(rec.kind)
+        if rec.finished:
+            await self.records.finish(rec, rec.state)
+            return rec.state
+        if rec.cancel_requested and rec.state == JobState.QUEUED:
+            await self.records.finish(rec, JobState.CANCELLED)
+            return JobState.CANCELLED
+        if rec.cursor is None:
+            reg = await self.controller.registry.get_any(rec.registration_id)
+            if reg is None:
+                raise errors.NotFound(f"no run {rec.registration_id}", field="registration_id")
+            cursor = loop.Cursor(seq=reg.max_seq + 1)
+            await self.records.update(rec.job_id, state=JobState.RUNNING.value,
+                                      started_at=time.time(), cursor=cursor.to_dict())  # fmt: skip
+        else:
+            cursor = loop.Cursor.from_dict(rec.cursor)
+        p = params.parse(kind, rec.params)
         ex = LedgerExecutor(self, rec, cursor.seq)
         try:
             if kind == JobKind.SAVE:
@@ -495,12 +495,12 @@ class JobRunner:
             await ex.abandon()
             await ex.ack()
             await self.records.finish(rec, JobState.CANCELLED, cursor=cursor.to_dict())
-            return rec.state
+            return JobState.CANCELLED
         except errors.LorafleetError as exc:
             await ex.abandon()
             await ex.ack()
             await self.records.finish(rec, JobState.FAILED, error=job_error(exc))
-            return JobState.CANCELLED
+            return JobState.FAILED
         await ex.ack()
         await self.records.finish(rec, JobState.SUCCEEDED, result=result,
                                   cursor=cursor.to_dict())  # fmt: skip
