@@ -341,3 +341,14 @@ async def test_real_sglang_server(tmp_path: Path) -> None:
     finally:
         await engine.unload_adapter("lorafleet-test@1")
         await engine.close()
+
+
+def test_a_launched_server_gets_the_fleets_flags(model_dir: Path) -> None:
+    """launch=True starts what `sglang_server.py` defines for every lorafleet SGLang."""
+    engine = SGLangEngine("http://127.0.0.1:31234", model_dir, max_lora_rank=16, launch=True)
+    server = engine.launcher()
+    command, env = server.command(), server.env({})
+    assert command[command.index("--port") + 1] == "31234"
+    assert command[command.index("--max-lora-rank") + 1] == "16"
+    assert "lm_head" in command[command.index("--lora-target-modules") + 1 :]
+    assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -29,7 +31,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from lorafleet.errors import InvalidArgument
-from lorafleet_rollout import sglang_api
+from lorafleet_rollout import sglang_api, sglang_server
 from lorafleet_rollout.sglang_lora import ModelShape, ServerLora, publish
 
 BANKS = ["experts.gate_up_proj", "experts.down_proj"]
@@ -67,44 +69,79 @@ def shape_of(model_dir: Path) -> ModelShape:
     return ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
 
 
-def test_converted_expert_lora_equals_peft(moe_dir: Path, tmp_path: Path) -> None:
-    # q_proj alone: SGLang cannot stack it without v_proj, so a zero v_proj joins it.
+def assert_peft_equal(weights: dict[str, torch.Tensor], moe_dir: Path, source: Path) -> None:
+    """SGLang's normalised per-expert weights give PEFT's merged expert weights, and the q_proj
+    LoRA's zero partners change nothing."""
+    hf = AutoConfig.from_pretrained(moe_dir)
+    config = json.loads((source / "adapter_config.json").read_text())
+    scale, rank, inter = config["lora_alpha"] / config["r"], config["r"], hf.moe_intermediate_size
+    base = load_base(moe_dir)
+    merged = PeftModel.from_pretrained(load_base(moe_dir), source).merge_and_unload()
+    for i in range(hf.num_hidden_layers):
+        prefix = f"base_model.model.model.layers.{i}.mlp.experts"
+        experts, ref = merged.model.layers[i].mlp.experts, base.model.layers[i].mlp.experts
+        want_gate_up = experts.gate_up_proj - ref.gate_up_proj
+        want_down = experts.down_proj - ref.down_proj
+        for e in range(hf.num_experts):
+            a = weights[f"{prefix}.{e}.gate_up_proj.lora_A.weight"]  # gate and up A, stacked
+            b = weights[f"{prefix}.{e}.gate_up_proj.lora_B.weight"]
+            gate_up = torch.cat((b[:inter] @ a[:rank], b[inter:] @ a[rank:])) * scale
+            assert (gate_up - want_gate_up[e]).abs().max() <= 1e-6
+            a = weights[f"{prefix}.{e}.down_proj.lora_A.weight"]
+            b = weights[f"{prefix}.{e}.down_proj.lora_B.weight"]
+            assert (b @ a * scale - want_down[e]).abs().max() <= 1e-6
+        qkv_b = weights[f"base_model.model.model.layers.{i}.self_attn.qkv_proj.lora_B.weight"]
+        q_rows = merged.model.layers[i].self_attn.q_proj.weight.shape[0]
+        assert qkv_b[q_rows:].abs().max() == 0  # the k and v parts: no change
+
+
+def converted(moe_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(PEFT export, its SGLang layout); q_proj alone, so a zero v_proj must join it."""
     source = peft_adapter(moe_dir, tmp_path / "peft", banks=BANKS, modules=("q_proj",))
     dest = tmp_path / "sglang"
     publish(source, dest, ServerLora.from_flags(list(DEFAULT_TARGETS), 64), shape_of(moe_dir))
+    return source, dest
+
+
+def test_converted_expert_lora_equals_peft(moe_dir: Path, tmp_path: Path) -> None:
+    """Through the fake's port of SGLang's loader."""
+    source, dest = converted(moe_dir, tmp_path)
     config = json.loads((dest / "adapter_config.json").read_text())
     assert "target_parameters" not in config
     assert set(config["target_modules"]) == {"q_proj", "gate_up_proj", "down_proj"}
-    hf = AutoConfig.from_pretrained(moe_dir)
     layers, _ = process_weights(
         load_file(str(dest / "adapter_model.safetensors")),
         get_normalized_target_modules(config["target_modules"]),
-        hf.num_hidden_layers,
+        AutoConfig.from_pretrained(moe_dir).num_hidden_layers,
     )
-    base = load_base(moe_dir)
-    merged = PeftModel.from_pretrained(load_base(moe_dir), source).merge_and_unload()
-    scale, rank, inter = config["lora_alpha"] / config["r"], config["r"], hf.moe_intermediate_size
-    for i in range(hf.num_hidden_layers):
-        prefix = f"base_model.model.model.layers.{i}.mlp.experts"
-        want_gate_up = (
-            merged.model.layers[i].mlp.experts.gate_up_proj
-            - base.model.layers[i].mlp.experts.gate_up_proj
-        )
-        want_down = (
-            merged.model.layers[i].mlp.experts.down_proj
-            - base.model.layers[i].mlp.experts.down_proj
-        )
-        for e in range(hf.num_experts):
-            a = layers[i][f"{prefix}.{e}.gate_up_proj.lora_A.weight"]  # gate and up A, stacked
-            b = layers[i][f"{prefix}.{e}.gate_up_proj.lora_B.weight"]
-            gate_up = torch.cat((b[:inter] @ a[:rank], b[inter:] @ a[rank:])) * scale
-            assert (gate_up - want_gate_up[e]).abs().max() <= 1e-6
-            a = layers[i][f"{prefix}.{e}.down_proj.lora_A.weight"]
-            b = layers[i][f"{prefix}.{e}.down_proj.lora_B.weight"]
-            assert (b @ a * scale - want_down[e]).abs().max() <= 1e-6
-        qkv_b = layers[i][f"base_model.model.model.layers.{i}.self_attn.qkv_proj.lora_B.weight"]
-        q_rows = merged.model.layers[i].self_attn.q_proj.weight.shape[0]
-        assert qkv_b[q_rows:].abs().max() == 0  # the k and v parts: no change
+    assert_peft_equal({n: w for layer in layers for n, w in layer.items()}, moe_dir, source)
+
+
+def sglang_loads(folder: Path, model_dir: Path, out: Path) -> dict:
+    """SGLang 0.5.23's own loading code on `folder` (sglang_loader_check.py in .venvs/sglang)."""
+    python = sglang_server.DEFAULT_PYTHON
+    assert python.exists(), f"no {python}: run services/rollout/tests/setup_sglang_venv.sh"
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(sglang_server.CPU_SHIMS)}
+    done = subprocess.run(
+        [str(python), str(Path(__file__).with_name("sglang_loader_check.py")), str(folder),
+         str(model_dir), str(out), ",".join(DEFAULT_TARGETS), "64"],
+        env=env, capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_sglang_own_loader_takes_the_conversion(moe_dir: Path, tmp_path: Path) -> None:
+    """SGLang's code maps every converted weight to a module (the per-expert ones to its MoE
+    buffers) and its normalised weights equal PEFT; PEFT's own layout would not load."""
+    source, dest = converted(moe_dir, tmp_path)
+    report = sglang_loads(dest, moe_dir, tmp_path / "loaded.safetensors")
+    assert report["supported"] and "load_error" not in report and report["unmapped"] == []
+    assert set(report["buffers"].values()) == {"qkv_proj", "gate_up_proj_moe", "down_proj_moe"}
+    assert_peft_equal(load_file(str(tmp_path / "loaded.safetensors")), moe_dir, source)
+    raw = peft_adapter(moe_dir, tmp_path / "raw", banks=BANKS)
+    report = sglang_loads(raw, moe_dir, tmp_path / "raw.safetensors")
+    assert any(".mlp.experts.base_layer.lora_A" in n for n in report["unmapped"])
 
 
 async def test_strict_fake_loads_converted_and_refuses_peft_layout(

@@ -61,10 +61,11 @@ from lorafleet.errors import (
     NotFound,
     Unavailable,
 )
-from lorafleet_rollout import metrics, sglang_api
+from lorafleet_rollout import metrics, sglang_api, sglang_server
 from lorafleet_rollout.engine import AdapterSource
 from lorafleet_rollout.http_engine import engine_info, wait_healthy
 from lorafleet_rollout.sglang_lora import ModelShape, ServerLora, publish
+from lorafleet_rollout.sglang_server import SGLangServer
 from lorafleet_rollout.types import (
     EngineInfo,
     LoraSpec,
@@ -130,21 +131,28 @@ class SGLangEngine:
         #: Adapters re-loaded by reconciliation since start (a restart shows here).
         self.reloads = 0
 
-    def launch_command(self) -> list[str]:
-        """The SGLang server command line with LoRA serving switched on (design-lessons §10.1)."""
-        host, port = httpx.URL(self.url).host, httpx.URL(self.url).port or 30000
-        return [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path, "--host", host, "--port", str(port),
-            "--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
-            "--lora-target-modules", "all",
-            "--max-loras-per-batch", str(min(8, self.max_loaded_adapters)),
-            "--max-loaded-loras", str(self.max_loaded_adapters),
-        ]  # fmt: skip
+    def launcher(self) -> SGLangServer:
+        """The server `launch=True` starts, with the flags and environment every lorafleet
+        SGLang gets (`sglang_server.py`: LoRA targets incl. lm_head, original logprobs)."""
+        url = httpx.URL(self.url)
+        python = sglang_server.DEFAULT_PYTHON
+        return SGLangServer(
+            Path(self.model_path),
+            url.port or 30000,
+            host=url.host,
+            python=python if python.exists() else Path(sys.executable),
+            device=sglang_server.default_device(),
+            max_lora_rank=self.max_lora_rank,
+            max_loras_per_batch=min(8, self.max_loaded_adapters),
+            max_loaded_loras=self.max_loaded_adapters,
+        )
 
     async def start(self) -> None:
         if self.launch:
-            self._proc = await asyncio.to_thread(subprocess.Popen, self.launch_command())
+            launch = self.launcher()
+            self._proc = await asyncio.to_thread(
+                subprocess.Popen, launch.command(), env=launch.env(), start_new_session=True
+            )
         await wait_healthy(
             self._client,
             sglang_api.HEALTH,
@@ -183,9 +191,8 @@ class SGLangEngine:
         for published in self._live.values():
             shutil.rmtree(published.folder, ignore_errors=True)
         self._live.clear()
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            await asyncio.to_thread(self._proc.wait, 30)
+        if self._proc is not None:
+            await asyncio.to_thread(sglang_server.stop, self._proc)
 
     def info(self) -> EngineInfo:
         if self._info is None:
