@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lorafleet.contract import ADAM_DEFAULTS, DEFAULT_RANK, MAX_RANK
+from lorafleet.contract import ADAM_DEFAULTS, DEFAULT_RANK, MAX_RANK, SEED_LIMIT
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 SEQ_ID_LIMIT = 2**31  # seq_ids are int32 in tinker_public
@@ -197,7 +197,7 @@ class CreateSamplingSessionRequest(Body):
 
 class SamplingParams(Body):
     max_tokens: Annotated[int, Field(ge=1, lt=2**31)] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     stop: str | list[str] | list[int] | None = None
     temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(ge=-1, lt=2**31)] = -1

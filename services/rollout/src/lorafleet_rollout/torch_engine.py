@@ -44,6 +44,7 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lorafleet.contract import sample_seed
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
 from lorafleet_rollout.decoder import Decoder, LaidOut, PrefillPart, Segment
@@ -71,8 +72,6 @@ from lorafleet_rollout.types import (
 
 log = logging.getLogger(__name__)
 
-#: Sample i of a seeded request uses seed ^ (i * this), so samples differ but stay reproducible.
-_SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15
 #: Decode columns reserved beyond a sequence's current length when the cache (re)grows.
 _SPARE_COLUMNS = 256
 #: Seconds an idle engine keeps its decode cache (`SlotCache`) for the next batch. Freeing it
@@ -599,7 +598,8 @@ class TorchEngine:
         params = request.params
         limit = params.max_tokens or self.info().max_context_length - len(prompt)
         for i in range(job.rows):
-            seed = None if params.seed is None else params.seed ^ (i * _SAMPLE_SEED_STRIDE)
+            # Distinct, reproducible per-sample seeds: the contract's one rule.
+            seed = None if params.seed is None else sample_seed(params.seed, i)
             rule = StopRule(params, self._eos, limit, self._decode_tokens)
             job.seqs.append(_Seq(job, make_generator(seed), rule, len(prompt)))
         metrics.TTFT.observe(time.monotonic() - job.enqueued)

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from lorafleet.contract import sample_seed
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
 from lorafleet_rollout.engine import AdapterSource
@@ -108,7 +109,7 @@ class VLLMEngine:
             "return_tokens_as_token_ids": True,
         }
         if p.seed is not None:
-            body["seed"] = p.seed % (2**63)
+            body["seed"] = sample_seed(p.seed, 0)  # vLLM derives its n samples' seeds
         if want_prompt:
             body["prompt_logprobs"] = max(request.topk_prompt_logprobs, 1)
         return body
