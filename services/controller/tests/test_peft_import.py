@@ -91,4 +91,5 @@ def test_base_model_and_targets_are_checked_against_the_fleet() -> None:
     bad = parse_adapter(_files(target_modules=["q_proj", "zz_proj"])).lora
     with pytest.raises(errors.InvalidArgument) as info:
         check_targets(bad, modules)
-    assert info.value.field == CFG + "target_modules[1]"
+    assert info.value.field == CFG + "target_modules"
+    assert "zz_proj" in info.value.message and "q_proj, v_proj" in info.value.message

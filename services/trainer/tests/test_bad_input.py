@@ -165,8 +165,8 @@ def test_bad_hyperparameters(trained, h, hp, field) -> None:
         (LoraSpec(rank=0), "lora_config.rank"),
         (LoraSpec(rank=2, dropout=1.0), "lora_config.dropout"),
         (LoraSpec(rank=2, alpha=math.nan), "lora_config.alpha"),
-        (LoraSpec(rank=2, target_modules=("qproj",)), "lora_config.target_modules[0]"),
-        (LoraSpec(rank=2, exclude_modules=("nope",)), "lora_config.exclude_modules[0]"),
+        (LoraSpec(rank=2, target_modules=("qproj",)), "lora_config.target_modules"),
+        (LoraSpec(rank=2, exclude_modules=("nope",)), "lora_config.exclude_modules"),
         (LoraSpec(rank=2, train_attn=False, train_mlp=False), "lora_config.target_modules"),
     ],
 )

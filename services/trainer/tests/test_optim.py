@@ -35,11 +35,18 @@ def fb(engine, slot: int, op: str, seed: int) -> None:
 
 @pytest.mark.parametrize(
     ("call_clip", "default_clip", "clip"),
-    # (the call's grad_clip_norm, the run's max_grad_norm_default, the clip that must apply)
-    [(0.0, 0.0, 0.0), (0.05, 0.0, 0.05), (0.0, 0.05, 0.05), (0.05, 10.0, 0.05)],
+    # (the call's grad_clip_norm, None = unset; the run's max_grad_norm_default; the clip that
+    # must apply): an explicit 0 (a managed job's max_grad_norm=0) is never overridden
+    [
+        (None, 0.0, 0.0),
+        (0.05, 0.0, 0.05),
+        (None, 0.05, 0.05),
+        (0.05, 10.0, 0.05),
+        (0.0, 0.05, 0.0),
+    ],
 )
 def test_optim_step_equals_torch_adamw(
-    make_engine, h, call_clip: float, default_clip: float, clip: float
+    make_engine, h, call_clip: float | None, default_clip: float, clip: float
 ) -> None:
     engine = make_engine()
     engine.bind(0, "r0", LoraSpec(rank=4, seed=1, max_grad_norm_default=default_clip))
@@ -133,3 +140,26 @@ def test_extensions_off_decays_both(make_engine, h) -> None:
     engine.optim_step("s0", 0, "r0", AdamParams(1e-2, 0.9, 0.95, 1e-8, 0.5, 0.0))
     expected = b * (1 - 1e-2 * 0.5) - 1e-2 * g / (g.abs() + 1e-8)
     assert (binding.b[name].detach() - expected).abs().max().item() <= 1e-6
+
+
+def test_step_a_only_decay_overrides_the_run(make_engine, h) -> None:
+    """A managed job's steps set a_only_weight_decay (juno: B is never decayed) whatever the
+    run says; a step that leaves it unset follows the run."""
+    for run_flag, step_flag, b_decayed in (
+        (False, True, False), (True, False, True), (False, None, True), (True, None, False),
+    ):  # fmt: skip
+        engine = make_engine()
+        engine.bind(0, "r0", LoraSpec(rank=4, seed=1, a_only_weight_decay=run_flag))
+        h.perturb(engine, 0, seed=3)
+        fb(engine, 0, "fb0", seed=0)
+        binding = engine.slots.bindings[0]
+        name = binding.targets[0]
+        b, g = binding.b[name].detach().clone(), binding.b[name].grad.clone()
+        hp = AdamParams(1e-2, 0.9, 0.95, 1e-8, 0.5, 0.0, a_only_weight_decay=step_flag)
+        engine.optim_step("s0", 0, "r0", hp)
+        decay = 1 - 1e-2 * 0.5 if b_decayed else 1.0
+        expected = b * decay - 1e-2 * g / (g.abs() + 1e-8)
+        assert (binding.b[name].detach() - expected).abs().max().item() <= 1e-6, (
+            run_flag,
+            step_flag,
+        )

@@ -133,3 +133,26 @@ def test_moe_flags_reach_the_experts_and_never_the_router(moe_model_dir, engine_
         h.assert_same(before, h.snapshot(engine))
     with pytest.raises(InvalidArgument, match=r"model\.layers\.1\.mlp\.gate\.weight"):
         engine.bind(2, "r2", LoraSpec(rank=2, target_modules=("gate",)))
+
+
+def test_explicit_targets_mean_exactly_those_modules(make_engine) -> None:
+    """target_modules wins over Tinker's train_* flags: q_proj,v_proj with the SDK's default
+    train_unembed=True adapts q and v only, never lm_head."""
+    engine = make_engine()
+    spec = LoraSpec(rank=2, target_modules=("q_proj", "v_proj"), train_unembed=True)
+    engine.bind(0, "r0", spec)
+    targets = engine.slots.bindings[0].targets
+    assert targets and all(t.endswith((".q_proj", ".v_proj")) for t in targets)
+    engine.bind(1, "r1", LoraSpec(rank=2, train_unembed=True))  # flags alone: lm_head too
+    assert "lm_head" in engine.slots.bindings[1].targets
+
+
+def test_unknown_target_names_are_all_named_with_the_valid_ones(make_engine) -> None:
+    engine = make_engine()
+    with pytest.raises(InvalidArgument) as err:
+        engine.bind(0, "r0", LoraSpec(rank=2, target_modules=("wq", "v_proj", "wv")))
+    assert err.value.field == "lora_config.target_modules"
+    message = err.value.message
+    assert "'wq', 'wv'" in message and "q_proj" in message and "lm_head" in message
+    assert "juno's wq is q_proj, wv is v_proj" in message
+    assert engine.slots.bindings[0] is None

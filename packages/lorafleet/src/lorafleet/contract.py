@@ -9,14 +9,16 @@ Tensor dtype tables live next door in `lorafleet.tensors`.
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import ClassVar, Protocol, Self
 
 from lorafleet import names
-from lorafleet.errors import InvalidArgument
+from lorafleet.errors import InvalidArgument, LorafleetError
 
 # --- losses ---------------------------------------------------------------------------------
 
@@ -123,10 +125,14 @@ ADAM_DEFAULTS: Mapping[str, float] = {
 OPTIMIZERS = ("adamw",)
 
 
-def check_adam(values: Mapping[str, float], field: str = "adam_params") -> None:
-    """Every AdamParams value finite and in range, checked before anything moves."""
+def check_adam(values: Mapping[str, float | None], field: str = "adam_params") -> None:
+    """Every AdamParams value finite and in range, checked before anything moves; a value
+    left unset (None: grad_clip_norm falls back to the run's default) is not checked."""
     for name, (ok, rule) in ADAM_RULES.items():
-        value = float(values[name])
+        raw = values.get(name)
+        if raw is None:
+            continue
+        value = float(raw)
         if not math.isfinite(value) or not ok(value):
             raise InvalidArgument(
                 f"must be finite and {rule}, got {value!r}", field=f"{field}.{name}"
@@ -154,7 +160,7 @@ class LoraOptions:
     target_modules: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] = ()
     lora_plus_ratio: float = 1.0
-    a_only_decay: bool = False
+    a_only_weight_decay: bool = False
     max_grad_norm_default: float = 0.0
 
 
@@ -196,10 +202,12 @@ _OPTION_PARSERS = {
     "target_modules": _modules,
     "exclude_modules": _modules,
     "lora_plus_ratio": lambda k, v: _number(k, v, lambda x: x > 0, "> 0"),
-    "a_only_decay": _flag,
+    "a_only_weight_decay": _flag,
     "max_grad_norm_default": lambda k, v: _number(k, v, lambda x: x >= 0, ">= 0"),
 }
 LORA_OPTION_KEYS = tuple(METADATA_PREFIX + name for name in _OPTION_PARSERS)
+TARGET_MODULES_KEY = METADATA_PREFIX + "target_modules"
+EXCLUDE_MODULES_KEY = METADATA_PREFIX + "exclude_modules"
 
 
 def split_lora_options(
@@ -235,9 +243,102 @@ def split_lora_options(
     return options, user
 
 
-def check_rank(rank: int, max_rank: int = MAX_RANK, field: str = "lora_config.rank") -> None:
-    if not 1 <= rank <= max_rank:
-        raise InvalidArgument(f"must be in [1, {max_rank}], got {rank}", field=field)
+def check_rank(rank: int, max_rank: int = 0, field: str = "lora_config.rank") -> None:
+    """Rank in [1, max_rank]; `max_rank` is the serving trainers' (capabilities), 0 when no
+    trainer has said yet (then MAX_RANK bounds it)."""
+    limit = max_rank or MAX_RANK
+    if not 1 <= rank <= limit:
+        raise InvalidArgument(f"must be in [1, {limit}], got {rank}", field=field)
+
+
+def effective_alpha(alpha: float) -> float:
+    """A LoraConfig's alpha; 0 (a proto field left unset) means DEFAULT_ALPHA."""
+    return alpha or DEFAULT_ALPHA
+
+
+def b_lr_ratio(lora_plus_ratio: float) -> float:
+    """LoRA+'s B learning-rate ratio; 0 (a proto field left unset) means 1.0 (plain LoRA)."""
+    return lora_plus_ratio or 1.0
+
+
+class LoraConfigLike(Protocol):
+    """The LoRA fields of a v1 `LoraConfig` message (or the trainer's LoraSpec)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def lora_plus_ratio(self) -> float: ...
+    @property
+    def max_grad_norm_default(self) -> float: ...
+
+
+# LoraConfig field → (predicate, rule text) as it travels: alpha and lora_plus_ratio 0 mean
+# "unset" (DEFAULT_ALPHA, plain LoRA), so the wire rule is >= 0 where the user's is > 0.
+LORA_RULES: Mapping[str, tuple[Callable[[float], bool], str]] = {
+    "alpha": (lambda v: v >= 0, f">= 0 (0 = default {DEFAULT_ALPHA:g})"),
+    "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "lora_plus_ratio": (lambda v: v >= 0, ">= 0 (0 = 1, plain LoRA)"),
+    "max_grad_norm_default": (lambda v: v >= 0, ">= 0 (0 = none)"),
+}
+
+
+def check_lora_config(config: LoraConfigLike, max_rank: int, field: str = "lora_config") -> None:
+    """The validator of a v1 `LoraConfig` (CreateRegistration, BindSlot): the gateway calls it
+    to answer 400, the trainer before it binds. `max_rank` comes from capabilities."""
+    check_rank(config.rank, max_rank, f"{field}.rank")
+    for name, (ok, rule) in LORA_RULES.items():
+        value = float(getattr(config, name))
+        if not math.isfinite(value) or not ok(value):
+            raise InvalidArgument(
+                f"must be finite and {rule}, got {value!r}", field=f"{field}.{name}"
+            )
+
+
+# --- target modules -------------------------------------------------------------------------
+
+# juno names its targets wq,wk,...; they are refused with this hint rather than mapped, so a
+# module name means one thing everywhere (PEFT export, rollouts, the run's lora_config).
+JUNO_TARGETS: Mapping[str, str] = {
+    "wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+    "wgate": "gate_proj", "wup": "up_proj", "wdown": "down_proj",
+}  # fmt: skip
+
+
+def module_matches(module: str, pattern: str) -> bool:
+    """PEFT's rule: a pattern names a module by its full dotted name or a dotted suffix."""
+    return module == pattern or module.endswith("." + pattern)
+
+
+def check_target_names(names: Sequence[str], modules: Sequence[str], field: str) -> None:
+    """Every name (or `all-linear`) must name one of `modules`, the base model's adaptable
+    modules as its trainers report them (capabilities). All unknown names are reported at
+    once, with the valid short names: a typo must fail at once, not at bind time."""
+    unknown = [
+        n for n in names if n != ALL_LINEAR and not any(module_matches(m, n) for m in modules)
+    ]
+    if not unknown:
+        return
+    valid = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    hints = [f"{n} is {JUNO_TARGETS[n]}" for n in unknown if n in JUNO_TARGETS]
+    hint = f"; juno's {', '.join(hints)} here" if hints else ""
+    raise InvalidArgument(
+        f"unknown module name(s) {', '.join(repr(n) for n in unknown)} for this base model "
+        f"(valid: {', '.join(valid)}, {ALL_LINEAR}, or a full dotted name){hint}",
+        field=field,
+    )
+
+
+def check_lora_targets(options: LoraOptions, modules: Sequence[str]) -> None:
+    """A registration's target and exclude lists against the base model's modules; an empty
+    `modules` means no trainer has reported them yet, and the trainer checks at bind."""
+    if not modules:
+        return
+    check_target_names(options.target_modules, modules, f"user_metadata.{TARGET_MODULES_KEY}")
+    check_target_names(options.exclude_modules, modules, f"user_metadata.{EXCLUDE_MODULES_KEY}")
 
 
 # --- sampling seeds -------------------------------------------------------------------------
@@ -269,6 +370,23 @@ def sample_seed(seed: int, index: int) -> int:
     return (seed ^ (index * SAMPLE_SEED_STRIDE)) % ENGINE_SEED_LIMIT
 
 
+# --- failed runs ----------------------------------------------------------------------------
+
+
+def run_failure_json(run_id: str, exc: LorafleetError) -> str:
+    """The stored form of a run its trainer refused to bind (Registration.failed)."""
+    return json.dumps(
+        {"field": exc.field, "message": f"training run {run_id} failed: {exc.message}"}
+    )
+
+
+def run_failure(stored: str) -> InvalidArgument:
+    """The error every call on a failed run ends with: the trainer's refusal, naming its
+    field, kept as an InvalidArgument (retrying cannot fix it)."""
+    info = json.loads(stored)
+    return InvalidArgument(info["message"], field=info["field"], reason="RUN_FAILED")
+
+
 # --- ids ------------------------------------------------------------------------------------
 
 TINKER_SCHEME = "tinker://"
@@ -298,6 +416,11 @@ class TinkerPath:
         return f"{self.kind.value}/{self.name}"
 
     @classmethod
+    def from_parts(cls, run_id: str, kind: str, name: str, field: str = "path") -> TinkerPath:
+        """A path from a URL's parts, checked as a whole path is (400 naming `field`)."""
+        return cls.parse(f"{TINKER_SCHEME}{run_id}/{kind}/{name}", field)
+
+    @classmethod
     def parse(cls, path: str, field: str = "path") -> TinkerPath:
         parts = (
             path.removeprefix(TINKER_SCHEME).split("/") if path.startswith(TINKER_SCHEME) else []
@@ -310,6 +433,35 @@ class TinkerPath:
             )
         names.check_name(parts[2], field)
         return cls(names.check_run_id(parts[0], field), CheckpointKind(parts[1]), parts[2])
+
+
+@dataclass(frozen=True)
+class RunId:
+    """A training run's Tinker model id (= registration id), `<session>:train:<n>`: the
+    session's n-th model, so a client's retried create_model names the same run."""
+
+    session_id: str
+    seq: int
+    SEP: ClassVar[str] = ":train:"
+    WHAT: ClassVar[str] = "training run"
+
+    def __str__(self) -> str:
+        return f"{self.session_id}{self.SEP}{self.seq}"
+
+    @classmethod
+    def parse(cls, text: str, field: str = "model_id") -> Self:
+        session, sep, seq = text.rpartition(cls.SEP)
+        if not sep or not session or not seq.isdigit():
+            raise InvalidArgument(f"{text!r} is not a {cls.WHAT} id", field=field)
+        return cls(session, int(seq))
+
+
+@dataclass(frozen=True)
+class SamplerId(RunId):
+    """A sampling client's id, `<session>:sample:<n>`."""
+
+    SEP: ClassVar[str] = ":sample:"
+    WHAT: ClassVar[str] = "sampler"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from lorafleet import errors
+from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller import metrics, validate
 from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
@@ -83,7 +83,7 @@ class Controller:
             self.store.redis, keys.replay, keys.reg, self.catalog.manifest_for,
             self._retire_corrupted,
         )  # fmt: skip
-        self.placer = Placer(self.registry, self.pool, self._restore)
+        self.placer = Placer(self.registry, self.pool, self._restore, self.fail_run)
         self.samplers = Samplers(self.store, self.ledger, self.registry, self.pool, settings)
         self.publisher = Publisher(
             self.store, settings.storage_root, self.registry, self.catalog, self.samplers,
@@ -247,6 +247,20 @@ class Controller:
         await self.placer.retire(rid)
         await self.recovery.forget(rid)
 
+    async def fail_run(self, rid: str, error: errors.LorafleetError) -> None:
+        """A run its trainer refused to bind: it fails with that error (stored first, so a
+        submit racing the fence already sees it), its open operations fail, its slot frees."""
+        await self.store.redis.hset(
+            self.store.keys.reg(rid), "failed", contract.run_failure_json(rid, error)
+        )
+        failed = await self.registry.get_any(rid)
+        err = failed.failure() if failed is not None else None
+        if err is None:
+            return
+        await self.ledger.fence(rid, RegState.RETIRED, err, err.message)
+        await self.placer.retire(rid)
+        await self.recovery.forget(rid)
+
     async def _update_gauges(self) -> None:
         for state, n in (await self.ledger.depth()).items():
             metrics.LEDGER_OPERATIONS.labels(state=state).set(n)
@@ -298,11 +312,8 @@ class Controller:
                 f"no trainer serves base model {base_model!r} (served: {served})",
                 field="base_model",
             )
-        max_rank = max(r.max_rank for r in trainers)
-        if lora.rank <= 0 or (max_rank and lora.rank > max_rank):
-            raise errors.InvalidArgument(
-                f"rank {lora.rank} must be in [1, {max_rank}]", field="lora_config.rank"
-            )
+        # The LoraConfig's rules (contract.check_lora_config) are checked by the gateway and
+        # by the trainer at bind; a refused bind fails the run with that error (fail_run).
         rec, created = await self.registry.create(
             req.tenant, req.session_id, req.model_seq_id, base_model, lora,
             dict(req.user_metadata), optimizer, bool(load_payload),
@@ -319,7 +330,10 @@ class Controller:
         placeable = created or rec.state == RegState.QUEUED
         if placeable and (await self.registry.place(rec.registration_id)).code == "placed":
             await self.placer.finish_binding(rec.registration_id)
-        return await self.registry.get(req.tenant, rec.registration_id), load_op
+        rec = await self.registry.get(req.tenant, rec.registration_id)
+        if (failure := rec.failure()) is not None:
+            raise failure
+        return rec, load_op
 
     async def finish_session(self, tenant: str, session_id: str, reason: str) -> None:
         """Finish a session and give its training runs' trainer slots back.
@@ -454,7 +468,9 @@ class Controller:
     async def _trainer_joined(self, rep: Replica) -> None:
         try:
             info = await self.pool.trainer(rep.address).info()
-            await self.registry.set_loss_fns(rep.replica_id, list(info.loss_fns))
+            await self.registry.set_trainer_info(
+                rep.replica_id, list(info.loss_fns), list(info.modules)
+            )
         except errors.LorafleetError as exc:
             log.warning("GetTrainerInfo on %s failed: %s", rep.replica_id, exc)
         await self.placer.fill(rep.base_model)

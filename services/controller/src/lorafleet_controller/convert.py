@@ -36,6 +36,7 @@ def registration(rec: RegRecord) -> controller_pb2.Registration:
         unavailable_reason=rec.unavailable_reason if rec.state == RegState.UNAVAILABLE else "",
         optimizer=rec.optimizer,
         corrupted=rec.corrupted,
+        failed=rec.failed,
     )
 
 
@@ -112,6 +113,7 @@ def base_model(view: BaseModelView) -> controller_pb2.BaseModelInfo:
         name=view.name, tokenizer_id=view.tokenizer_id, arch=view.arch,
         max_context_length=view.max_context_length, trainable=view.trainable,
         sampleable=view.sampleable, max_rank=view.max_rank, loss_fns=view.loss_fns,
+        modules=view.modules,
     )  # fmt: skip
 
 

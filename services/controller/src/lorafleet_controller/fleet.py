@@ -28,6 +28,7 @@ class BaseModelView:
     sampleable: bool = False
     max_rank: int = 0
     loss_fns: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Fleet:
                 info.trainable = True
                 info.max_rank = max(info.max_rank, rep.max_rank)
                 info.loss_fns += [loss for loss in rep.loss_fns if loss not in info.loss_fns]
+                info.modules = sorted(set(info.modules) | set(rep.modules))
             elif rep.kind == ROLLOUT:
                 info.sampleable = True
         return [models[name] for name in sorted(models)]

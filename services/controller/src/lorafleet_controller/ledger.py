@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from lorafleet import errors
+from lorafleet import contract, errors
 from lorafleet.v1 import controller_pb2
 from lorafleet_controller import metrics
 from lorafleet_controller.notify import Notifier
@@ -227,6 +227,8 @@ class Ledger:
                 reason="PAYLOAD_CONFLICT",
             )
         if code == "retired":
+            if failed := text(out.get("failed")):  # the trainer refused to bind it
+                raise contract.run_failure(failed)
             if corrupted := text(out.get("corrupted")):  # recovery.py said what was lost
                 raise errors.FailedPrecondition(
                     corrupted, field="registration_id", reason="RUN_CORRUPTED"

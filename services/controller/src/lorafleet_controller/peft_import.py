@@ -198,16 +198,9 @@ def choose_base(adapter: PeftAdapter, asked: str, trainers: list[Replica]) -> st
 
 
 def check_targets(lora: common_pb2.LoraConfig, modules: list[str]) -> None:
-    """Each target/exclude name must name a module of the base model (the trainer's rule)."""
+    """Each target/exclude name must name a module of the base model (the contract's rule)."""
     for key in ("target_modules", "exclude_modules"):
-        for i, pattern in enumerate(getattr(lora, key)):
-            if pattern == contract.ALL_LINEAR:
-                continue
-            if not any(m == pattern or m.endswith("." + pattern) for m in modules):
-                raise errors.InvalidArgument(
-                    f"no module of the base model is named {pattern!r}",
-                    field=f"{_field(key)}[{i}]",
-                )
+        contract.check_target_names(getattr(lora, key), modules, _field(key))
 
 
 class Importer:
@@ -272,7 +265,7 @@ class Importer:
         await trainer.import_adapter(f"{rid}#import", rec.slot, rid, adapter_files)
         save_op = f"{rid}#save"
         manifest = await trainer.save_state(save_op, rec.slot, rid, name, True)
-        path = f"{contract.TINKER_SCHEME}{rid}/{contract.CheckpointKind.WEIGHTS}/{name}"
+        path = str(contract.TinkerPath(rid, contract.CheckpointKind.WEIGHTS, name))
         await c.catalog.add(
             tinker_path=path, tenant=tenant, type=TRAINING, base_model=base, lora=rec.lora,
             manifest=manifest, has_optimizer=True, user_metadata=meta, operation_id=save_op,

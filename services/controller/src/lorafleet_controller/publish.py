@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet import errors
-from lorafleet.contract import AdapterId
+from lorafleet.contract import AdapterId, CheckpointKind, TinkerPath
 from lorafleet.shared_storage import FileRef, adapter_folder, common_folder, publish_folder
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
 from lorafleet_controller import metrics
@@ -107,7 +107,8 @@ class Publisher:
         await self.push_all(ref, reg.base_model, reg.lora, payload)
         path = ""
         if sw.name:
-            path = f"tinker://{claim.registration_id}/sampler_weights/{sw.name}"
+            kind = CheckpointKind.SAMPLER_WEIGHTS
+            path = str(TinkerPath(claim.registration_id, kind, sw.name))
             await self.catalog.add(
                 tinker_path=path, tenant=claim.tenant, type=SAMPLER, base_model=reg.base_model,
                 lora=reg.lora, files_dir=folder, version=version, ttl_seconds=sw.ttl_seconds,

@@ -24,7 +24,7 @@ from pathlib import PurePath
 
 from redis.typing import EncodableT, FieldT
 
-from lorafleet import errors
+from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.discovery.types import ROLLOUT, TRAINER
@@ -45,7 +45,13 @@ def base_model_name(name: str) -> str:
 
 
 def registration_id(session_id: str, model_seq_id: int) -> str:
-    return f"{session_id}:train:{model_seq_id}"
+    return str(contract.RunId(session_id, model_seq_id))
+
+
+def terminal(exc: errors.LorafleetError) -> bool:
+    """A bind failure retrying cannot fix: the trainer refused the run's config itself
+    (InvalidArgument). Transport, lease and capacity failures are retried."""
+    return isinstance(exc, errors.InvalidArgument)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,11 @@ class RegRecord:
     dirty: bool
     restore: bool
     corrupted: str  # what a lost trainer took that replay could not rebuild (recovery.py)
+    failed: str = ""  # why the trainer refused to bind it (Placer.fail), as error JSON
+
+    def failure(self) -> errors.LorafleetError | None:
+        """The error every call on a failed run ends with (None unless it failed)."""
+        return contract.run_failure(self.failed) if self.failed else None
 
     @property
     def placed(self) -> bool:
@@ -95,11 +106,15 @@ class Replica:
     max_context_length: int = 0
     arch: str = ""
     loss_fns: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)  # a trainer's adaptable modules
 
 
 # Rebuilds a registration the registry marked for restore (its trainer was lost) in its newly
 # placed slot; False when it cannot be rebuilt (it was retired as corrupted). recovery.py.
 Restore = Callable[[TrainerClient, "RegRecord", "Replica"], Awaitable[bool]]
+# Fails a registration whose bind cannot succeed: its calls end with the error, its slot is
+# freed (Controller.fail_run).
+Fail = Callable[[str, errors.LorafleetError], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -270,9 +285,13 @@ class Registry:
             await pipe.execute()
         return change
 
-    async def set_loss_fns(self, replica_id: str, loss_fns: list[str]) -> None:
-        await self.store.redis.hset(self.keys.replica(replica_id), "loss_fns",
-                                    json.dumps(loss_fns))  # fmt: skip
+    async def set_trainer_info(
+        self, replica_id: str, loss_fns: list[str], modules: list[str]
+    ) -> None:
+        """What a trainer's GetTrainerInfo adds to its announcement (capabilities)."""
+        await self.store.redis.hset(self.keys.replica(replica_id), mapping={
+            "loss_fns": json.dumps(loss_fns), "modules": json.dumps(modules),
+        })  # fmt: skip
 
     async def replica(self, replica_id: str) -> Replica | None:
         (rep,) = await self._replicas([replica_id])
@@ -353,6 +372,7 @@ def _record(rid: str, raw: dict[bytes, bytes], position: int) -> RegRecord:
         dirty=raw.get(b"dirty") == b"1",
         restore=raw.get(b"restore") == b"1",
         corrupted=text(raw.get(b"corrupted")),
+        failed=text(raw.get(b"failed")),
     )
 
 
@@ -371,16 +391,18 @@ def _replica(replica_id: str, raw: dict[bytes, bytes]) -> Replica:
         max_context_length=int(raw.get(b"max_context_length", b"0") or 0),
         arch=text(raw.get(b"arch")),
         loss_fns=json.loads(raw.get(b"loss_fns", b"[]")),
+        modules=json.loads(raw.get(b"modules", b"[]")),
     )
 
 
 class Placer:
     """Drives placements to completion on the trainers (bind, restore) and releases slots."""
 
-    def __init__(self, registry: Registry, pool: Pool, restore: Restore) -> None:
+    def __init__(self, registry: Registry, pool: Pool, restore: Restore, fail: Fail) -> None:
         self.registry = registry
         self.pool = pool
         self.restore = restore
+        self.fail = fail
         self._binding: set[str] = set()  # registrations with a binding attempt in flight
 
     async def fill(self, base_model: str) -> None:
@@ -393,7 +415,8 @@ class Placer:
                 await self.finish_binding(rid)
 
     async def finish_binding(self, rid: str) -> None:
-        """Bind (and restore) a placed registration on its trainer; retried by the sweeper.
+        """Bind (and restore) a placed registration on its trainer; retried by the sweeper,
+        unless the trainer refuses the config itself (`terminal`): then the run fails.
 
         One attempt per registration at a time: two overlapping attempts (the create call
         and the sweeper) would see each other's bind, and the loser would unbind the slot
@@ -423,6 +446,11 @@ class Placer:
             elif not intact:
                 await trainer.bind(rec.slot, rid, rec.lora)
         except errors.LorafleetError as exc:
+            if terminal(exc):  # retrying would wait forever: fail the run and its callers now
+                log.warning("binding %s on %s refused (%s): the run fails", rid, rep.replica_id,
+                            exc)  # fmt: skip
+                await self.fail(rid, exc)
+                return
             log.warning("binding %s on %s failed (%s); will retry", rid, rep.replica_id, exc)
             return
         if not await self.registry.bound(rid, rep.replica_id, rec.slot):

@@ -16,7 +16,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-from lorafleet import errors
+from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Claim, Ledger, backpressure
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def sampler_id_of(session_id: str, seq: int) -> str:
-    return f"{session_id}:sample:{seq}"
+    return str(contract.SamplerId(session_id, seq))
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Samplers:
         ref: common_pb2.AdapterRef, inflight: bool,
     ) -> SamplerRecord:  # fmt: skip
         """Record the sampler in one script unless it exists (idempotent on its id)."""
-        session = sampler_id.rsplit(":sample:", 1)[0]
+        session = contract.SamplerId.parse(sampler_id, "sampler_id").session_id
         own = [self.keys.sampler(sampler_id), self.keys.session_samplers(session)]
         await self.store.scripts.run(
             "record_sampler", own, sampler_id, session, tenant, "base_model", base_model,

@@ -38,6 +38,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from lorafleet import errors
+from lorafleet.contract import CheckpointKind, TinkerPath
 from lorafleet.rpc.errors import exception_from_info
 from lorafleet.v1 import controller_pb2, trainer_pb2
 from lorafleet_controller import metrics
@@ -315,7 +316,7 @@ class Scheduler:
         self, claim: Claim, save: controller_pb2.SaveStatePayload, trainer: TrainerClient,
         incarnation: str,
     ) -> tuple[controller_pb2.OperationResult, Effects]:  # fmt: skip
-        path = f"tinker://{claim.registration_id}/weights/{save.name}"
+        path = str(TinkerPath(claim.registration_id, CheckpointKind.WEIGHTS, save.name))
         owner = await self.catalog.owner(path)
         if owner is not None and owner != claim.operation_id:
             raise errors.AlreadyExists(

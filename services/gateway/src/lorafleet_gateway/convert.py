@@ -289,6 +289,10 @@ def adam_from_json(params: protocol.AdamParams | None, field: str = "adam_params
     learning rate would poison a slot."""
     values = {**contract.ADAM_DEFAULTS, **(params.model_dump() if params else {})}
     contract.check_adam(values, field)
+    if not values["grad_clip_norm"]:
+        # The SDK always sends 0 ("no clip" by default): the run's max_grad_norm_default, if
+        # it set one, applies (proto: unset). Managed jobs set an explicit 0 instead.
+        del values["grad_clip_norm"]
     return pb.AdamParams(**values)
 
 
@@ -313,7 +317,7 @@ def lora_from_json(
         target_modules=options.target_modules,
         exclude_modules=options.exclude_modules,
         lora_plus_ratio=options.lora_plus_ratio,
-        a_only_weight_decay=options.a_only_decay,
+        a_only_weight_decay=options.a_only_weight_decay,
         max_grad_norm_default=options.max_grad_norm_default,
     )
 

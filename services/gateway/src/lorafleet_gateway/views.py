@@ -10,8 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Literal
 
-from lorafleet.contract import CheckpointKind, TinkerPath
-from lorafleet.errors import InvalidArgument
+from lorafleet.contract import CheckpointKind, RunId, SamplerId, TinkerPath
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway.protocol import CheckpointView, Cursor, TrainingRun
 
@@ -33,14 +32,11 @@ def iso(epoch: float) -> str | None:
 
 def session_of(model_id: str, field: str = "model_id") -> str:
     """The session part of "<session>:train:<n>" (400 for anything else)."""
-    session, sep, seq = model_id.rpartition(":train:")
-    if not sep or not session or not seq.isdigit():
-        raise InvalidArgument(f"{model_id!r} is not a training run id", field=field)
-    return session
+    return RunId.parse(model_id, field).session_id
 
 
 def sampler_id(session_id: str, seq: int) -> str:
-    return f"{session_id}:sample:{seq}"
+    return str(SamplerId(session_id, seq))
 
 
 def controller_path(path: TinkerPath) -> str:

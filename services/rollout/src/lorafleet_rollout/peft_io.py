@@ -20,6 +20,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
+from lorafleet import contract
 from lorafleet.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
@@ -67,7 +68,7 @@ def expert_banks(model: torch.nn.Module) -> Banks:
 def _parameter_targeted(config: LoraConfig, name: str) -> bool:
     """PEFT's `target_parameters` match: the full name, or a dotted suffix of it."""
     patterns = getattr(config, "target_parameters", None) or []
-    return any(name == p or name.endswith("." + p) for p in patterns)
+    return any(contract.module_matches(name, p) for p in patterns)
 
 
 def target_of(key: str, config: LoraConfig, banks: Banks) -> tuple[str, str]:

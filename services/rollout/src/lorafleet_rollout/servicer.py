@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from lorafleet import contract
 from lorafleet.errors import FailedPrecondition, InvalidArgument
 from lorafleet.shared_storage import FileRef
 from lorafleet.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -79,7 +80,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             cfg = header.lora_config
             lora = LoraSpec(
                 rank=cfg.rank,
-                alpha=cfg.alpha or 32.0,
+                alpha=contract.effective_alpha(cfg.alpha),
                 target_modules=tuple(cfg.target_modules),
             )
             engine_id, already = await self.core.load_adapter(

@@ -131,7 +131,8 @@ def adam_from_proto(p: common_pb2.AdamParams) -> domain.AdamParams:
         beta2=p.beta2,
         eps=p.eps,
         weight_decay=p.weight_decay,
-        grad_clip_norm=p.grad_clip_norm,
+        grad_clip_norm=p.grad_clip_norm if p.HasField("grad_clip_norm") else None,
+        a_only_weight_decay=p.a_only_weight_decay if p.HasField("a_only_weight_decay") else None,
     )
 
 

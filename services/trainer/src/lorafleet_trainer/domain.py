@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lorafleet.contract import ADAM_DEFAULTS, DEFAULT_ALPHA
+from lorafleet import contract
+from lorafleet.contract import ADAM_DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -26,16 +27,16 @@ class LoraSpec:
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = False
-    lora_plus_ratio: float = 0.0  # 0 or 1 = off
+    lora_plus_ratio: float = 0.0  # as on the wire: 0 = unset = 1.0 (contract.b_lr_ratio)
     a_only_weight_decay: bool = False
-    # Clip norm used when an optim_step asks for none (grad_clip_norm 0); 0 = no default.
+    # Clip norm of an optim_step that leaves grad_clip_norm unset; 0 = no default.
     max_grad_norm_default: float = 0.0
     # MoE expert banks: one adapter shared by every expert instead of one per expert.
     share_experts: bool = False
 
     @property
     def effective_alpha(self) -> float:
-        return self.alpha if self.alpha else DEFAULT_ALPHA
+        return contract.effective_alpha(self.alpha)
 
     @property
     def scale(self) -> float:
@@ -43,7 +44,7 @@ class LoraSpec:
 
     @property
     def b_lr_ratio(self) -> float:
-        return self.lora_plus_ratio if self.lora_plus_ratio not in (0.0, 1.0) else 1.0
+        return contract.b_lr_ratio(self.lora_plus_ratio)
 
 
 @dataclass
@@ -98,7 +99,10 @@ class AdamParams:
     beta2: float = ADAM_DEFAULTS["beta2"]
     eps: float = ADAM_DEFAULTS["eps"]
     weight_decay: float = ADAM_DEFAULTS["weight_decay"]
-    grad_clip_norm: float = ADAM_DEFAULTS["grad_clip_norm"]
+    # None (unset on the wire): the run's max_grad_norm_default; a set 0 means no clipping.
+    grad_clip_norm: float | None = ADAM_DEFAULTS["grad_clip_norm"]
+    # None: the run's a_only_weight_decay; managed jobs set True (juno: B is never decayed).
+    a_only_weight_decay: bool | None = None
 
 
 @dataclass

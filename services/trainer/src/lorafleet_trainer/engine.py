@@ -9,7 +9,6 @@ carries an operation id: a repeated id returns the first result instead of apply
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -20,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lorafleet import names
+from lorafleet import contract, names
 from lorafleet.contract import LOSS_NAMES, OPTIMIZERS
 from lorafleet.errors import FailedPrecondition, Internal, InvalidArgument, LorafleetError
 from lorafleet_trainer import bptt, checkpoint, metrics
 from lorafleet_trainer.domain import (
-    DEFAULT_ALPHA,
     AdamParams,
     ForwardBackwardItem,
     ForwardBackwardOutput,
@@ -138,19 +136,7 @@ class TrainerEngine:
         return [self.slots.info(i) for i in range(len(self.slots))]
 
     def _validate_spec(self, spec: LoraSpec) -> tuple[str, ...]:
-        if not 1 <= spec.rank <= self.max_rank:
-            raise InvalidArgument(
-                f"rank {spec.rank} must be in [1, {self.max_rank}]", field="lora_config.rank"
-            )
-        for name, value, ok, rule in (
-            ("alpha", spec.alpha, spec.alpha >= 0, ">= 0"),
-            ("dropout", spec.dropout, 0 <= spec.dropout < 1, "in [0, 1)"),
-            ("lora_plus_ratio", spec.lora_plus_ratio, spec.lora_plus_ratio >= 0, ">= 0"),
-        ):
-            if not math.isfinite(value) or not ok:
-                raise InvalidArgument(
-                    f"must be finite and {rule}, got {value!r}", field=f"lora_config.{name}"
-                )
+        contract.check_lora_config(spec, self.max_rank)
         if not 0 <= spec.seed < 2**64:
             raise InvalidArgument("must be in [0, 2**64)", field="lora_config.seed")
         return resolve_targets(spec, self.sites)
@@ -552,7 +538,7 @@ class TrainerEngine:
         state = checkpoint.open_state(self.storage_root, ref)
         saved = state.trainer_state
         spec = saved.get("spec", {})
-        theirs = {"rank": spec.get("rank"), "alpha": spec.get("alpha") or DEFAULT_ALPHA}
+        theirs = {"rank": spec.get("rank"), "alpha": contract.effective_alpha(spec.get("alpha", 0))}
         for key, mine in (("rank", binding.spec.rank), ("alpha", binding.spec.effective_alpha)):
             if theirs[key] != mine:
                 raise FailedPrecondition(

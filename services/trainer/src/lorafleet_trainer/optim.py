@@ -65,8 +65,12 @@ class SlotOptimizer:
             self.clear_gradients()
             return OptimStepResult(metrics={"vetoed": 1.0}, applied=False, note=VETO_NOTE)
         # The run's default clip (user_metadata lorafleet.max_grad_norm_default) applies when
-        # the call asks for none, as juno's max_grad_norm does.
-        clip = hp.grad_clip_norm or self.spec.max_grad_norm_default
+        # the call leaves grad_clip_norm unset; a set 0 means no clipping (juno's 0).
+        spec = self.spec
+        clip = spec.max_grad_norm_default if hp.grad_clip_norm is None else hp.grad_clip_norm
+        a_only = (
+            spec.a_only_weight_decay if hp.a_only_weight_decay is None else hp.a_only_weight_decay
+        )
         if clip > 0 and norm > clip:
             torch._foreach_mul_(grads, clip / (norm + 1e-6))
         group_a, group_b = self._opt.param_groups
@@ -75,7 +79,7 @@ class SlotOptimizer:
             (
                 group_b,
                 hp.learning_rate * self.spec.b_lr_ratio,
-                0.0 if self.spec.a_only_weight_decay else hp.weight_decay,
+                0.0 if a_only else hp.weight_decay,
             ),
         ):
             group.update(lr=lr, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=wd)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lorafleet import contract
 from lorafleet.errors import InvalidArgument
 from lorafleet_trainer.domain import LoraSpec
 from lorafleet_trainer.sites import Site
@@ -22,26 +23,27 @@ ALL_LINEAR = ("attn", "mlp")  # PEFT's "all-linear": every projection but the ou
 
 
 def _matches(site: Site, pattern: str) -> bool:
-    return any(n == pattern or n.endswith("." + pattern) for n in (site.name, site.module))
+    return any(contract.module_matches(n, pattern) for n in (site.name, site.module))
+
+
+def _names(sites: Sequence[Site]) -> list[str]:
+    return sorted({n for s in sites for n in (s.name, s.module)})
 
 
 def _asked(spec: LoraSpec, sites: Sequence[Site]) -> tuple[list[Site], str]:
     """The sites the spec asks for, before exclusions; the field to blame ("" = the flag)."""
     if spec.target_modules:
+        # Explicit names mean exactly those modules: the train_* flags (Tinker's coarse
+        # defaults, train_unembed on) are ignored, so q_proj,v_proj never adds lm_head.
+        contract.check_target_names(
+            spec.target_modules, _names(sites), "lora_config.target_modules"
+        )
         chosen: list[Site] = []
-        for i, pattern in enumerate(spec.target_modules):
-            if pattern == "all-linear":
-                found = [s for s in sites if s.category in ALL_LINEAR]
+        for pattern in spec.target_modules:
+            if pattern == contract.ALL_LINEAR:
+                chosen.extend(s for s in sites if s.category in ALL_LINEAR)
             else:
-                found = [s for s in sites if _matches(s, pattern)]
-            if not found:
-                raise InvalidArgument(
-                    f"no module of the base model is named {pattern!r}",
-                    field=f"lora_config.target_modules[{i}]",
-                )
-            chosen.extend(found)
-        if spec.train_unembed:
-            chosen.extend(s for s in sites if s.category == "unembed")
+                chosen.extend(s for s in sites if _matches(s, pattern))
         return chosen, "lora_config.target_modules"
     chosen = []
     for flag, cat in FLAGS:
@@ -64,12 +66,7 @@ def _asked(spec: LoraSpec, sites: Sequence[Site]) -> tuple[list[Site], str]:
 def resolve_targets(spec: LoraSpec, sites: Sequence[Site]) -> tuple[str, ...]:
     """Site names to adapt, in model order; raises InvalidArgument (validate only)."""
     chosen, field = _asked(spec, sites)
-    for i, name in enumerate(spec.exclude_modules):
-        if not any(_matches(s, name) for s in sites):
-            raise InvalidArgument(
-                f"no module of the base model is named {name!r}",
-                field=f"lora_config.exclude_modules[{i}]",
-            )
+    contract.check_target_names(spec.exclude_modules, _names(sites), "lora_config.exclude_modules")
     wanted = {s.name for s in chosen if not any(_matches(s, e) for e in spec.exclude_modules)}
     picked = [s for s in sites if s.name in wanted]
     refused = [s for s in picked if not s.adaptable]
@@ -106,7 +103,7 @@ def resolve_targets(spec: LoraSpec, sites: Sequence[Site]) -> tuple[str, ...]:
 def _shortest(targets: list[str], candidates: list[str], depth: int) -> list[str]:
     """The shortest suffix list (of `depth` name parts) that selects exactly `targets`."""
     shorts = sorted({".".join(t.split(".")[-depth:]) for t in targets})
-    selected = [c for c in candidates if any(c == s or c.endswith("." + s) for s in shorts)]
+    selected = [c for c in candidates if any(contract.module_matches(c, s) for s in shorts)]
     return shorts if selected == targets else list(targets)
 
 

@@ -719,6 +719,7 @@ class Registration(_message.Message):
     UNAVAILABLE_REASON_FIELD_NUMBER: _builtins.int
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     CORRUPTED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
     registration_id: _builtins.str
     """Equal to the Tinker model id "<session_id>:train:<model_seq_id>"."""
     tenant: _builtins.str
@@ -738,6 +739,11 @@ class Registration(_message.Message):
     corrupted: _builtins.str
     """Set when the run lost its trainer and its history could not be replayed: what was lost.
     Such a run is RETIRED and refuses every call (RUN_CORRUPTED); empty = not corrupted.
+    """
+    failed: _builtins.str
+    """Set when the trainer refused to bind the run for a reason retrying cannot fix (an
+    InvalidArgument: a target that names no module, say): the error as JSON (category,
+    field, message, reason). Such a run is RETIRED and every call on it fails with it.
     """
     @_builtins.property
     def lora_config(self) -> _common_pb2.LoraConfig: ...
@@ -763,10 +769,11 @@ class Registration(_message.Message):
         unavailable_reason: _builtins.str = ...,
         optimizer: _builtins.str = ...,
         corrupted: _builtins.str = ...,
+        failed: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lora_config", b"lora_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "corrupted", b"corrupted", "created_at", b"created_at", "last_checkpoint", b"last_checkpoint", "last_request_time", b"last_request_time", "lora_config", b"lora_config", "optim_steps", b"optim_steps", "optimizer", b"optimizer", "published_version", b"published_version", "queue_position", b"queue_position", "registration_id", b"registration_id", "slot", b"slot", "state", b"state", "tenant", b"tenant", "trainer_replica", b"trainer_replica", "unavailable_reason", b"unavailable_reason", "user_metadata", b"user_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "corrupted", b"corrupted", "created_at", b"created_at", "failed", b"failed", "last_checkpoint", b"last_checkpoint", "last_request_time", b"last_request_time", "lora_config", b"lora_config", "optim_steps", b"optim_steps", "optimizer", b"optimizer", "published_version", b"published_version", "queue_position", b"queue_position", "registration_id", b"registration_id", "slot", b"slot", "state", b"state", "tenant", b"tenant", "trainer_replica", b"trainer_replica", "unavailable_reason", b"unavailable_reason", "user_metadata", b"user_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1958,6 +1965,7 @@ class BaseModelInfo(_message.Message):
     SAMPLEABLE_FIELD_NUMBER: _builtins.int
     MAX_RANK_FIELD_NUMBER: _builtins.int
     LOSS_FNS_FIELD_NUMBER: _builtins.int
+    MODULES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tokenizer_id: _builtins.str
     """What a client loads with AutoTokenizer (HF name, or the local folder)."""
@@ -1968,6 +1976,12 @@ class BaseModelInfo(_message.Message):
     max_rank: _builtins.int
     @_builtins.property
     def loss_fns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Adaptable module names (LoRA sites and their owning modules), as the trainers report them
+        (GetTrainerInfo.modules): what target_modules may name, checked before a run is created.
+        """
+
     def __init__(
         self,
         *,
@@ -1979,10 +1993,11 @@ class BaseModelInfo(_message.Message):
         sampleable: _builtins.bool = ...,
         max_rank: _builtins.int = ...,
         loss_fns: _abc.Iterable[_builtins.str] | None = ...,
+        modules: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_rank", b"max_rank", "name", b"name", "sampleable", b"sampleable", "tokenizer_id", b"tokenizer_id", "trainable", b"trainable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_rank", b"max_rank", "modules", b"modules", "name", b"name", "sampleable", b"sampleable", "tokenizer_id", b"tokenizer_id", "trainable", b"trainable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

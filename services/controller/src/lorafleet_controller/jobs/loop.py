@@ -172,6 +172,8 @@ async def run(job_id: str, plan: Plan, p: JobParams, ex: Executor, cur: Cursor) 
 def result(kind: JobKind, plan: Plan, cur: Cursor, final_path: str) -> dict[str, Any]:
     """The job's result (`JobResult` fields; the gateway names them in juno's camelCase)."""
     loss = cur.train_loss if cur.train_loss is not None else cur.initial_loss
+    if cur.best_path:  # the adapter is the restored best pass's: report that pass's loss
+        loss = next(h["train_loss"] for h in cur.history if h["pass"] == cur.stopper.best_pass)
     watched = cur.stopper.best if plan.validation else loss
     out: dict[str, Any] = {
         "unit_count": plan.unit_count,

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lorafleet import errors
+from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller.jobs import data, loop, params, tokenizer, units
 from lorafleet_controller.jobs.params import JobKind, JobParams
@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 pb = controller_pb2
-WAIT_SECONDS = 30.0
+# A job waits on its operations in slices of this length and checks for a cancel between
+# them: cancel is seen within about a second at every wait, on whichever controller took it.
+WAIT_SECONDS = 1.0
 HEARTBEAT_SECONDS = 60.0
 JOBS_TAG = "lorafleet-jobs"
 T = TypeVar("T")
@@ -95,17 +97,16 @@ class LedgerExecutor:
 
     async def _submit(self, payload: pb.OperationPayload) -> str:
         """Admit the job's next operation (retrying backpressure); its operation id."""
-        if await self.runner.records.cancel_requested(self.rec.job_id):
-            raise JobCancelled
         req = pb.SubmitOperationRequest(tenant=self.rec.tenant,
                                         registration_id=self.rec.registration_id,
                                         seq_id=self.seq, payload=payload)  # fmt: skip
         while True:
             try:
+            await self._check_cancel()
                 adm = await self.controller.submit_operation(req)
                 break
             except errors.ResourceExhausted as exc:  # backpressure: nothing was admitted
-                await asyncio.sleep(exc.retry_after or 1.0)
+                await asyncio.sleep(min(exc.retry_after or 1.0, WAIT_SECONDS))
         self.seq += 1
         self.unacked.append(adm.operation_id)
         return adm.operation_id
@@ -118,6 +119,7 @@ class LedgerExecutor:
             if op.terminal:
                 break
         if op.state != OpState.SUCCEEDED:
+            await self._check_cancel()
             err = op.error or {}
             raise errors.FailedPrecondition(
                 f"operation {opid} ended {op.state.label}: {err.get('message', 'no result')}",
@@ -126,6 +128,10 @@ class LedgerExecutor:
         return pb.OperationResult.FromString(op.result)
 
     async def _op(self, payload: pb.OperationPayload) -> pb.OperationResult:
+    async def _check_cancel(self) -> None:
+        if await self.runner.records.cancel_requested(self.rec.job_id):
+            raise JobCancelled
+
         return await self._result(await self._submit(payload))
 
     def _later(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
@@ -146,7 +152,7 @@ class LedgerExecutor:
         if now - self._beat < HEARTBEAT_SECONDS:
             return
         self._beat = now
-        session = self.rec.registration_id.split(":train:")[0]
+        session = contract.RunId.parse(self.rec.registration_id).session_id
         with contextlib.suppress(errors.LorafleetError):
             await self.controller.tenancy.heartbeat(self.rec.tenant, session)
 
@@ -168,8 +174,12 @@ class LedgerExecutor:
 
     async def optim_step(self, lr: float, p: JobParams) -> asyncio.Task[None]:
         adam = common_pb2.AdamParams(
-            learning_rate=lr, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=p.weight_decay,
-            grad_clip_norm=p.max_grad_norm,
+            learning_rate=lr, beta1=contract.ADAM_DEFAULTS["beta1"],
+            beta2=contract.ADAM_DEFAULTS["beta2"], eps=contract.ADAM_DEFAULTS["eps"],
+            weight_decay=p.weight_decay,
+            # explicit, so 0 means no clipping even on a run with max_grad_norm_default;
+            # decay on A only, whoever created the run (juno's definition)
+            grad_clip_norm=p.max_grad_norm, a_only_weight_decay=True,
         )  # fmt: skip
         opid = await self._submit(pb.OperationPayload(optim_step=adam))
 
@@ -259,6 +269,7 @@ class JobRunner:
                 self._check_shape(resumed, ckpt.lora, p, raw)
         base = reg.base_model if reg is not None else await self._default_base(base_model)
         stored = {"pairs": [[x.question, x.answer] for x in pairs], "documents": list(documents)}
+        await self._check_adapter(base, p)
         plan = await self._plan(kind, base, p, stored)
         # Everything is valid: from here on, things are written.
         if reg is None:
@@ -295,9 +306,9 @@ class JobRunner:
     ) -> None:
         """A job on an existing run (or the state the default run resumes) may not ask for a
         different adapter shape."""
-        have = {"rank": lora.rank, "alpha": lora.alpha or None,
+        have = {"rank": lora.rank, "alpha": contract.effective_alpha(lora.alpha),
                 "dropout": round(lora.dropout, 6),
-                "lora_plus_ratio": lora.lora_plus_ratio or 1.0,
+                "lora_plus_ratio": contract.b_lr_ratio(lora.lora_plus_ratio),
                 "targets": tuple(lora.target_modules)}  # fmt: skip
         want = {"rank": p.rank, "alpha": p.alpha, "dropout": round(p.dropout, 6),
                 "lora_plus_ratio": p.lora_plus_ratio,
@@ -311,6 +322,15 @@ class JobRunner:
                 )
 
     async def _live_default(self, tenant: str) -> RegRecord | None:
+    async def _check_adapter(self, base_model: str, p: JobParams) -> None:
+        """Rank and targets against what the base model's trainers report (capabilities), so
+        a typo fails the request now instead of the run at bind time."""
+        trainers = await self.controller.registry.replicas(TRAINER, base_model)
+        contract.check_rank(p.rank, max((r.max_rank for r in trainers), default=0), "rank")
+        modules = sorted({m for r in trainers for m in r.modules})
+        if modules:  # none reported yet: the trainer checks at bind
+            contract.check_target_names(p.lora_targets, modules, "targets")
+
         rid = (await self.records.default_run(tenant)).get("rid", "")
         if not rid:
             return None
@@ -374,7 +394,6 @@ class JobRunner:
         lora = common_pb2.LoraConfig(
             rank=p.rank, alpha=p.alpha, dropout=p.dropout, seed=p.seed,
             target_modules=p.lora_targets, lora_plus_ratio=p.lora_plus_ratio,
-            a_only_weight_decay=True,
         )  # fmt: skip
         req = pb.CreateRegistrationRequest(
             tenant=tenant, session_id=session, model_seq_id=0, base_model=base_model,

@@ -45,7 +45,7 @@ _BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
 def _path(run_id: str, kind: CheckpointKind, name: str) -> TinkerPath:
-    return TinkerPath.parse(f"tinker://{run_id}/{kind}/{name}", "checkpoint_id")
+    return TinkerPath.from_parts(run_id, kind, name, "checkpoint_id")
 
 
 @router.get("/training_runs")

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from lorafleet import errors
+from lorafleet import contract, errors
 from lorafleet.contract import FutureId, FutureKind
 from lorafleet.v1 import common_pb2
 from lorafleet.v1 import controller_pb2 as cpb
@@ -119,7 +119,8 @@ def render(op: cpb.Operation, accept_proto: bool, external_name: str = "") -> Fu
         return _json(_not_json(exc))
     if kind == "save_state":
         if external_name:
-            path = f"tinker://{op.registration_id}/external_weights/{external_name}"
+            kind = contract.CheckpointKind.EXTERNAL_WEIGHTS
+            path = str(contract.TinkerPath(op.registration_id, kind, external_name))
             return _json(PathResult(type="save_weights_external", path=path))
         return _json(PathResult(type="save_weights", path=result.save_state.path))
     if kind == "load_state":
@@ -147,6 +148,8 @@ class FutureServing:
         if future_id.kind is FutureKind.CREATE:
             lookup = cpb.GetRegistrationRequest(tenant=tenant, registration_id=future_id.ref)
             reg = (await self._controller.get_registration(lookup)).registration
+            if reg.failed:  # the trainer refused to bind it: the create fails with that error
+                raise contract.run_failure(reg.failed)
             return _json(ModelResult(type="create_model", model_id=reg.registration_id))
         if future_id.kind is FutureKind.UNLOAD:
             return _json(ModelResult(type="unload_model", model_id=future_id.ref))

@@ -56,14 +56,16 @@ class TrainingServing:
             convert.metadata(body.user_metadata), self._lora_defaults
         )
         model = await resolve_base_model(self._controller, body.base_model)
-        if model is not None:
-            contract.check_rank(body.lora_config.rank, model.max_rank or contract.MAX_RANK)
+        lora = convert.lora_from_json(body.lora_config, options)
+        if model is not None:  # an unknown model: the controller answers with what it serves
+            contract.check_lora_config(lora, model.max_rank)
+            contract.check_lora_targets(options, model.modules)
         request = cpb.CreateRegistrationRequest(
             tenant=tenant,
             session_id=body.session_id,
             model_seq_id=body.model_seq_id,
             base_model=model.name if model else body.base_model,
-            lora_config=convert.lora_from_json(body.lora_config, options),
+            lora_config=lora,
             user_metadata=user_metadata,
             optimizer=contract.OPTIMIZERS[0],
         )

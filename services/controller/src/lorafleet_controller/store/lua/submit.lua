@@ -4,7 +4,7 @@
 -- refused seq_id stays free; a hole-filling seq_id is always admitted; a born-FAILED record
 -- (a rejected payload) only needs room for its result.
 -- Result: code = created | duplicate | conflict | not_found | retired | window | unavailable
--- | backpressure, with operation_id, state, head, reason, scope, corrupted as they apply.
+-- | backpressure, with operation_id, state, head, reason, scope, corrupted, failed as they apply.
 local rid, seq, digest, kind, payload = ARGS[1], tonumber(ARGS[2]), ARGS[3], ARGS[4], ARGS[5]
 local now, tenant = tonumber(ARGS[6]), ARGS[7]
 local max_reg, max_tenant, max_fleet = tonumber(ARGS[8]), tonumber(ARGS[9]), tonumber(ARGS[10])
@@ -22,7 +22,8 @@ if existing[2] then
   return result('code', code, 'operation_id', id, 'state', existing[2])
 end
 if reg[2] == REG.RETIRED then
-  return result('code', 'retired', 'corrupted', redis.call('HGET', rk, 'corrupted') or '')
+  return result('code', 'retired', 'corrupted', redis.call('HGET', rk, 'corrupted') or '',
+    'failed', redis.call('HGET', rk, 'failed') or '')
 end
 local head, max_seq = tonumber(reg[3]), tonumber(reg[4])
 if seq < head or seq >= head + window then return result('code', 'window', 'head', head) end

@@ -1,0 +1,201 @@
+"""A rule the contract owns is never spelled again in a service.
+
+`lorafleet.contract` owns the losses, the AdamParams and LoraConfig ranges and defaults, the
+LoRA option names, the module-name matching rule, deployment limits (which come from
+capabilities) and the Tinker id formats. This test reads every service's and package's
+source (the AST, not running it) and fails on the shapes a restated rule takes: an id built
+or split by hand, a default written as `alpha or 32.0`, a list of loss names, Adam constants,
+a rank bound, PEFT's suffix rule, the old option name. Each finding names the file, the line
+and the contract name to use instead. `test_the_scan_finds_each_shape` proves every check
+can fail.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from lorafleet import contract
+
+REPO = Path(__file__).resolve().parents[3]
+ROOTS = ("services", "packages")
+OWNERS = {Path("packages/lorafleet/src/lorafleet/contract.py")}
+ID_PARTS = (contract.TINKER_SCHEME, contract.RunId.SEP, contract.SamplerId.SEP)
+DEFAULTED = {"alpha": "contract.effective_alpha", "lora_plus_ratio": "contract.b_lr_ratio"}
+RETIRED_NAMES = {"a_only_decay": "a_only_weight_decay"}
+
+Check = Callable[[ast.AST], str | None]
+
+
+def _name(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ""
+
+
+def _number(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int | float)
+        and not isinstance(node.value, bool)
+    )
+
+
+def built_id(node: ast.AST) -> str | None:
+    """f"tinker://{run}/..." or f"{session}:train:{n}": an id built by hand."""
+    if not isinstance(node, ast.JoinedStr):
+        return None
+    parts = node.values
+    for i, part in enumerate(parts):
+        if not (isinstance(part, ast.Constant) and isinstance(part.value, str)):
+            continue
+        before = i > 0 and isinstance(parts[i - 1], ast.FormattedValue)
+        after = i + 1 < len(parts) and isinstance(parts[i + 1], ast.FormattedValue)
+        for id_part in ID_PARTS:
+            if (part.value.endswith(id_part) and after) or (
+                part.value.startswith(id_part) and before
+            ):
+                return f"builds an id with {id_part!r}: use contract.TinkerPath/RunId/SamplerId"
+    return None
+
+
+def split_id(node: ast.AST) -> str | None:
+    """x.split(":train:") and its kind: an id parsed by hand."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr not in ("split", "rsplit", "partition", "rpartition", "removeprefix"):
+        return None
+    for arg in node.args:
+        if isinstance(arg, ast.Constant) and arg.value in ID_PARTS:
+            return f"parses an id on {arg.value!r}: use contract.TinkerPath/RunId/SamplerId.parse"
+    return None
+
+
+def defaulted(node: ast.AST) -> str | None:
+    """`cfg.alpha or 32.0`: a LoraConfig default restated."""
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and len(node.values) == 2:
+        field, default = node.values
+        owner = DEFAULTED.get(_name(field))
+        if owner and (_number(default) or isinstance(default, ast.Constant)):
+            return f"restates the default of {_name(field)}: use {owner}"
+    return None
+
+
+def loss_list(node: ast.AST) -> str | None:
+    """("ppo", "cispo", ...): the loss table restated."""
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        names = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+        if sum(1 for n in names if n in contract.LOSSES) >= 2:
+            return "lists loss names: use contract.LOSSES / LOSS_NAMES"
+    return None
+
+
+def adam_constant(node: ast.AST) -> str | None:
+    """AdamParams(beta1=0.9, ...): Tinker's Adam defaults restated."""
+    if isinstance(node, ast.Call):
+        for kw in node.keywords:
+            if kw.arg in ("beta1", "beta2", "eps") and _number(kw.value):
+                return f"writes {kw.arg} as a number: use contract.ADAM_DEFAULTS"
+    return None
+
+
+def rank_bound(node: ast.AST) -> str | None:
+    """`rank <= 1024`: a rank limit restated (it comes from capabilities)."""
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        if any(_name(s).endswith("rank") for s in sides) and any(
+            _number(s) and s.value > 1  # type: ignore[attr-defined]
+            for s in sides
+        ):
+            return "bounds a rank with a number: use contract.check_rank (max from capabilities)"
+    return None
+
+
+def suffix_rule(node: ast.AST) -> str | None:
+    """m.endswith("." + pattern): PEFT's module-name rule restated."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "endswith"
+        and node.args
+        and isinstance(node.args[0], ast.BinOp)
+        and isinstance(node.args[0].left, ast.Constant)
+        and node.args[0].left.value == "."
+    ):
+        return "matches module names by suffix: use contract.module_matches"
+    return None
+
+
+def retired_name(node: ast.AST) -> str | None:
+    """The LoRA option's old name, as an identifier or a key."""
+    text = (
+        node.value
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        else node.attr
+        if isinstance(node, ast.Attribute)
+        else node.id
+        if isinstance(node, ast.Name)
+        else ""
+    )
+    for old, new in RETIRED_NAMES.items():
+        if text == old or text.endswith("." + old):
+            return f"uses {old!r}: the option is called {new!r}"
+    return None
+
+
+CHECKS: tuple[Check, ...] = (
+    built_id,
+    split_id,
+    defaulted,
+    loss_list,
+    adam_constant,
+    rank_bound,
+    suffix_rule,
+    retired_name,
+)
+
+
+def _sources() -> Iterator[Path]:
+    for root in ROOTS:
+        for path in sorted((REPO / root).glob("*/src/**/*.py")):
+            rel = path.relative_to(REPO)
+            if rel in OWNERS or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            yield rel
+
+
+def findings(source: str, where: str) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        for check in CHECKS:
+            if (why := check(node)) is not None:
+                out.append(f"{where}:{getattr(node, 'lineno', 0)}: {why}")
+    return out
+
+
+def test_no_service_restates_a_contract_rule() -> None:
+    sources = list(_sources())
+    assert len(sources) > 100  # the scan reads the whole tree, not an empty glob
+    found = [f for rel in sources for f in findings((REPO / rel).read_text(), str(rel))]
+    assert not found, "\n".join(found)
+
+
+def test_the_scan_finds_each_shape() -> None:
+    """Every check fires on the shape it names (so the test above can fail)."""
+    shapes = {
+        built_id: 'path = f"tinker://{rid}/weights/{name}"',
+        split_id: 'session = rid.split(":train:")[0]',
+        defaulted: "alpha = cfg.alpha or 32.0",
+        loss_list: 'LOSSES = ("ppo", "cispo")',
+        adam_constant: "AdamParams(beta1=0.9)",
+        rank_bound: "ok = 1 <= lora.rank <= 1024",
+        suffix_rule: 'm.endswith("." + pattern)',
+        retired_name: 'options["a_only_decay"]',
+    }
+    assert set(shapes) == set(CHECKS)
+    for check, line in shapes.items():
+        assert any(check(node) for node in ast.walk(ast.parse(line))), (check.__name__, line)
+    assert not findings('msg = f"not tinker://<run>/weights/<name>: {path}"', "probe")
