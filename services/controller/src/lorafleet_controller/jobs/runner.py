@@ -101,8 +101,8 @@ class LedgerExecutor:
                                         registration_id=self.rec.registration_id,
                                         seq_id=self.seq, payload=payload)  # fmt: skip
         while True:
-            try:
             await self._check_cancel()
+            try:
                 adm = await self.controller.submit_operation(req)
                 break
             except errors.ResourceExhausted as exc:  # backpressure: nothing was admitted
@@ -118,8 +118,8 @@ class LedgerExecutor:
             await self._heartbeat()
             if op.terminal:
                 break
-        if op.state != OpState.SUCCEEDED:
             await self._check_cancel()
+        if op.state != OpState.SUCCEEDED:
             err = op.error or {}
             raise errors.FailedPrecondition(
                 f"operation {opid} ended {op.state.label}: {err.get('message', 'no result')}",
@@ -127,11 +127,11 @@ class LedgerExecutor:
             )  # fmt: skip
         return pb.OperationResult.FromString(op.result)
 
-    async def _op(self, payload: pb.OperationPayload) -> pb.OperationResult:
     async def _check_cancel(self) -> None:
         if await self.runner.records.cancel_requested(self.rec.job_id):
             raise JobCancelled
 
+    async def _op(self, payload: pb.OperationPayload) -> pb.OperationResult:
         return await self._result(await self._submit(payload))
 
     def _later(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
@@ -268,8 +268,8 @@ class JobRunner:
                 ckpt = await self.controller.catalog.get(tenant, resumed)
                 self._check_shape(resumed, ckpt.lora, p, raw)
         base = reg.base_model if reg is not None else await self._default_base(base_model)
-        stored = {"pairs": [[x.question, x.answer] for x in pairs], "documents": list(documents)}
         await self._check_adapter(base, p)
+        stored = {"pairs": [[x.question, x.answer] for x in pairs], "documents": list(documents)}
         plan = await self._plan(kind, base, p, stored)
         # Everything is valid: from here on, things are written.
         if reg is None:
@@ -321,7 +321,6 @@ class JobRunner:
                     field=name,
                 )
 
-    async def _live_default(self, tenant: str) -> RegRecord | None:
     async def _check_adapter(self, base_model: str, p: JobParams) -> None:
         """Rank and targets against what the base model's trainers report (capabilities), so
         a typo fails the request now instead of the run at bind time."""
@@ -331,6 +330,7 @@ class JobRunner:
         if modules:  # none reported yet: the trainer checks at bind
             contract.check_target_names(p.lora_targets, modules, "targets")
 
+    async def _live_default(self, tenant: str) -> RegRecord | None:
         rid = (await self.records.default_run(tenant)).get("rid", "")
         if not rid:
             return None
