@@ -39,6 +39,11 @@ def test_bad_targets_fail_fast_and_never_hang(request, run_sdk, fleet, target) -
     for text in ("'wq', 'wv'", "lorafleet.target_modules", "q_proj", "down_proj", "all-linear"):
         assert text in out["unknown"], (text, out["unknown"])
 
+    job_unknown = out["job_unknown"]
+    assert job_unknown["status"] == 400 and out["job_unknown_s"] < LIMIT_S, out
+    assert job_unknown["field"] == "targets", job_unknown
+    assert "'wq', 'wv'" in job_unknown["detail"] and "q_proj" in job_unknown["detail"], job_unknown
+
     refusal = "leave no module to adapt"
     assert refusal in out["future"] and "failed" in out["future"], out["future"]
     assert out["future_s"] < LIMIT_S, out

@@ -3,7 +3,8 @@
 Run by tests/sdk/test_validation.py with each SDK venv's python against a fleet with two
 trainer slots (env as compat_script.py, plus OTHER_API_KEY: a second tenant's key):
 1. another tenant's run takes a slot and trains, a filler run takes the other;
-2. an unknown target name is a 400 naming it (and the valid names) at create time;
+2. an unknown target name is a 400 naming it (and the valid names) at create time, for a
+   training client and for a managed job;
 3. a run the trainer will refuse (its exclude list leaves no module) is admitted and queued,
    with a forward_backward waiting on it, and a second such run carries managed jobs: one
    cancelled while it waits, one waiting when the slot frees;
@@ -97,6 +98,12 @@ def main() -> None:
     sc = tinker.ServiceClient()
     other = tinker.ServiceClient(api_key=os.environ["OTHER_API_KEY"])
     out: dict = {}
+
+    with http() as c:  # a managed job's targets are checked the same way, before anything
+        t0 = time.monotonic()
+        job = c.post("/v1/lora/train-qa", params={"targets": "wq,wv", "wait": "false"}, json=FACT)
+        out["job_unknown_s"], out["job_unknown"] = time.monotonic() - t0, job.json()
+        out["job_unknown"]["status"] = job.status_code
 
     keep = done(other.create_lora_training_client(BASE, rank=4))
     ids = keep.get_tokenizer().encode("The capital of France is Paris.")
