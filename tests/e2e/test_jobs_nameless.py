@@ -78,6 +78,9 @@ def test_a_document_longer_than_the_context_trains_at_linear_cost(fleet, tiny_mo
     params = {"chunk_tokens": "32", "max_iters": "1", "gradient_accumulation": "8",
               "learning_rate": "0.001", **NO_EARLY_STOP}  # fmt: skip
     with api(fleet) as c:
+        # A window longer than the model's positions is refused before anything is made.
+        r = c.post("/v1/lora/train", params={**params, "chunk_tokens": "513"}, json={"text": text})
+        assert r.status_code == 400 and "chunk_tokens" in r.text and "512 positions" in r.text
         job = c.post("/v1/lora/train", params=params, json={"text": text}).json()
         c.post("/v1/lora/reset")
     assert job["state"] == "succeeded", job

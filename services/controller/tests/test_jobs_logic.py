@@ -133,11 +133,12 @@ def test_documents_longer_than_the_positions_shift_their_context():
         assert len(nxt.context) >= 32 and c.tokens[-1] + 1 == nxt.tokens[0]
     carried: tuple[int, ...] = ()
     computed = 0
-    for c in got:  # what trainer/bptt.py computes (the first window is not carried)
+    for c in got:  # what trainer/bptt.py computes
         new = c.context[len(carried) :] if c.context[: len(carried)] == carried else c.context
         computed += len(new) + len(c.tokens)
-        carried = (c.context + c.tokens) if c.context else ()
-    assert computed / 5000 <= 1.1
+        carried = c.context + c.tokens
+    assert computed == 5000 + 10 * 32  # 10 shifts of 32 tokens
+    assert all(c.window for c in got)
     # A window as long as the positions reads no context; a longer one is refused.
     assert all(c.context == () for c in units.windows(tokens[:100], 16, 16))
     with pytest.raises(InvalidArgument) as err:
@@ -158,7 +159,7 @@ def test_what_would_fail_in_the_trainer_is_refused_when_the_job_is_made(codec):
 def test_a_window_datum_carries_its_context_for_truncated_bptt():
     chunk = units.windows(list(range(10, 17)), 3, POSITIONS)[1]  # tokens 13..15, context 10..12
     d = datum(chunk)
-    assert (list(d.tokens), list(d.context)) == ([13, 14, 15], [10, 11, 12])
+    assert (list(d.tokens), list(d.context), d.window) == ([13, 14, 15], [10, 11, 12], True)
     assert struct.unpack("<3q", d.loss_fn_inputs["target_tokens"].data) == (14, 15, 16)
     assert struct.unpack("<3f", d.loss_fn_inputs["weights"].data) == (1.0, 1.0, 1.0)
 

@@ -34,7 +34,7 @@ def windows(doc: list[int], gen: torch.Generator) -> list[Datum]:
         targets = torch.tensor(doc[start + 1 : start + 1 + len(tokens)], dtype=torch.int64)
         tokens = tokens[: len(targets)]
         inputs = {"target_tokens": targets, "weights": torch.randn(len(tokens), generator=gen)}
-        out.append(Datum(tokens, inputs, context=doc[:start]))
+        out.append(Datum(tokens, inputs, context=doc[:start], window=True))
     return out
 
 
@@ -142,24 +142,31 @@ def test_window_dropout_is_seeded(make_engine, h) -> None:
 
 async def test_context_and_group_tokens_travel_over_grpc(make_engine, h) -> None:
     """The proto fields managed jobs set reach the engine: the servicer's result and gradient
-    are bit-identical to the same call made on the engine directly."""
+    are bit-identical to the same call made on the engine directly. A document's first and
+    second windows: without `window` the first would not be kept, and the second would
+    compute 8 context tokens more (a metric in the result)."""
     gen = torch.Generator().manual_seed(10)
-    window = windows(torch.randint(0, VOCAB, (20,), generator=gen).tolist(), gen)[2]
+    document = windows(torch.randint(0, VOCAB, (20,), generator=gen).tolist(), gen)[:2]
     engines = []
     for _ in range(2):
         engine = make_engine()
         engine.bind(0, "r0", SPECS[0])
         h.perturb(engine, 0, seed=4)
         engines.append(engine)
-    inp = ForwardBackwardInput([window], "cross_entropy", group_tokens=5)
+    inp = ForwardBackwardInput(document, "cross_entropy", group_tokens=5)
     (direct,) = engines[0].forward_backward([ForwardBackwardItem("fb", 0, "r0", inp)])
+    assert direct.metrics["context_tokens_computed:sum"] == 0
 
     servicer = TrainerServicer(engines[1], "replica-test")
-    proto = common_pb2.Datum(
-        tokens=window.tokens,
-        loss_fn_inputs={k: convert.tensor_to_proto(v) for k, v in window.loss_fn_inputs.items()},
-        context=window.context,
-    )
+    protos = [
+        common_pb2.Datum(
+            tokens=w.tokens,
+            loss_fn_inputs={k: convert.tensor_to_proto(v) for k, v in w.loss_fn_inputs.items()},
+            context=w.context,
+            window=True,
+        )
+        for w in document
+    ]
     request = trainer_pb2.ForwardBackwardRequest(
         items=[
             trainer_pb2.ForwardBackwardItem(
@@ -167,7 +174,7 @@ async def test_context_and_group_tokens_travel_over_grpc(make_engine, h) -> None
                 slot=0,
                 registration_id="r0",
                 input=common_pb2.ForwardBackwardInput(
-                    data=[proto], loss_fn="cross_entropy", group_tokens=5
+                    data=protos, loss_fn="cross_entropy", group_tokens=5
                 ),
             )
         ]
@@ -208,13 +215,8 @@ def test_windows_carry_keys_values_so_each_token_runs_once(make_engine, h) -> No
     engine.bind(0, "r0", SPECS[0])
     h.perturb(engine, 0, seed=22)
     results = one_by_one(engine, 0, data, group=len(doc) - 1)
-    # The first window has no context: it runs as a plain datum, its keys/values are not
-    # kept, so the second window computes them again (bptt.py); every later one carries.
-    assert "forward_tokens:sum" not in results[0].metrics
-    context = [r.metrics["context_tokens_computed:sum"] for r in results[1:]]
-    assert context == [WINDOW] + [0] * (len(data) - 2)
-    computed = WINDOW + sum(r.metrics["forward_tokens:sum"] for r in results[1:])
-    assert computed == len(doc) - 1 + WINDOW
+    assert all(r.metrics["context_tokens_computed:sum"] == 0 for r in results)
+    assert sum(r.metrics["forward_tokens:sum"] for r in results) == len(doc) - 1
     ref_lp, ref_grads = reference(h, engine, 0, data)
     for got, want in zip(results, ref_lp, strict=True):
         assert (got.logprobs[0] - want).abs().max().item() <= TOL
@@ -228,7 +230,7 @@ def test_windows_carry_keys_values_so_each_token_runs_once(make_engine, h) -> No
     for i, d in enumerate(data):
         again.slots.bindings[0].carried = None  # as after a restart: nothing to carry
         fresh += one_by_one(again, 0, [d], first=i)
-    assert sum(r.metrics.get("context_tokens_computed:sum", 0) for r in fresh) == sum(
+    assert sum(r.metrics["context_tokens_computed:sum"] for r in fresh) == sum(
         len(d.context) for d in data
     )
     for got, want in zip(fresh, results, strict=True):
@@ -248,8 +250,7 @@ def test_a_skipped_window_runs_only_its_own_tokens(make_engine, h) -> None:
     engine.bind(0, "r0", SPECS[1])
     h.perturb(engine, 0, seed=24)
     results = one_by_one(engine, 0, data)
-    computed = [r.metrics.get("context_tokens_computed:sum") for r in results]
-    assert computed == [None, 16, 24, 24]
+    assert [r.metrics["context_tokens_computed:sum"] for r in results] == [0, 8, 24, 24]
     data = [wd[1], wd[3]]
     results += one_by_one(engine, 0, data, first=len(results))
     assert [r.metrics["context_tokens_computed:sum"] for r in results[4:]] == [8, 8]
@@ -275,6 +276,7 @@ def test_carried_keys_values_keep_the_weights_they_were_computed_with(make_engin
     h.perturb(engine, 0, seed=26)
     old = h.peft_model(engine, 0)
     one_by_one(engine, 0, [first, second])
+    assert engine.slots.bindings[0].carried.tokens == tuple(doc[:16])
     step = engine.optim_step("step", 0, "r0", AdamParams(learning_rate=0.05))
     assert step.applied
     (got,) = one_by_one(engine, 0, [third], first=2)

@@ -7,13 +7,14 @@ Managed document jobs (issue 13, juno's `/train`) cut a document into windows of
 window's loss trains the adapter only through the window's own computation: the context's
 keys/values are constants to autograd, while the window's attention still reads them.
 
-Issue 23: each token's forward runs once. After a window runs, its slot keeps the detached
-key/value cache of context + window (`Carried`); the next window of the same document names
-exactly those tokens as its context and runs on top of the carried cache without
-recomputing anything. When the carried tokens are only a prefix of the context (a window in
-between was left out by `max_train_tokens`), just the missing tokens run; when they are
-something else (another document, a shifted context, a restarted trainer), the context runs
-afresh under `torch.no_grad()` and without dropout. `context_tokens` counts what ran.
+Issue 23: each token's forward runs once. After a window runs (a datum with context, or
+marked `window`: a document's first), its slot keeps the detached key/value cache of
+context + window (`Carried`); the next window of the same document names exactly those
+tokens as its context and runs on top of the carried cache without recomputing anything.
+When the carried tokens are only a prefix of the context (a window in between was left out
+by `max_train_tokens`), just the missing tokens run; when they are something else (another
+document, a shifted context, a restarted trainer), the context runs afresh under
+`torch.no_grad()` and without dropout. `context_tokens` counts what ran.
 
 Exactness with LoRA (juno's semantics, chosen here): carried keys/values are the ones
 computed when their window ran, with the slot's weights and that window's dropout mask of

@@ -100,6 +100,7 @@ def fb_input_from_proto(inp: common_pb2.ForwardBackwardInput) -> domain.ForwardB
                 for k, v in d.loss_fn_inputs.items()
             },
             context=list(d.context),
+            window=d.window,
         )
         for j, d in enumerate(inp.data)
     ]

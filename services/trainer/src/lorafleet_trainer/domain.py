@@ -53,12 +53,15 @@ class Datum:
 
     `context` (trainer-only, no SDK field) makes the datum a truncated-BPTT window: the
     tokens of its document's earlier windows, attended to through keys/values computed
-    without gradient (see `lorafleet_trainer.bptt`); it has no targets of its own.
+    without gradient (see `lorafleet_trainer.bptt`); it has no targets of its own. `window`
+    makes it one even without context (a document's first window), so its keys/values are
+    kept for the next.
     """
 
     tokens: list[int]
     loss_fn_inputs: dict[str, torch.Tensor]
     context: list[int] = field(default_factory=list)
+    window: bool = False
 
 
 @dataclass

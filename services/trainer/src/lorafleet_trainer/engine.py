@@ -286,7 +286,7 @@ class TrainerEngine:
                     ordinal = ordinals.get(plan.slot, plan.binding.pending_datums)
                     ordinals[plan.slot] = ordinal + 1
                     keys = [row_key(spec.seed, plan.binding.optimizer.steps, ordinal)]
-                if d.context:  # runs alone after its detached context (bptt.py)
+                if d.context or d.window:  # runs alone after its detached context (bptt.py)
                     rate = spec.dropout if dropout else 0.0
                     group = RowGroup(plan.slot, 1, spec.rank, spec.scale, rate, keys)
                     windows.append((plan, d, group))
@@ -357,7 +357,7 @@ class TrainerEngine:
             out_metrics = {"loss:sum": float(torch.stack(loss).sum().detach())}
             own = sum(len(d.tokens) for d in p.data)
             metrics.FORWARD_TOKENS.labels(kind="datum").inc(own)
-            if any(d.context for d in p.data):  # a document job's windows: what they cost
+            if any(d.context or d.window for d in p.data):  # a document job's: what it cost
                 context = recomputed.get(id(p), 0)
                 metrics.FORWARD_TOKENS.labels(kind="context").inc(context)
                 out_metrics["forward_tokens:sum"] = float(own + context)

@@ -63,6 +63,7 @@ class PreparedDatum:
     advantages: torch.Tensor | None = None  # float32 (N,)
     ratio_mask: torch.Tensor | None = None  # float32 (N,) (gspo)
     context: list[int] = field(default_factory=list)  # earlier BPTT context, no targets
+    window: bool = False  # a BPTT window even without context (bptt.py)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,9 @@ def prepare_input(
                 f"a target id is outside the vocabulary [0, {vocab_size})",
                 field=f"{fin}.target_tokens",
             )
-        d = PreparedDatum(list(datum.tokens), targets, context=list(datum.context))
+        d = PreparedDatum(
+            list(datum.tokens), targets, context=list(datum.context), window=datum.window
+        )
         per_target = tuple(targets.shape)
         values = {
             key: _tensor(given[key], key, fin, shape=per_target if key == "weights" else (n,))

@@ -70,6 +70,7 @@ def datum(chunk: units.Chunk) -> common_pb2.Datum:
     return common_pb2.Datum(
         tokens=chunk.tokens,
         context=chunk.context,
+        window=chunk.window,
         loss_fn_inputs={
             "target_tokens": _tensor("q", common_pb2.DTYPE_INT64, chunk.targets),
             "weights": _tensor("f", common_pb2.DTYPE_FLOAT32, [float(m) for m in chunk.mask]),

@@ -15,9 +15,8 @@ recomputed rather than re-rotated): it keeps only the document's last `shift_kee
 before the window, which the trainer computes again from position 0, and the windows after
 it carry as before. A shift recomputes `shift_keep` (positions / 16) tokens once per more
 than positions − positions / 16 − chunk_tokens new ones: a long document in 32-token
-windows on 512 positions costs 1.07 forward tokens per token (the first window's tokens,
-which the second computes again, included), and a window after the first always reads at
-least `shift_keep` tokens before it.
+windows on 512 positions costs 1.064 forward tokens per token, and a window after the
+first always reads at least `shift_keep` tokens before it.
 
 Q&A (juno §11.6): each pair becomes four phrasings of the question (generalisation), each
 rendered with the model's chat template as a user turn and an assistant turn. The loss is
@@ -78,6 +77,7 @@ class Chunk:
     targets: tuple[int, ...]
     mask: tuple[int, ...]
     context: tuple[int, ...] = ()
+    window: bool = False  # a document's window: the trainer keeps its keys/values for the next
 
     @property
     def prediction_tokens(self) -> int:
@@ -225,6 +225,7 @@ def windows(tokens: Sequence[int], chunk_tokens: int, positions: int) -> tuple[C
                 tuple(tokens[start + 1 : end + 1]),
                 (1,) * (end - start),
                 tuple(tokens[segment:start]),
+                window=True,
             )
         )
     return tuple(out)
