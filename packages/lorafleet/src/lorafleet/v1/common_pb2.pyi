@@ -176,12 +176,14 @@ class LoraConfig(_message.Message):
     a_only_weight_decay: _builtins.bool
     """Apply decoupled weight decay to A only, never to B."""
     max_grad_norm_default: _builtins.float
-    """Gradient clip norm of an optim_step whose AdamParams ask for none (grad_clip_norm 0);
-    0 = no default (the user metadata key lorafleet.max_grad_norm_default).
+    """Gradient clip norm of an optim_step whose AdamParams leave grad_clip_norm unset (the
+    gateway leaves an SDK's 0 unset); 0 = no default (user metadata lorafleet.max_grad_norm_default).
     """
     @_builtins.property
     def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Explicit module names ("q_proj", ...) or "all-linear". Empty: derived from the train_* flags."""
+        """Explicit module names ("q_proj", ...) or "all-linear": exactly those modules, the train_*
+        flags ignored. Empty: derived from the train_* flags.
+        """
 
     @_builtins.property
     def exclude_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -221,13 +223,20 @@ class AdamParams(_message.Message):
     EPS_FIELD_NUMBER: _builtins.int
     WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
     GRAD_CLIP_NORM_FIELD_NUMBER: _builtins.int
+    A_ONLY_WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
     learning_rate: _builtins.float
     beta1: _builtins.float
     beta2: _builtins.float
     eps: _builtins.float
     weight_decay: _builtins.float
     grad_clip_norm: _builtins.float
-    """0 = no clipping."""
+    """0 = no clipping. Unset: the run's LoraConfig.max_grad_norm_default (0 = none); a set 0
+    (a managed job's max_grad_norm=0) means no clipping and is never overridden.
+    """
+    a_only_weight_decay: _builtins.bool
+    """Weight decay on A only (juno's definition: B starts at zero and is never decayed). Unset:
+    the run's LoraConfig.a_only_weight_decay. Managed jobs always set it.
+    """
     def __init__(
         self,
         *,
@@ -236,13 +245,21 @@ class AdamParams(_message.Message):
         beta2: _builtins.float = ...,
         eps: _builtins.float = ...,
         weight_decay: _builtins.float = ...,
-        grad_clip_norm: _builtins.float = ...,
+        grad_clip_norm: _builtins.float | None = ...,
+        a_only_weight_decay: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_a_only_weight_decay", b"_a_only_weight_decay", "_grad_clip_norm", b"_grad_clip_norm", "a_only_weight_decay", b"a_only_weight_decay", "grad_clip_norm", b"grad_clip_norm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["beta1", b"beta1", "beta2", b"beta2", "eps", b"eps", "grad_clip_norm", b"grad_clip_norm", "learning_rate", b"learning_rate", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_a_only_weight_decay", b"_a_only_weight_decay", "_grad_clip_norm", b"_grad_clip_norm", "a_only_weight_decay", b"a_only_weight_decay", "beta1", b"beta1", "beta2", b"beta2", "eps", b"eps", "grad_clip_norm", b"grad_clip_norm", "learning_rate", b"learning_rate", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__a_only_weight_decay: _TypeAlias = _typing.Literal["a_only_weight_decay"]  # noqa: Y015
+    _WhichOneofArgType__a_only_weight_decay: _TypeAlias = _typing.Literal["_a_only_weight_decay", b"_a_only_weight_decay"]  # noqa: Y015
+    _WhichOneofReturnType__grad_clip_norm: _TypeAlias = _typing.Literal["grad_clip_norm"]  # noqa: Y015
+    _WhichOneofArgType__grad_clip_norm: _TypeAlias = _typing.Literal["_grad_clip_norm", b"_grad_clip_norm"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__a_only_weight_decay) -> _WhichOneofReturnType__a_only_weight_decay | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_clip_norm) -> _WhichOneofReturnType__grad_clip_norm | None: ...
 
 Global___AdamParams: _TypeAlias = AdamParams  # noqa: Y015
 
