@@ -102,15 +102,21 @@ def adam_constant(node: ast.AST) -> str | None:
     return None
 
 
-def rank_bound(node: ast.AST) -> str | None:
-    """`rank <= 1024`: a rank limit restated (it comes from capabilities)."""
+LIMITED = {"rank": "contract.check_rank", "num_samples": "contract.check_num_samples"}
+
+
+def limit_bound(node: ast.AST) -> str | None:
+    """`rank <= 1024`, `n > 1024`: a deployment limit restated (it comes from capabilities)."""
     if isinstance(node, ast.Compare):
         sides = [node.left, *node.comparators]
-        if any(_name(s).endswith("rank") for s in sides) and any(
-            _number(s) and s.value > 1  # type: ignore[attr-defined]
-            for s in sides
-        ):
-            return "bounds a rank with a number: use contract.check_rank (max from capabilities)"
+        limited = [k for s in sides for k in LIMITED if _name(s).endswith(k)]
+        if limited and any(_number(s) and s.value > 1 for s in sides):  # type: ignore[attr-defined]
+            return f"bounds {limited[0]} with a number: use {LIMITED[limited[0]]}"
+    if isinstance(node, ast.AnnAssign) and _name(node.target) in LIMITED:
+        for kw in ast.walk(node.annotation):
+            if isinstance(kw, ast.keyword) and kw.arg in ("le", "lt") and _number(kw.value):
+                name = _name(node.target)
+                return f"bounds {name} with a number: use {LIMITED[name]}"
     return None
 
 
@@ -152,7 +158,7 @@ CHECKS: tuple[Check, ...] = (
     defaulted,
     loss_list,
     adam_constant,
-    rank_bound,
+    limit_bound,
     suffix_rule,
     retired_name,
 )
@@ -191,11 +197,12 @@ def test_the_scan_finds_each_shape() -> None:
         defaulted: "alpha = cfg.alpha or 32.0",
         loss_list: 'LOSSES = ("ppo", "cispo")',
         adam_constant: "AdamParams(beta1=0.9)",
-        rank_bound: "ok = 1 <= lora.rank <= 1024",
+        limit_bound: "num_samples: Annotated[int, Field(ge=1, le=1024)] = 1",
         suffix_rule: 'm.endswith("." + pattern)',
         retired_name: 'options["a_only_decay"]',
     }
     assert set(shapes) == set(CHECKS)
     for check, line in shapes.items():
         assert any(check(node) for node in ast.walk(ast.parse(line))), (check.__name__, line)
+    assert any(limit_bound(n) for n in ast.walk(ast.parse("ok = 1 <= lora.rank <= 1024")))
     assert not findings('msg = f"not tinker://<run>/weights/<name>: {path}"', "probe")

@@ -251,6 +251,14 @@ def check_rank(rank: int, max_rank: int = 0, field: str = "lora_config.rank") ->
         raise InvalidArgument(f"must be in [1, {limit}], got {rank}", field=field)
 
 
+def check_num_samples(n: int, limit: int, field: str = "num_samples") -> None:
+    """A sample request's num_samples in [1, limit]; `limit` is the rollouts' setting, as
+    they announce it (capabilities), never a constant: a request the rollout would refuse
+    is refused when it is submitted."""
+    if not 1 <= n <= limit:
+        raise InvalidArgument(f"{n} is outside [1, {limit}]", field=field)
+
+
 def effective_alpha(alpha: float) -> float:
     """A LoraConfig's alpha; 0 (a proto field left unset) means DEFAULT_ALPHA."""
     return alpha or DEFAULT_ALPHA

@@ -450,6 +450,7 @@ class Controller:
             incarnation=req.incarnation,
             last_seen=0, healthy=True, tokenizer_id=req.tokenizer_id, max_rank=req.max_rank,
             max_context_length=req.max_context_length, arch=req.arch,
+            max_num_samples=req.max_num_samples,
         )  # fmt: skip
         await self.admit_replica(rep)
 

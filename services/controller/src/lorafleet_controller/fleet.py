@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from lorafleet import errors
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Ledger
-from lorafleet_controller.registry import ROLLOUT, TRAINER, Registry, RegRecord, Replica
+from lorafleet_controller.registry import (
+    ROLLOUT,
+    TRAINER,
+    Registry,
+    RegRecord,
+    Replica,
+    sample_limit,
+)
 
 
 @dataclass
@@ -29,6 +36,7 @@ class BaseModelView:
     max_rank: int = 0
     loss_fns: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)
+    max_num_samples: int = 0  # the least of the healthy rollouts' limits (0 = no rollout)
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,8 @@ class Fleet:
 
     async def capabilities(self) -> list[BaseModelView]:
         models: dict[str, BaseModelView] = {}
-        for rep in await self.registry.replicas():
+        replicas = await self.registry.replicas()
+        for rep in replicas:
             if not rep.healthy:
                 continue
             info = models.setdefault(rep.base_model, BaseModelView(rep.base_model))
@@ -70,6 +79,10 @@ class Fleet:
                 info.modules = sorted(set(info.modules) | set(rep.modules))
             elif rep.kind == ROLLOUT:
                 info.sampleable = True
+        for info in models.values():
+            info.max_num_samples = sample_limit(
+                [r for r in replicas if r.kind == ROLLOUT and r.base_model == info.name]
+            )
         return [models[name] for name in sorted(models)]
 
     async def status(self) -> FleetView:

@@ -130,11 +130,13 @@ class Membership:
             replica_id, base, incarnation = t.replica_id, t.base_model, t.incarnation
             slots, max_rank, context, loss_fns = t.num_slots, t.max_rank, t.max_context_length, \
                 list(t.loss_fns)  # fmt: skip
+            samples = 0
         else:
             r = await self.pool.rollout(endpoint.address).info(retry=False)
             replica_id, base, incarnation = r.replica_id, r.base_model, r.incarnation
             slots, max_rank, context, loss_fns = r.max_loaded_adapters, r.max_lora_rank, \
                 r.max_context_length, []  # fmt: skip
+            samples = r.max_num_samples
         replica_id = replica_id or endpoint.replica_id
         old = await self.registry.replica(replica_id)
         same = old is not None and old.incarnation == incarnation and old.kind == endpoint.kind
@@ -144,5 +146,5 @@ class Membership:
             base_model=base_model_name(base), num_slots=slots, incarnation=incarnation,
             last_seen=0, healthy=True, tokenizer_id=old.tokenizer_id if old else "",
             max_rank=max_rank, max_context_length=context, arch=old.arch if old else "",
-            loss_fns=loss_fns or (old.loss_fns if old else []),
+            loss_fns=loss_fns or (old.loss_fns if old else []), max_num_samples=samples,
         )  # fmt: skip

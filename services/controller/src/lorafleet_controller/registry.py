@@ -107,6 +107,7 @@ class Replica:
     arch: str = ""
     loss_fns: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)  # a trainer's adaptable modules
+    max_num_samples: int = 0  # a rollout's limit on one request's num_samples
 
 
 # Rebuilds a registration the registry marked for restore (its trainer was lost) in its newly
@@ -274,6 +275,7 @@ class Registry:
             "num_slots": rep.num_slots, "incarnation": rep.incarnation, "last_seen": now,
             "healthy": "1", "tokenizer_id": rep.tokenizer_id, "max_rank": rep.max_rank,
             "max_context_length": rep.max_context_length, "arch": rep.arch,
+            "max_num_samples": rep.max_num_samples,
         }  # fmt: skip
         if rep.loss_fns:
             mapping["loss_fns"] = json.dumps(rep.loss_fns)
@@ -314,6 +316,9 @@ class Registry:
         reps = await self._replicas(sorted(text(i) for i in ids))
         return [r for r in reps if r is not None and (kind is None or r.kind == kind)]
 
+    async def max_num_samples(self, base_model: str) -> int:
+        return sample_limit(await self.replicas(ROLLOUT, base_model))
+
     async def slot_table(self, replica_id: str) -> dict[int, str]:
         raw = await self.store.redis.hgetall(self.keys.slots(replica_id))
         return {int(k): text(v) for k, v in raw.items()}
@@ -344,6 +349,13 @@ class Registry:
     async def silent_replicas(self, silence: float) -> list[Replica]:
         cutoff = self.clock() - silence
         return [r for r in await self.replicas() if r.healthy and r.last_seen < cutoff]
+
+
+def sample_limit(rollouts: list[Replica]) -> int:
+    """The largest num_samples every healthy rollout accepts (0: none has said): a request
+    must be valid on whichever rollout serves it."""
+    limits = [r.max_num_samples for r in rollouts if r.healthy and r.max_num_samples]
+    return min(limits, default=0)
 
 
 def _record(rid: str, raw: dict[bytes, bytes], position: int) -> RegRecord:
@@ -392,6 +404,7 @@ def _replica(replica_id: str, raw: dict[bytes, bytes]) -> Replica:
         arch=text(raw.get(b"arch")),
         loss_fns=json.loads(raw.get(b"loss_fns", b"[]")),
         modules=json.loads(raw.get(b"modules", b"[]")),
+        max_num_samples=int(raw.get(b"max_num_samples", b"0") or 0),
     )
 
 

@@ -99,8 +99,8 @@ class Samplers:
         if not req.prompt_tokens:
             raise errors.InvalidArgument("empty prompt", field="prompt_tokens")
         n = req.num_samples or 1
-        if n < 1 or n > 1024:
-            raise errors.InvalidArgument("must be in [1, 1024]", field="num_samples")
+        if limit := await self.registry.max_num_samples(sampler.base_model):
+            contract.check_num_samples(n, limit)  # what any of its rollouts would accept
         body = rollout_pb2.SampleRequest(
             prompt_tokens=req.prompt_tokens, params=req.params, num_samples=n,
             prompt_logprobs=req.prompt_logprobs, topk_prompt_logprobs=req.topk_prompt_logprobs,

@@ -207,7 +207,8 @@ class SamplingParams(Body):
 class SampleRequest(Body):
     prompt: ModelInput
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    num_samples: Annotated[int, Field(ge=1, le=1024)] = 1
+    # its limit is the rollouts' (capabilities), checked when the sample is submitted
+    num_samples: int = 1
     sampling_session_id: str | None = None
     base_model: str | None = None
     model_path: str | None = None

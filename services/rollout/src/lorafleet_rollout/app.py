@@ -86,6 +86,7 @@ def run(settings: RolloutSettings, server: ServerSettings, replica: ReplicaSetti
             max_rank=info.max_lora_rank,
             max_context_length=info.max_context_length,
             arch=info.engine,
+            max_num_samples=settings.max_num_samples,
         )
 
     registrar = Registrar(replica, registration)

@@ -53,6 +53,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             max_lora_rank=info.max_lora_rank,
             max_context_length=info.max_context_length,
             incarnation=self.core.incarnation,
+            max_num_samples=self.core.limits.max_num_samples,
         )
 
     async def LoadAdapter(

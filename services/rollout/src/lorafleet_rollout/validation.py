@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from lorafleet import contract
 from lorafleet.errors import InvalidArgument
 from lorafleet_rollout.types import EngineInfo, SampleRequest
 
@@ -21,10 +22,7 @@ def validate_sample(request: SampleRequest, info: EngineInfo, max_num_samples: i
                 f"token {tok} is outside the vocabulary [0, {info.vocab_size})",
                 field=f"prompt_tokens[{i}]",
             )
-    if not 1 <= request.num_samples <= max_num_samples:
-        raise InvalidArgument(
-            f"{request.num_samples} is outside [1, {max_num_samples}]", field="num_samples"
-        )
+    contract.check_num_samples(request.num_samples, max_num_samples)
     if p.max_tokens < 0:
         raise InvalidArgument(f"{p.max_tokens} is negative", field="params.max_tokens")
     if len(prompt) + max(p.max_tokens, 1) > info.max_context_length:

@@ -1966,6 +1966,7 @@ class BaseModelInfo(_message.Message):
     MAX_RANK_FIELD_NUMBER: _builtins.int
     LOSS_FNS_FIELD_NUMBER: _builtins.int
     MODULES_FIELD_NUMBER: _builtins.int
+    MAX_NUM_SAMPLES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tokenizer_id: _builtins.str
     """What a client loads with AutoTokenizer (HF name, or the local folder)."""
@@ -1974,6 +1975,8 @@ class BaseModelInfo(_message.Message):
     trainable: _builtins.bool
     sampleable: _builtins.bool
     max_rank: _builtins.int
+    max_num_samples: _builtins.int
+    """The largest num_samples every healthy rollout of the model accepts (0 = none serves it)."""
     @_builtins.property
     def loss_fns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -1994,10 +1997,11 @@ class BaseModelInfo(_message.Message):
         max_rank: _builtins.int = ...,
         loss_fns: _abc.Iterable[_builtins.str] | None = ...,
         modules: _abc.Iterable[_builtins.str] | None = ...,
+        max_num_samples: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_rank", b"max_rank", "modules", b"modules", "name", b"name", "sampleable", b"sampleable", "tokenizer_id", b"tokenizer_id", "trainable", b"trainable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_num_samples", b"max_num_samples", "max_rank", b"max_rank", "modules", b"modules", "name", b"name", "sampleable", b"sampleable", "tokenizer_id", b"tokenizer_id", "trainable", b"trainable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2052,6 +2056,7 @@ class RegisterReplicaRequest(_message.Message):
     MAX_RANK_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     ARCH_FIELD_NUMBER: _builtins.int
+    MAX_NUM_SAMPLES_FIELD_NUMBER: _builtins.int
     kind: Global___ReplicaKind.ValueType
     replica_id: _builtins.str
     address: _builtins.str
@@ -2063,6 +2068,8 @@ class RegisterReplicaRequest(_message.Message):
     max_rank: _builtins.int
     max_context_length: _builtins.int
     arch: _builtins.str
+    max_num_samples: _builtins.int
+    """Rollouts: the largest num_samples one request may ask for (their setting)."""
     def __init__(
         self,
         *,
@@ -2076,10 +2083,11 @@ class RegisterReplicaRequest(_message.Message):
         max_rank: _builtins.int = ...,
         max_context_length: _builtins.int = ...,
         arch: _builtins.str = ...,
+        max_num_samples: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "arch", b"arch", "base_model", b"base_model", "incarnation", b"incarnation", "kind", b"kind", "max_context_length", b"max_context_length", "max_rank", b"max_rank", "num_slots", b"num_slots", "replica_id", b"replica_id", "tokenizer_id", b"tokenizer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "arch", b"arch", "base_model", b"base_model", "incarnation", b"incarnation", "kind", b"kind", "max_context_length", b"max_context_length", "max_num_samples", b"max_num_samples", "max_rank", b"max_rank", "num_slots", b"num_slots", "replica_id", b"replica_id", "tokenizer_id", b"tokenizer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,8 +119,8 @@ def render(op: cpb.Operation, accept_proto: bool, external_name: str = "") -> Fu
         return _json(_not_json(exc))
     if kind == "save_state":
         if external_name:
-            kind = contract.CheckpointKind.EXTERNAL_WEIGHTS
-            path = str(contract.TinkerPath(op.registration_id, kind, external_name))
+            external = contract.CheckpointKind.EXTERNAL_WEIGHTS
+            path = str(contract.TinkerPath(op.registration_id, external, external_name))
             return _json(PathResult(type="save_weights_external", path=path))
         return _json(PathResult(type="save_weights", path=result.save_state.path))
     if kind == "load_state":
