@@ -187,9 +187,37 @@ async def test_sampled_logprobs_are_the_models_own(
         await driver.unload_adapter("reg@1")
 
 
-async def test_n_samples_with_a_seed_are_distinct_and_reproducible(
+async def test_n_samples_differ_and_carry_the_trainers_logprobs(
     driver: SGLangEngine, trained: Trained
 ) -> None:
+    await driver.load_adapter("reg@2", trained.folders[1], trained.specs[1])
+    try:
+        spec = SamplingSpec(max_tokens=12, temperature=1.0, seed=1234, disable_eos_stop=True)
+        result = await driver.sample(SampleRequest("reg@2", PROMPT, spec, num_samples=4))
+        sequences = [s.tokens for s in result.sequences]
+        assert len(sequences) == 4
+        assert len(set(sequences)) == 4, "the n samples of one request must differ"
+        for seq in result.sequences:
+            want = trained.logprobs(1, [*PROMPT, *seq.tokens])[len(PROMPT) - 1 :]
+            assert _max_diff(seq.logprobs, want) <= TOL
+    finally:
+        await driver.unload_adapter("reg@2")
+
+
+async def test_seeded_samples_are_reproducible(
+    driver: SGLangEngine, trained: Trained, sglang: Served
+) -> None:
+    """SGLang honours `sampling_seed` only under --enable-deterministic-inference, which its
+    CPU backend cannot run (it refuses torch_native attention, srt/arg_groups/overrides.py
+    ~1117, and its batch-invariant mode swaps aten::mm for Triton kernels,
+    srt/batch_invariant_ops/batch_invariant_ops.py ~1010): checked wherever the server runs
+    with it (a GPU), skipped with that reason where it does not."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        info = (await http.get(f"{sglang.url}/server_info")).json()
+    if not info.get("enable_deterministic_inference"):
+        pytest.skip("this SGLang server ignores seeds (no --enable-deterministic-inference)")
     await driver.load_adapter("reg@2", trained.folders[1], trained.specs[1])
     try:
 
@@ -200,7 +228,6 @@ async def test_n_samples_with_a_seed_are_distinct_and_reproducible(
         first = [s.tokens for s in (await driver.sample(request(1234))).sequences]
         again = [s.tokens for s in (await driver.sample(request(1234))).sequences]
         other = [s.tokens for s in (await driver.sample(request(99))).sequences]
-        assert len(first) == 4
         assert len(set(first)) == 4, "the n samples of one seeded request must differ"
         assert again == first, "the same seed must give the same samples"
         assert other != first, "another seed must give other samples"

@@ -9,6 +9,11 @@ Internal gRPC is mutual TLS: the fleet makes a private CA for the run (`ca.py`),
 service kind its certificate through LORAFLEET_TLS_*, and keeps an admin certificate for
 itself and the CLI (minting keys, fleet status).
 
+`engine="sglang"` starts a real SGLang server beside each rollout (`sglang-<i>`, launched by
+`lorafleet_rollout.sglang_server`: its CPU backend with our shims here, CUDA where an NVIDIA
+driver is) and points that rollout's SGLang engine at it. The servers start first, since
+they take longest, and each must be healthy before its rollout starts.
+
 Supervision: a thread restarts any process that exits (the private Redis included) with
 the same settings and ports, after an exponential backoff, at most `restart_budget` times
 per process within `restart_window` seconds; past that the fleet is marked failed
@@ -30,6 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -40,6 +46,9 @@ from lorafleet.testing import RedisServer, child_env, free_port, start_redis, st
 from lorafleet.tls import TlsIdentity, identity_from_settings
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 from lorafleet_cli.ca import ADMIN_NAME, CertFiles, make_run_ca, write_private
+
+if TYPE_CHECKING:
+    from lorafleet_rollout.sglang_server import SGLangServer
 
 STATE_FILE = "fleet.json"
 SERVICES = ("controller", "trainer", "rollout", "gateway")
@@ -60,6 +69,10 @@ class FleetConfig:
     gateway_host: str = "127.0.0.1"
     redis_url: str = ""
     tenant: str = "local"
+    # Rollout engine: "torch" (in the rollout process) or "sglang" (a server beside each).
+    engine: str = "torch"
+    # sglang: the interpreter with SGLang installed (default: the repo's .venvs/sglang).
+    sglang_python: Path | None = None
     # Extra environment per service ("controller", "trainer", "rollout", "gateway").
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     start_timeout: float = 180.0
@@ -84,6 +97,7 @@ class Member:
     metrics_port: int
     log: Path
     env: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)  # empty: `python -m lorafleet_<service>`
     started_at: float = field(default_factory=time.monotonic)
     restarts: int = 0
     recent_restarts: list[float] = field(default_factory=list)
@@ -137,6 +151,7 @@ class Fleet:
                 self.redis_url = self.redis.url
                 self.redis_member = Member("redis", "redis", self.redis.proc, self.redis.port,
                                            0, self.redis.data_dir / "redis.log")  # fmt: skip
+            engines = self._start_engines()
             storage = cfg.run_dir / "storage"
             # One machine: every process sees the same folder, so a publish goes by reference
             # (the trainer writes, rollouts read; lorafleet.shared_storage).
@@ -164,6 +179,7 @@ class Fleet:
                     "SHARED_ADAPTER_ROOT": shared,
                     "REPLICA_ID": f"rollout-{i}",
                     "CONTROLLER_ADDRESS": self.controller_address,
+                    **self._engine_settings(i, engines),
                 })  # fmt: skip
                 self._wait_grpc(m, "lorafleet.v1.RolloutService")
             self._wait_replicas()
@@ -191,7 +207,12 @@ class Fleet:
             self._supervisor = None
         with self._lock:
             for member in reversed(self.members):
-                stop_process(member.proc, grace=15)
+                if member.service == "sglang":
+                    from lorafleet_rollout.sglang_server import stop
+
+                    stop(member.proc, grace=15)
+                else:
+                    stop_process(member.proc, grace=15)
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None
@@ -266,7 +287,7 @@ class Fleet:
     def _respawn(self, member: Member) -> None:
         with open(member.log, "ab") as out:
             member.proc = subprocess.Popen(
-                [sys.executable, "-m", f"lorafleet_{member.service}"],
+                member.argv or [sys.executable, "-m", f"lorafleet_{member.service}"],
                 env=member.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -336,6 +357,54 @@ class Fleet:
         member = Member(service, name, proc, port, metrics_port, log, env)
         self.members.append(member)
         return member
+
+    def _start_engines(self) -> list[tuple[SGLangServer, Member]]:
+        """engine="sglang": one SGLang server per rollout, all started now, waited for by
+        `_engine_settings` just before their rollout starts."""
+        if self.config.engine != "sglang":
+            return []
+        from lorafleet_rollout.sglang_server import DEFAULT_PYTHON, SGLangServer, default_device
+
+        engines = []
+        for i in range(self.config.rollouts):
+            server = SGLangServer(
+                self.config.model_path.resolve(),
+                free_port(),
+                python=self.config.sglang_python or DEFAULT_PYTHON,
+                device=default_device(),
+            )
+            try:
+                server.check()
+            except FileNotFoundError as exc:
+                raise FleetError(str(exc)) from None
+            name = f"sglang-{i}"
+            log = self.config.run_dir / "logs" / f"{name}.log"
+            proc = server.start(log)
+            member = Member("sglang", name, proc, server.port, 0, log, server.env(),
+                            server.command())  # fmt: skip
+            self.members.append(member)
+            engines.append((server, member))
+        return engines
+
+    def _engine_settings(
+        self, i: int, engines: list[tuple[SGLangServer, Member]]
+    ) -> dict[str, str]:
+        """The rollout's engine settings; for SGLang, once its server answers /health."""
+        if not engines:
+            return {}
+        server, member = engines[i]
+        try:
+            server.wait_healthy(member.proc, member.log, self.config.start_timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise FleetError(f"{member.name}: {exc} (log: {member.log})") from None
+        adapters = (self.config.run_dir / f"rollout-{i}-adapters").resolve()
+        return {
+            "ENGINE": "sglang",
+            "ENGINE_URL": server.url,
+            "MAX_LORA_RANK": str(server.max_lora_rank),
+            "MAX_LOADED_ADAPTERS": str(server.max_loaded_loras),
+            "ADAPTER_DIR": str(adapters),  # the server reads adapters by this absolute path
+        }
 
     def _deadline(self) -> float:
         return time.monotonic() + self.config.start_timeout

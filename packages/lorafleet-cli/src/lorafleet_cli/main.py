@@ -69,7 +69,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else runs.new_run_dir()
     config = FleetConfig(
         model_path=model, run_dir=run_dir, trainers=args.trainers, rollouts=args.rollouts,
-        slots=args.slots, gateway_port=args.port, redis_url=args.redis_url,
+        slots=args.slots, gateway_port=args.port, redis_url=args.redis_url, engine=args.engine,
+        sglang_python=Path(args.sglang_python) if args.sglang_python else None,
     )  # fmt: skip
     fleet = Fleet(config)
     stop = {"now": False}
@@ -111,6 +112,9 @@ def _up_detached(args: argparse.Namespace) -> int:
         argv += ["--port", str(args.port)]
     if args.redis_url:
         argv += ["--redis-url", args.redis_url]
+    argv += ["--engine", args.engine]
+    if args.sglang_python:
+        argv += ["--sglang-python", args.sglang_python]
     run_dir.mkdir(parents=True, exist_ok=True)
     out_path, log_path = run_dir / "up.out", run_dir / "up.log"
     # up.out holds the API key: owner-only from the first byte.
@@ -233,6 +237,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
     up.add_argument("--redis-url", default="", help="use this Redis instead of a private one")
     up.add_argument("--detach", action="store_true", help="run in the background")
+    up.add_argument(
+        "--engine",
+        choices=("torch", "sglang"),
+        default="torch",
+        help="rollout engine: torch (in process) or sglang (a real SGLang server "
+        "beside each rollout: CUDA where nvidia-smi is, else its CPU backend)",
+    )
+    up.add_argument(
+        "--sglang-python",
+        default="",
+        help="interpreter with SGLang installed (default: .venvs/sglang, made by "
+        "services/rollout/tests/setup_sglang_venv.sh)",
+    )
     up.add_argument("--run-dir", default="", help="run folder (default: a new one)")
     up.set_defaults(fn=cmd_up)
 

@@ -22,6 +22,7 @@ every adapter, and a server without it refuses them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -111,8 +112,17 @@ class SGLangServer:
             raise FileNotFoundError(
                 f"no SGLang interpreter at {self.python}{hint if self.device == 'cpu' else ''}"
             )
-        if not (self.model_path / "config.json").exists():
+        config = self.model_path / "config.json"
+        if not config.exists():
             raise FileNotFoundError(f"model_path {self.model_path} has no config.json")
+        if self.device == "cpu" and _is_moe(json.loads(config.read_text())):
+            raise ValueError(
+                f"model_path {self.model_path} is a mixture-of-experts model, which SGLang "
+                f"{sglang_api.SGLANG_VERSION}'s CPU backend cannot serve with LoRA: its LoRA MoE "
+                "layer runs the experts through Triton kernels (srt/lora/layers.py "
+                "_forward_with_lora -> moe_runner/triton.py), which need a GPU; the scheduler "
+                "dies on the first batch. Use the torch engine, or SGLang on a GPU"
+            )
 
     def start(self, log: Path) -> subprocess.Popen[bytes]:
         """Start the server in its own session (its scheduler and detokenizer children share
@@ -144,6 +154,15 @@ class SGLangServer:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"SGLang at {self.url} not healthy after {timeout:.0f}s: {_tail(log)}")
+
+
+def _is_moe(config: dict[str, object]) -> bool:
+    """Experts per layer in any of the names HF configs use (Qwen-MoE, Mixtral, DeepSeek)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = config.get(key)
+        if isinstance(value, int) and value > 1:
+            return True
+    return False
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 20.0) -> int | None:

@@ -1,0 +1,49 @@
+"""The SDK flow through `lorafleet up --engine sglang`: the real SGLang server (its CPU backend
+here, `.venvs/sglang` from services/rollout/tests/setup_sglang_venv.sh) beside the rollout.
+
+The tinker SDK trains an adapter (lm_head included: `train_unembed` defaults to true), saves
+it for the sampler and samples through SGLang; every sampled logprob and the sampler's
+compute_logprobs must equal the trainer's forward pass on the same tokens (≤ 1e-4, float32),
+at temperature 1, at 0.7 (SGLang reports the model's own logprobs, not the tempered ones) and
+greedy. Without the SGLang venv the fleet refuses to start and the test fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator[object]:
+    with make_fleet(engine="sglang", slots=4, start_timeout=600) as running:
+        yield running
+
+
+def test_sdk_samples_through_sglang_with_the_trainers_logprobs(
+    fleet: Any, target: Any, run_sdk: Callable[..., dict]
+) -> None:
+    out = run_sdk("0.38.0", "sglang_script.py", target)
+    served = fleet.member("sglang-0").log.read_text()  # the samples really came from SGLang
+    assert '"POST /load_lora_adapter HTTP/1.1" 200' in served
+    assert '"POST /generate HTTP/1.1" 200' in served
+    assert out["losses"][-1] < out["losses"][0], out["losses"]
+    n_prompt = len(out["prompt"])
+    for name, sequences in out["samples"].items():
+        assert len(sequences) == 2, name
+        for seq in sequences:
+            n = len(seq["tokens"])
+            assert n == len(seq["logprobs"]) > 0, name
+            trainer = seq["trainer_logprobs"]  # log p(full[t+1] | full[:t+1])
+            assert len(trainer) == n_prompt + n - 1
+            assert seq["logprobs"] == pytest.approx(trainer[n_prompt - 1 :], abs=TOL), name
+            prompt_lps = seq["sampler_prompt_logprobs"]
+            assert prompt_lps[0] is None
+            assert prompt_lps[1:] == pytest.approx(trainer, abs=TOL), name
+    assert out["samples"]["greedy"][0]["tokens"] == out["samples"]["greedy"][1]["tokens"]
