@@ -614,6 +614,23 @@ def test_sglang_honours_seeds_and_returns_unscaled_logprobs(render, name):
         assert env_of(sglang)["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1", role
 
 
+def test_chart_launches_sglang_as_the_fleets_launcher_does(chart, render):
+    """lorafleet_rollout.sglang_server owns how `lorafleet up` and the real-server tier start
+    SGLang; the chart's container carries every variable its GPU profile sets, with the same
+    value, and the launcher's own target list passes the chart's guard."""
+    from lorafleet_rollout.sglang_server import LORA_TARGETS, SGLangServer
+
+    launcher = SGLangServer(Path("/models/base"), 30000, device="cuda").env({})
+    for name in ("default", "multinode"):
+        values = load_values(name)
+        group = _merged(name)["rollout"]["leaderWorkerSet"]["enabled"]
+        for role in ("leader", "worker") if group else ("leader",):
+            env = env_of(render(values).container("rollout", "sglang", role=role))
+            assert {k: env.get(k) for k in launcher} == launcher, (name, role)
+    values = {"rollout": {"sglang": {"loraTargetModules": list(LORA_TARGETS)}}}
+    chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+
+
 def test_vllm_engine_runs_a_vllm_server_beside_the_rollout(render):
     """engine vllm: the rollout container drives a loopback vLLM server the way VLLMEngine
     expects (runtime LoRA loading on, the base model under the served name the rollout is

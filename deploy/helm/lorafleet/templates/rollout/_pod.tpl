@@ -216,6 +216,7 @@ containers:
       - {name: XDG_CACHE_HOME, value: /tmp/.cache}
       - {name: TRITON_CACHE_DIR, value: /tmp/.triton}
       - {name: HF_HUB_OFFLINE, value: "1"}
+      - {name: PYTHONUNBUFFERED, value: "1"}
       # Logprobs before temperature scaling, as the trainer computes them (RL losses need
       # them unscaled); without it SGLang divides the logits by the temperature first.
       - {name: SGLANG_RETURN_ORIGINAL_LOGPROB, value: "1"}
