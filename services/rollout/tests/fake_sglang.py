@@ -193,7 +193,8 @@ class _Server:
         self.registry: dict[str, tuple[str, str]] = {}
         self.ref_cache: dict[str, str] = {}
         self.tasks: dict[str, asyncio.Task[Any]] = {}
-        self.generate_calls = 0
+        #: Set by every successful load (tests wait on it across threads).
+        self.adapter_loaded = threading.Event()
 
     def loaded(self) -> dict[str, str]:
         return {name: path for name, (_, path) in self.registry.items()}
@@ -228,6 +229,7 @@ class _Server:
             raise _Refused(str(exc)) from None
         self.registry[name] = (lora_id, path)
         self.ref_cache[name] = path
+        self.adapter_loaded.set()
 
     def _check_weights(
         self, uid: str, weights: dict[str, torch.Tensor], adapter_targets: set[str], rank: int
@@ -378,7 +380,6 @@ def build_app(server: _Server) -> FastAPI:
 
     @app.post(api.GENERATE)
     async def generate(request: Request) -> Response:
-        server.generate_calls += 1
         raw = json.loads(await request.body())
         if "lora_path" not in raw:
             return error("lora_path missing: this would silently run the base")

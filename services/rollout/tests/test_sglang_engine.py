@@ -223,6 +223,27 @@ async def test_restart_is_reconciled(model_dir: Path, tmp_path: Path) -> None:
             fake.restart()
             assert await engine.reconcile() == 1 and len(fake.state.loaded()) == 1
             assert await engine.reconcile() == 0
+            # A name of ours the server still holds but we no longer serve is unloaded.
+            async with httpx.AsyncClient(base_url=fake.url, timeout=60) as http:
+                stray = {"lora_name": "reg-k@0#stray", "lora_path": str(folder)}
+                assert (await http.post("/load_lora_adapter", json=stray)).is_success
+            await engine.reconcile()
+            assert "reg-k@0#stray" not in fake.state.loaded()
+        finally:
+            await engine.close()
+
+
+async def test_restart_is_noticed_without_traffic(model_dir: Path, tmp_path: Path) -> None:
+    folder = make_adapter(model_dir, tmp_path / "t", seed=9)
+    with FakeSGLang(model_dir) as fake:
+        engine = SGLangEngine(fake.url, model_dir, reconcile_interval=0.2)
+        await engine.start()
+        try:
+            await engine.load_adapter("reg-t@1", folder, LoraSpec(4, 8))
+            before = fake.state.loaded()
+            fake.restart()
+            assert await asyncio.to_thread(fake.state.adapter_loaded.wait, 60)
+            assert fake.state.loaded() == before  # the same name, from the same folder
         finally:
             await engine.close()
 
