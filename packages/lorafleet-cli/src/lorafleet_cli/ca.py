@@ -60,10 +60,13 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def make_run_ca(folder: Path, names: list[str]) -> dict[str, CertFiles]:
+def make_run_ca(
+    folder: Path, names: list[str], server_names: tuple[str, ...] = ()
+) -> dict[str, CertFiles]:
     """Certificates for each of `names` and for `ADMIN_NAME`, signed by a new CA.
 
-    Every certificate is valid as a server (for 127.0.0.1 and localhost) and as a client:
+    Every certificate is valid as a server (for 127.0.0.1, localhost and `server_names`: the
+    chart's shared `tls.serverName`, when a test runs the chart's settings) and as a client:
     services present the same one in both roles.
     """
     folder.mkdir(parents=True, exist_ok=True)
@@ -112,7 +115,11 @@ def make_run_ca(folder: Path, names: list[str]) -> dict[str, CertFiles]:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                    [
+                        x509.DNSName("localhost"),
+                        *map(x509.DNSName, server_names),
+                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    ]
                 ),
                 critical=False,
             )
