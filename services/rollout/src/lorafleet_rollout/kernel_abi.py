@@ -136,7 +136,9 @@ def header_signatures(text: str) -> dict[str, tuple[type | None, tuple[type, ...
 def _type_name(t: type | None) -> str:
     """A C spelling of a ctypes type, for messages (ctypes' own names are platform aliases:
     c_int64 prints as c_long)."""
-    names = {_P: "a pointer", _I32: "int32_t", _I64: "int64_t", _F32: "float", _CString: "char *"}
+    names: dict[type, str] = {
+        _P: "a pointer", _I32: "int32_t", _I64: "int64_t", _F32: "float", _CString: "char *",
+    }  # fmt: skip
     return "void" if t is None else names.get(t, t.__name__)
 
 
