@@ -16,15 +16,17 @@ Schema: `sglang_api.py` (sglang 0.5.23). What the driver guarantees, and why:
   older weights.
 * **A restarted server is reconciled.** A restarted SGLang has forgotten every adapter. The
   driver compares the server's list (`/v1/models`) with the versions it serves, re-loads the
-  missing ones from their published folders and unloads names it no longer serves; it does so
-  every `reconcile_interval` seconds and at once when /generate says an adapter it serves was
-  never loaded (then retries that request once).
+  missing ones from their published folders and unloads names of its own (`#` in them) it no
+  longer serves (the server is this rollout's alone); it does so every `reconcile_interval`
+  seconds and at once when /generate says an adapter it serves was never loaded (then retries
+  that request once).
 * **Every request names its adapter** in `lora_path` (None for the base): without it SGLang
   silently samples the base model.
 * **Seeds.** n samples go as a batch of n single-sample requests, each with its own seed from
   `lorafleet.contract.sample_seed` (SGLang gives the n copies of one request the same seed, so
   they would come out identical). SGLang honours seeds only when started with
-  `--enable-deterministic-inference`; `info()` is unaffected, but `seeds_honoured` says so.
+  `--enable-deterministic-inference` (GPU attention backends only); otherwise seeded requests
+  are still served, not reproducibly, and `start()` logs that once.
 * **Logprobs are the model's own.** Unless SGLANG_RETURN_ORIGINAL_LOGPROB=1 is set in the
   server's environment, SGLang reports logprobs of the temperature-scaled distribution, which
   RL losses must not get. The launcher (`sglang_server.py`, the chart) sets it; `start()`
@@ -127,7 +129,6 @@ class SGLangEngine:
         #: Serialises loads, unloads and reconciliation (never sampling).
         self._adapters = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
-        self.seeds_honoured = False
         #: Adapters re-loaded by reconciliation since start (a restart shows here).
         self.reloads = 0
 
@@ -175,7 +176,11 @@ class SGLangEngine:
             )
         rank = min(self.max_lora_rank, server.max_lora_rank or self.max_lora_rank)
         self._server = ServerLora.from_flags(server.lora_target_modules, rank)
-        self.seeds_honoured = server.enable_deterministic_inference
+        if not server.enable_deterministic_inference:
+            log.info(
+                "SGLang at %s ignores sampling seeds (no --enable-deterministic-inference)",
+                self.url,
+            )
         config = await asyncio.to_thread(AutoConfig.from_pretrained, self.model_path)
         self._shape = ModelShape.from_config(config)
         self._info = await engine_info("sglang", self.model_path, rank)

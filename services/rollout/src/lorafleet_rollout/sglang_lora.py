@@ -21,7 +21,10 @@ is exactly what SGLang does with an already-stacked `gate_up_proj` A (normalize_
 repeats it for both halves), so `B_e A_e` is served unchanged. Which bank a key pair is comes
 from its shapes: gate_up maps hidden -> 2 * intermediate and down maps intermediate -> hidden,
 never both. SGLang wraps an MoE layer for LoRA only when both gate_up_proj and down_proj are
-server targets (`lora_manager.py`), so expert adapters need both there.
+server targets (`lora_manager.py`), so expert adapters need both there. Serving them takes
+SGLang's Triton fused-MoE LoRA runner, so a GPU: on its CPU backend an MoE model with LoRA
+targets on the experts dies in start-up warm-up (`fused_moe_triton_config.py`
+get_device_name() is None), before any adapter.
 
 Stacked projections. SGLang fuses q/k/v and gate/up LoRA per layer and cannot load a q_proj
 without v_proj (KeyError) nor place a k_proj, v_proj or up_proj alone; `complete_stacks` adds
@@ -132,7 +135,7 @@ class ModelShape:
         )
 
     def bank_of(self, a: torch.Tensor, b: torch.Tensor, rank: int) -> str | None:
-        """"gate_up_proj" or "down_proj" for a PEFT expert key pair of these shapes, else None."""
+        """ "gate_up_proj" or "down_proj" for a PEFT expert key pair of these shapes, else None."""
         e = self.num_experts
         if e == 0 or a.dim() != 2 or b.dim() != 2:
             return None
@@ -146,9 +149,7 @@ class ModelShape:
         return None
 
     def out_features(self, module: str) -> int:
-        return {"q_proj": self.q_out, "v_proj": self.kv_out, "gate_proj": self.intermediate}[
-            module
-        ]
+        return {"q_proj": self.q_out, "v_proj": self.kv_out, "gate_proj": self.intermediate}[module]
 
 
 #: Stacks SGLang fuses per layer, and the members it cannot do without: it stacks q_proj with
