@@ -661,7 +661,6 @@ def test_vllm_engine_runs_a_vllm_server_beside_the_rollout(render):
         "--max-cpu-loras=16",
         "--tensor-parallel-size=1",
         "--gpu-memory-utilization=0.85",
-        "--max-model-len=32768",
     ):
         assert flag in cmd, flag
     vllm_env = env_of(vllm)
@@ -677,6 +676,8 @@ def test_vllm_engine_runs_a_vllm_server_beside_the_rollout(render):
     # The rollout accepts no rank its server cannot load.
     assert int(env["LORAFLEET_ROLLOUT_MAX_LORA_RANK"]) <= values["rollout"]["vllm"]["maxLoraRank"]
     assert "sglang" not in json.dumps(pod)
+    # No --max-model-len: the rollout takes the context length from the model's config.
+    assert not any(a.startswith("--max-model-len") for a in cmd)
     assert "engine vllm (vLLM v0.32.0)" in rendered.files["lorafleet/templates/NOTES.txt"]
 
 

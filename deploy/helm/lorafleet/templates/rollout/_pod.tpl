@@ -257,9 +257,6 @@ containers:
       {{- if $vl.gpuMemoryUtilization }}
       - --gpu-memory-utilization={{ $vl.gpuMemoryUtilization }}
       {{- end }}
-      {{- if $vl.maxModelLen }}
-      - --max-model-len={{ $vl.maxModelLen }}
-      {{- end }}
       {{- with $vl.extraArgs }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
