@@ -74,7 +74,6 @@ EXPERT_BANKS = ("experts.gate_up_proj", "experts.down_proj")
 
 _EXPERT_KEY = re.compile(r"^(?P<module>.+\.experts)(?:\.base_layer)*\.lora_(?P<ab>[AB])\.weight$")
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_EXPERT_INDEX = re.compile(r"experts\.(\d+)\.")
 
 
 def normalize_targets(names: list[str] | str) -> frozenset[str]:
@@ -337,9 +336,3 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
-
-
-def expert_index(key: str) -> int | None:
-    """The expert a per-expert key belongs to, as SGLang reads it (`experts\\.(\\d+)\\.`)."""
-    m = _EXPERT_INDEX.search(key)
-    return int(m.group(1)) if m else None
