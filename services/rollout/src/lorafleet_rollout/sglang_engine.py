@@ -408,6 +408,8 @@ class SGLangEngine:
 
         The top token's logprob after a short prompt, read at temperature 1 (where scaled and
         unscaled agree) and at a low temperature: equal iff the server reports the model's own.
+        A top token the model is all but certain of reads alike either way, so the check can
+        miss a misconfigured server on such a model; it never refuses a correct one.
         """
         prompt = [t % self.info().vocab_size for t in range(1, 9)]
         readings = []
