@@ -30,3 +30,18 @@ def resolve_model(spec: str) -> Path:
         return path
     except LorafleetError as exc:
         raise FleetError(str(exc)) from None
+
+
+def check_engine_serves(model: Path, engine: str) -> None:
+    """Refuse, before any process starts, a model the rollout engine would refuse at its own
+    start: the torch engine's families (`lorafleet.families`, the rule the rollout applies).
+    SGLang and vLLM servers check what they serve themselves."""
+    if engine != "torch":
+        return
+    from lorafleet.errors import InvalidArgument
+    from lorafleet.families import check_torch_servable
+
+    try:
+        check_torch_servable(model)
+    except InvalidArgument as exc:
+        raise FleetError(f"--model {exc.message}") from None
