@@ -198,3 +198,28 @@ def test_one_bank_converts_and_odd_layouts_are_refused(moe_dir: Path, tmp_path: 
     with pytest.raises(InvalidArgument, match=r"experts\.w1"):
         publish(source, tmp_path / "no", server, shape_of(moe_dir))
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.slow
+def test_sglang_own_loader_takes_fused_phi3_projections(tmp_path: Path) -> None:
+    """Phi-3's fused qkv_proj / gate_up_proj LoRA (one A for all parts, as our trainer adapts
+    them) pass unchanged: SGLang gives every stacked part that same A, so it applies B A."""
+    from lorafleet_models.tiny import ensure_model
+
+    phi3 = ensure_model("tiny-phi3", Path(__file__).resolve().parents[3] / ".cache" / "models")
+    source = peft_adapter(phi3, tmp_path / "peft", banks=[], modules=("qkv_proj", "gate_up_proj"))
+    dest = tmp_path / "sglang"
+    publish(source, dest, ServerLora.from_flags(list(DEFAULT_TARGETS), 64), shape_of(phi3))
+    exported = load_file(str(source / "adapter_model.safetensors"))
+    assert load_file(str(dest / "adapter_model.safetensors")).keys() == exported.keys()
+    report = sglang_loads(dest, phi3, tmp_path / "loaded.safetensors")
+    assert report["supported"] and "load_error" not in report and report["unmapped"] == []
+    assert set(report["buffers"].values()) == {"qkv_proj", "gate_up_proj"}
+    loaded = load_file(str(tmp_path / "loaded.safetensors"))
+    for key, parts in (("qkv_proj", 3), ("gate_up_proj", 2)):
+        name = f"base_model.model.model.layers.0.mlp.{key}.lora_A.weight"
+        if key == "qkv_proj":
+            name = name.replace(".mlp.", ".self_attn.")
+        assert torch.equal(loaded[name], exported[name].repeat(parts, 1))
+        b = name.replace("lora_A", "lora_B")
+        assert torch.equal(loaded[b], exported[b])
