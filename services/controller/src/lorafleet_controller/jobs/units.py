@@ -193,7 +193,10 @@ def qa_units(codec: Codec, pairs: Sequence[Pair], positions: int) -> list[Unit]:
 
 
 def shift_keep(positions: int, chunk_tokens: int) -> int:
-    """How many of a document's tokens a shifted context keeps (see the module docstring)."""
+    """How many of a document's tokens a shifted context keeps (see the module docstring):
+    positions / 16, so that the tokens a shift computes again stay near 1/15 of those it
+    trains while windows are short, and the window after a shift still reads some context
+    (32 tokens on 512 positions); less when a window leaves no room for that."""
     return min(positions // 16, positions - chunk_tokens)
 
 
