@@ -316,3 +316,14 @@ def test_sample_output_proto_and_json() -> None:
     assert as_json["prompt_logprobs"] == [None, -1.5, -0.25]
     assert as_json["sequences"][1] == {"tokens": [7], "logprobs": [-1.0], "stop_reason": "length"}
     assert as_json["topk_prompt_logprobs"][1] == [(9, pytest.approx(-0.1)), (3, -2.0)]
+
+
+def test_named_target_modules_need_no_train_flag() -> None:
+    """Explicit target_modules mean exactly those modules (the flags are ignored), so all
+    flags off is refused only when no module is named."""
+    off = protocol.LoraConfig(rank=2, train_attn=False, train_mlp=False, train_unembed=False)
+    with pytest.raises(InvalidArgument) as info:
+        convert.lora_from_json(off, contract.LoraOptions())
+    assert info.value.field == "lora_config"
+    named = contract.LoraOptions(target_modules=("q_proj",))
+    assert list(convert.lora_from_json(off, named).target_modules) == ["q_proj"]

@@ -206,8 +206,6 @@ _OPTION_PARSERS = {
     "max_grad_norm_default": lambda k, v: _number(k, v, lambda x: x >= 0, ">= 0"),
 }
 LORA_OPTION_KEYS = tuple(METADATA_PREFIX + name for name in _OPTION_PARSERS)
-TARGET_MODULES_KEY = METADATA_PREFIX + "target_modules"
-EXCLUDE_MODULES_KEY = METADATA_PREFIX + "exclude_modules"
 
 
 def split_lora_options(
@@ -340,13 +338,23 @@ def check_target_names(names: Sequence[str], modules: Sequence[str], field: str)
     )
 
 
-def check_lora_targets(options: LoraOptions, modules: Sequence[str]) -> None:
-    """A registration's target and exclude lists against the base model's modules; an empty
+class TargetsLike(Protocol):
+    @property
+    def target_modules(self) -> Sequence[str]: ...
+    @property
+    def exclude_modules(self) -> Sequence[str]: ...
+
+
+def check_lora_targets(
+    config: TargetsLike, modules: Sequence[str], prefix: str = f"user_metadata.{METADATA_PREFIX}"
+) -> None:
+    """A registration's target and exclude lists (LoraOptions, or a checkpoint's LoraConfig)
+    against the base model's modules, the fields named `<prefix>target_modules`; an empty
     `modules` means no trainer has reported them yet, and the trainer checks at bind."""
     if not modules:
         return
-    check_target_names(options.target_modules, modules, f"user_metadata.{TARGET_MODULES_KEY}")
-    check_target_names(options.exclude_modules, modules, f"user_metadata.{EXCLUDE_MODULES_KEY}")
+    check_target_names(config.target_modules, modules, f"{prefix}target_modules")
+    check_target_names(config.exclude_modules, modules, f"{prefix}exclude_modules")
 
 
 # --- sampling seeds -------------------------------------------------------------------------

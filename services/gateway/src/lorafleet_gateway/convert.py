@@ -301,10 +301,16 @@ def lora_from_json(
     options: contract.LoraOptions,
     field: str = "lora_config",
 ) -> pb.LoraConfig:
-    """Tinker's LoraConfig plus the `lorafleet.*` options of the run's user_metadata."""
-    if not (config.train_attn or config.train_mlp or config.train_unembed):
+    """Tinker's LoraConfig plus the `lorafleet.*` options of the run's user_metadata.
+
+    Explicit `target_modules` mean exactly those modules and the train_* flags are ignored
+    (the trainer's rule), so the flags only need one set when no module is named."""
+    flags = config.train_attn or config.train_mlp or config.train_unembed
+    if not (flags or options.target_modules):
         raise InvalidArgument(
-            "at least one of train_attn, train_mlp, train_unembed must be true", field=field
+            "at least one of train_attn, train_mlp, train_unembed must be true, or name "
+            f"modules with user_metadata {contract.METADATA_PREFIX}target_modules",
+            field=field,
         )
     return pb.LoraConfig(
         rank=config.rank,

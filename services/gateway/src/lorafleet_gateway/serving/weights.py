@@ -27,7 +27,12 @@ from lorafleet_gateway.protocol import (
     UntypedAPIFuture,
     WeightsInfoResponse,
 )
-from lorafleet_gateway.serving.common import Ledger, base_model_name, future
+from lorafleet_gateway.serving.common import (
+    Ledger,
+    base_model_name,
+    future,
+    resolve_base_model,
+)
 
 
 class WeightsServing:
@@ -109,6 +114,10 @@ class WeightsServing:
                 field="user_metadata",
             )
         checkpoint = await self._checkpoint(tenant, path)
+        model = await resolve_base_model(self._controller, checkpoint.base_model)
+        if model is not None:  # the saved adapter must still fit what serves its model now
+            contract.check_lora_config(checkpoint.lora_config, model.max_rank, "path.lora_config")
+            contract.check_lora_targets(checkpoint.lora_config, model.modules, "path.lora_config.")
         if body.base_model:
             named = await base_model_name(self._controller, body.base_model)
             if named != checkpoint.base_model:
