@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from lorafleet import hub
-from lorafleet.testing import child_env, free_port, stop_process
+from lorafleet.testing import WAIT_SECONDS, child_env, free_port, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +77,7 @@ def _start_prometheus(binary: str, targets: list[str], data_dir: Path) -> tuple:
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + WAIT_SECONDS
     while True:
         try:
             if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:

@@ -7,13 +7,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from lorafleet.testing import free_port
+from lorafleet.testing import free_port, wait_until
 
 LORAFLEET = [sys.executable, "-m", "lorafleet_cli.main"]
 
@@ -92,10 +91,7 @@ def test_up_detach_status_down_leaves_nothing(tmp_path: Path, tiny_model_dir: Pa
     finally:
         down = _run(["down"], tmp_path, timeout=120)
     assert down.returncode == 0, down.stderr
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [p for p in pids if _alive(p)] == []
+    wait_until(lambda: not any(_alive(p) for p in pids), "every process stopped by `down`")
 
 
 def test_down_with_nothing_running(tmp_path: Path) -> None:

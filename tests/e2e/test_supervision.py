@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lorafleet.testing import wait_until
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 
 LORAFLEET = [sys.executable, "-m", "lorafleet_cli.main"]
@@ -24,15 +23,6 @@ SERVICE = {
     "controller": "lorafleet.v1.ControllerService",
     "trainer-0": "lorafleet.v1.TrainerService",
 }
-
-
-def wait_until(condition: Callable[[], object], what: str, within: float = 180.0) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {within:.0f}s: {what}")
 
 
 def _alive(pid: int) -> bool:
@@ -163,4 +153,4 @@ def test_up_restarts_status_counts_and_down_stops_the_restarted(
         pids |= {p["pid"] for p in _processes(run_dir).values()}
         down = _run(["down"], tmp_path, timeout=120)
     assert down.returncode == 0, down.stderr
-    wait_until(lambda: not any(_alive(p) for p in pids), "every process stopped", within=30)
+    wait_until(lambda: not any(_alive(p) for p in pids), "every process stopped")

@@ -11,7 +11,15 @@ from pathlib import Path
 import grpc
 
 from lorafleet.rpc.errors import from_rpc_error
-from lorafleet.testing import RedisServer, child_env, free_port, stop_process, wait_for_port
+from lorafleet.testing import (
+    WAIT_SECONDS,
+    RedisServer,
+    child_env,
+    free_port,
+    stop_process,
+    wait_for_port,
+    wait_until_async,
+)
 from lorafleet.v1 import common_pb2, controller_pb2, controller_pb2_grpc, trainer_pb2_grpc
 
 K = controller_pb2
@@ -22,7 +30,7 @@ class Proc:
         self.args, self.env, self.port, self.log = args, env, port, log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 60) -> None:
+    def start(self, timeout: float = WAIT_SECONDS) -> None:
         self.launch()
         self.wait(timeout)
 
@@ -31,7 +39,7 @@ class Proc:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.args, env=self.env, stdout=out, stderr=out)
 
-    def wait(self, timeout: float = 60) -> None:
+    def wait(self, timeout: float = WAIT_SECONDS) -> None:
         assert self.proc is not None
         wait_for_port(self.port, timeout=timeout, proc=self.proc)
 
@@ -139,19 +147,17 @@ def optim_payload(lr: float = 1e-2) -> controller_pb2.OperationPayload:
     )
 
 
-async def wait_for_model(client: Client, within: float = 60) -> str:
+async def wait_for_model(client: Client, within: float = WAIT_SECONDS) -> str:
     """The base model name once a trainer has registered."""
-    deadline = asyncio.get_running_loop().time() + within
-    while asyncio.get_running_loop().time() < deadline:
+
+    async def trainable() -> str:
         caps = await client("GetCapabilities", K.GetCapabilitiesRequest())
-        for m in caps.models:  # type: ignore[attr-defined]
-            if m.trainable:
-                return str(m.name)
-        await asyncio.sleep(0.1)
-    raise TimeoutError("no trainer registered")
+        return next((str(m.name) for m in caps.models if m.trainable), "")  # type: ignore[attr-defined]
+
+    return await wait_until_async(trainable, "a trainer registered", within)
 
 
-async def wait_done(client: Client, tenant: str, opid: str, within: float = 60) -> object:
+async def wait_done(client: Client, tenant: str, opid: str, within: float = WAIT_SECONDS) -> object:
     deadline = asyncio.get_running_loop().time() + within
     while True:
         resp = await client(

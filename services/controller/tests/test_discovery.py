@@ -20,6 +20,7 @@ import pytest
 from kubernetes import client
 
 from lorafleet.errors import InvalidArgument, LorafleetError
+from lorafleet.testing import WAIT_SECONDS, wait_until_async
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.discovery import (
     Endpoint,
@@ -183,11 +184,8 @@ def apiserver():
         yield server
 
 
-async def wait_until(condition, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+async def wait_until(condition, within: float = WAIT_SECONDS) -> None:
+    await wait_until_async(condition, "the condition", within)
 
 
 def ep(kind: str, pod: str, address: str, ready: bool = True) -> Endpoint:
@@ -437,7 +435,7 @@ async def test_two_electors_never_both_lead(apiserver, redis_server):
         def started_since(who: str, since: float) -> list[float]:
             return [t for t, w, what in log if w == who and what == "start" and t >= since]
 
-        await wait_until(lambda: log and log[-1][2] == "start", within=30)
+        await wait_until(lambda: log and log[-1][2] == "start")
         first = next(e for e in electors if e.identity == log[-1][1])
         other = next(e for e in electors if e is not first)
         await asyncio.sleep(0.3)  # the first leader acts for a while
@@ -447,7 +445,7 @@ async def test_two_electors_never_both_lead(apiserver, redis_server):
         cut = time.monotonic()
         terms = [what for _, w, what in log if w == other.identity]
         if not terms or terms[-1] != "start":  # (a starved first leader may have flapped)
-            await wait_until(lambda: started_since(other.identity, cut), within=30)
+            await wait_until(lambda: started_since(other.identity, cut))
             # It waited for the lease to expire: the old leader's last accepted write was at
             # most one retry period before the cut.
             assert started_since(other.identity, cut)[0] - cut >= (
@@ -457,7 +455,7 @@ async def test_two_electors_never_both_lead(apiserver, redis_server):
         # The old leader comes back: terms may change again, never overlap in the store.
         apiserver.blocked.clear()
         await watch_leaders(electors, 1.0)
-        await wait_until(lambda: any(e.is_leader for e in electors), within=30)
+        await wait_until(lambda: any(e.is_leader for e in electors))
     finally:
         apiserver.blocked.clear()
         for t in tasks:
@@ -496,7 +494,7 @@ async def test_leader_releases_the_lease_on_shutdown(apiserver):
     task = asyncio.create_task(a.run())
     # Wait for the callback, not a fixed time: under load the first write may be slow, and
     # cancelling between the write and the callback would leave nothing to step down from.
-    await wait_until(lambda: log, within=30)
+    await wait_until(lambda: log)
     assert a.is_leader
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lorafleet import errors
-from lorafleet.testing import RedisServer, start_redis
+from lorafleet.testing import RedisServer, start_redis, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
 
 from .fleet import (
@@ -114,7 +114,7 @@ def procs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         controller.launch()  # the trainer registers itself once the controller listens
         trainer.launch()
         controller.wait()
-        trainer.wait(timeout=120)
+        trainer.wait()
         yield shared
     finally:
         trainer.stop()
@@ -239,14 +239,14 @@ async def test_redis_restart_with_aof_loses_no_admitted_op(fleet: Fleet) -> None
     fleet.redis.proc.kill()
     fleet.redis.proc.wait(10)
     fleet.redis = start_redis(data_dir, port=port, appendonly=True)
-    later = None
-    for _ in range(50):
+
+    async def submitted() -> object:
         try:
-            later = await fleet.submit(rid, 3, optim_payload())
-            break
-        except (errors.Unavailable, errors.Internal):
-            await asyncio.sleep(0.2)
-    assert later is not None
+            return await fleet.submit(rid, 3, optim_payload())
+        except (errors.Unavailable, errors.Internal):  # Redis still loading its AOF
+            return None
+
+    later = await wait_until_async(submitted, "a submit after Redis restarted")
     for sub in [*first, later]:
         op = await wait_done(fleet.client, T, sub.operation_id)  # type: ignore[attr-defined]
         assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]

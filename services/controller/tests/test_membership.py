@@ -9,13 +9,12 @@ that (and when) something dispatched.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from lorafleet.testing import RedisServer
+from lorafleet.testing import RedisServer, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller.controller import Controller
 from lorafleet_controller.discovery import KubernetesDiscovery, LeaderElector
@@ -78,10 +77,10 @@ async def test_a_vanished_trainer_endpoint_loses_its_registrations_at_once(
             assert rec is not None
             return rec.state
 
-        deadline = asyncio.get_running_loop().time() + 10  # heartbeats would take an hour
-        while await state() != RegState.UNAVAILABLE:
-            assert asyncio.get_running_loop().time() < deadline, await state()
-            await asyncio.sleep(0.02)
+        async def lost() -> bool:  # by discovery: heartbeats would take an hour
+            return await state() == RegState.UNAVAILABLE
+
+        await wait_until_async(lost, "the run UNAVAILABLE once its trainer left discovery")
         rec = await registry.get_any(rid)
         assert rec is not None and "left discovery" in rec.unavailable_reason
         assert rec.queue_position == 1  # re-queued ahead of new registrations
@@ -92,11 +91,11 @@ async def test_a_vanished_trainer_endpoint_loses_its_registrations_at_once(
         await controller.stop()
 
 
-async def until_claimed(controller: Controller, opid: str, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while (await controller.ledger.get("t", opid)).state != OpState.CLAIMED:
-        assert time.monotonic() < deadline, f"{opid} was not claimed in time"
-        await asyncio.sleep(0.01)
+async def until_claimed(controller: Controller, opid: str) -> None:
+    async def claimed() -> bool:
+        return (await controller.ledger.get("t", opid)).state == OpState.CLAIMED
+
+    await wait_until_async(claimed, f"{opid} claimed")
 
 
 def optim(lr: float = 0.01) -> bytes:

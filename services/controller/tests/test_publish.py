@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from lorafleet.testing import free_port, start_redis
+from lorafleet.testing import free_port, start_redis, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2, rollout_pb2_grpc
 
 from .fleet import (
@@ -58,22 +58,24 @@ async def fleet_with_rollouts(
             p.launch()
         controller.wait()
         for p in procs:
-            p.wait(timeout=120)
+            p.wait()
         client = Client(controller.port)
         base = await wait_for_model(client)
-        for _ in range(100):
+
+        async def sampleable() -> Any:
             caps = await client("GetCapabilities", K.GetCapabilitiesRequest())
-            if all(m.sampleable for m in caps.models):  # type: ignore[attr-defined]
-                break
-            await asyncio.sleep(0.1)
-        assert [(m.name, m.trainable, m.sampleable) for m in caps.models] == [(base, True, True)]  # type: ignore[attr-defined]
-        for _ in range(100):  # both rollouts known: the barrier must cover the static one too
+            return caps if all(m.sampleable for m in caps.models) else None  # type: ignore[attr-defined]
+
+        caps = await wait_until_async(sampleable, "the base model sampleable")
+        assert [(m.name, m.trainable, m.sampleable) for m in caps.models] == [(base, True, True)]
+
+        async def both_rollouts() -> bool:  # the barrier must cover the static one too
             fleet_status = await client("GetFleetStatus", K.GetFleetStatusRequest())
             ids = {r.replica_id for r in fleet_status.replicas}  # type: ignore[attr-defined]
-            if {"rollout-0", "rollout-1"} <= ids:
-                break
-            await asyncio.sleep(0.1)
-        assert {"rollout-0", "rollout-1"} <= ids
+            return {"rollout-0", "rollout-1"} <= ids
+
+        # a second rollout loading its model on a busy machine takes a while (issue 23)
+        await wait_until_async(both_rollouts, "rollout-0 and rollout-1 registered")
         yield Fleet(Procs(tmp_path, redis, controller, trainer), client, base), rollouts
     finally:
         if client is not None:
@@ -144,9 +146,9 @@ async def test_publish_reaches_every_rollout_then_samples(
     # a restarted rollout (new incarnation) is reconciled with the live version; rollout-1
     # never calls RegisterReplica, so only discovery's probe can notice its restart
     rollouts[1].kill()
-    rollouts[1].start(timeout=120)
-    for _ in range(100):
-        if f"{rid}@1" in await resident(rollouts[1]):
-            break
-        await asyncio.sleep(0.1)
-    assert f"{rid}@1" in await resident(rollouts[1])
+    rollouts[1].start()
+
+    async def reconciled() -> bool:
+        return f"{rid}@1" in await resident(rollouts[1])
+
+    await wait_until_async(reconciled, "the restarted rollout-1 serving the live version")

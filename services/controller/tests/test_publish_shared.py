@@ -9,7 +9,6 @@ serving version carries on.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 
 from lorafleet import errors
 from lorafleet.shared_storage import adapter_folder
-from lorafleet.testing import child_env, free_port, start_redis
+from lorafleet.testing import child_env, free_port, start_redis, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2, rollout_pb2_grpc
 from lorafleet_controller.clients import RolloutClient
 
@@ -70,16 +69,16 @@ async def shared_fleet(
             p.launch()
         controller.wait()
         for p in procs:
-            p.wait(timeout=120)
+            p.wait()
         client = Client(controller.port)
         base = await wait_for_model(client)
-        for _ in range(200):
+
+        async def both_healthy() -> bool:
             status = await client("GetFleetStatus", K.GetFleetStatusRequest())
             healthy = {r.replica_id for r in status.replicas if r.healthy}  # type: ignore[attr-defined]
-            if {"rollout-0", "rollout-1"} <= healthy:
-                break
-            await asyncio.sleep(0.1)
-        assert {"rollout-0", "rollout-1"} <= healthy
+            return {"rollout-0", "rollout-1"} <= healthy
+
+        await wait_until_async(both_healthy, "rollout-0 and rollout-1 registered and healthy")
         yield Fleet(Procs(tmp_path, redis, controller, trainer), client, base), rollouts, shared
     finally:
         if client is not None:
@@ -216,12 +215,12 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
 
     # a restarted rollout is reconciled by reference as well
     rollouts[1].kill()
-    rollouts[1].start(timeout=120)
-    for _ in range(300):
-        if f"{rid}@1" in await resident(rollouts[1]):
-            break
-        await asyncio.sleep(0.1)
-    assert f"{rid}@1" in await resident(rollouts[1])
+    rollouts[1].start()
+
+    async def reconciled() -> bool:
+        return f"{rid}@1" in await resident(rollouts[1])
+
+    await wait_until_async(reconciled, "the restarted rollout-1 serving the live version")
     reconciled = pushes(rollouts[1])
     assert reconciled["stream"] == 0.0 and reconciled["shared"] >= 1.0
 

@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from lorafleet import errors
-from lorafleet.testing import start_redis
+from lorafleet.testing import start_redis, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
 from lorafleet_controller.controller import Controller
 from lorafleet_controller.recovery import Corrupted, Recovery
@@ -69,7 +69,7 @@ def procs(
         controller.launch()
         trainer.launch()
         controller.wait()
-        trainer.wait(timeout=120)
+        trainer.wait()
         yield tmp_path, redis, controller, trainer
     finally:
         trainer.stop()
@@ -101,17 +101,9 @@ class Run:
             assert op.state == K.OPERATION_STATE_SUCCEEDED, (opid, op.error)  # type: ignore[attr-defined]
 
 
-async def until(condition, within: float) -> None:
+async def until(condition, what: str) -> None:
     """Wait for a condition (a callable returning a bool or an awaitable of one)."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-            value = await value
-        if value:
-            return
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.2)
+    await wait_until_async(condition, what)
 
 
 async def export(trainer: Proc, rid: str) -> bytes:
@@ -163,13 +155,13 @@ async def test_trainer_sigkill_mid_run_is_replayed_bit_for_bit_or_fails_loudly(p
         await victim.succeed(ops[:13])
         trainer.kill()
         # Contact is lost with an operation in flight: it is in doubt, never reported failed.
-        await until(lambda: "in doubt" in controller.log.read_text(), 60)
+        await until(lambda: "in doubt" in controller.log.read_text(), "the op in doubt")
         await r.hdel(KEYS.replay(lost_payload.rid), "2")
         snap = trainer_pb2.SlotSnapshot.FromString(
             await r.hget(KEYS.replay(lost_snapshot.rid), "snap")
         )
         shutil.rmtree(unquote(urlparse(snap.manifest.uri).path))
-        trainer.start(timeout=120)  # same replica id, new incarnation: it starts empty
+        trainer.start()  # same replica id, new incarnation: it starts empty
 
         await victim.succeed(ops, within=180)  # every step exactly once: same weights
         assert await export(trainer, victim.rid) == expected
@@ -178,7 +170,7 @@ async def test_trainer_sigkill_mid_run_is_replayed_bit_for_bit_or_fails_loudly(p
         for broken, lost in ((lost_payload, "the payload of seq_id 2 is gone"),
                              (lost_snapshot, "its last snapshot (seq_id")):  # fmt: skip
             key = KEYS.reg(broken.rid)
-            await until(lambda key=key: r.hexists(key, "corrupted"), 60)
+            await until(lambda key=key: r.hexists(key, "corrupted"), f"{key} corrupted")
             with pytest.raises(errors.FailedPrecondition) as refused:
                 await broken.submit(100, fb_payload(tokens(0)))
             assert refused.value.reason == "RUN_CORRUPTED"

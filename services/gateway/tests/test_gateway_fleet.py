@@ -17,6 +17,7 @@ import pytest
 import zstandard
 
 from lorafleet.contract import FutureId
+from lorafleet.testing import wait_until
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet.v1 import controller_pb2_grpc
 from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
@@ -39,7 +40,8 @@ class Client:
 
     def result(self, request_id: str, accept: str = "application/json") -> httpx.Response:
         """Poll retrieve_future until it is no longer try_again."""
-        for _ in range(60):
+
+        def answered() -> httpx.Response | None:
             reply = self.post(
                 "/retrieve_future", {"request_id": request_id}, headers={"Accept": accept}
             )
@@ -47,7 +49,9 @@ class Client:
                 return reply
             if reply.status_code != 200 or reply.json().get("type") != "try_again":
                 return reply
-        raise AssertionError(f"{request_id} never finished")
+            return None
+
+        return wait_until(answered, f"{request_id} finished")
 
 
 @pytest.fixture(scope="module")

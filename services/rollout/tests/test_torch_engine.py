@@ -19,6 +19,7 @@ from rollout_helpers import (
 )
 from transformers import AutoTokenizer
 
+from lorafleet.testing import wait_until_async
 from lorafleet_rollout.torch_engine import TorchEngine
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SampleResult, SamplingSpec
 
@@ -364,11 +365,8 @@ async def test_an_idle_engine_keeps_its_buffers_a_while_then_frees_them(
         assert store is not None and len(engine._spare_kv) == 1
         assert_same(first, await engine.sample(request))
         assert cache.store is store  # reused, not reallocated
-        for _ in range(600):
-            if cache.store is None:
-                break
-            await asyncio.sleep(0.05)
-        assert cache.store is None and engine._spare_kv == []
+        await wait_until_async(lambda: cache.store is None, "the idle engine's cache released")
+        assert engine._spare_kv == []
         assert_same(first, await engine.sample(request))
     finally:
         await engine.close()

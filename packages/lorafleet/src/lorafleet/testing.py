@@ -192,7 +192,7 @@ class RedisClusterNodes:
 
 
 def start_redis_cluster(
-    data_dir: Path, masters: int = 3, timeout: float = 30.0
+    data_dir: Path, masters: int = 3, timeout: float = WAIT_SECONDS
 ) -> RedisClusterNodes:
     """Start `masters` cluster-enabled redis-servers and join them with `redis-cli --cluster
     create` (no replicas), then wait until every node reports `cluster_state:ok`."""
