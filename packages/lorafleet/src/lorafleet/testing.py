@@ -62,7 +62,7 @@ async def wait_until_async(
             value = await value
         if value:
             _waited(what, started)
-            return value  # type: ignore[return-value]
+            return value
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {within:.0f}s: {what}")
         await asyncio.sleep(_POLL_SECONDS)
