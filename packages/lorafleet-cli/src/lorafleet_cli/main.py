@@ -19,7 +19,7 @@ from pathlib import Path
 from lorafleet.tls import TlsIdentity
 from lorafleet_cli import accounting, runs, train
 from lorafleet_cli.fleet import Fleet, FleetConfig, FleetError
-from lorafleet_cli.models import resolve_model
+from lorafleet_cli.models import check_engine_serves, resolve_model
 
 
 def _err(message: str) -> None:
@@ -63,6 +63,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return _up_detached(args)
     try:
         model = resolve_model(args.model)
+        check_engine_serves(model, args.engine)
     except FleetError as exc:
         _err(str(exc))
         return 1
