@@ -193,6 +193,8 @@ class _Server:
         self.registry: dict[str, tuple[str, str]] = {}
         self.ref_cache: dict[str, str] = {}
         self.tasks: dict[str, asyncio.Task[Any]] = {}
+        #: Every /generate body that passed the schema, in order (what the driver sent).
+        self.received: list[api.GenerateRequest] = []
         #: Set by every successful load (tests wait on it across threads).
         self.adapter_loaded = threading.Event()
 
@@ -386,6 +388,7 @@ def build_app(server: _Server) -> FastAPI:
         body = await parse(request, api.GenerateRequest)
         if isinstance(body, Response):
             return body
+        server.received.append(body)
         if engine is None:
             return error("fake: this model is not served by the torch engine")
         batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)

@@ -113,6 +113,8 @@ async def test_seeded_samples_are_distinct_and_reproducible(
         tokens = [s.tokens for s in first.sequences]
         assert len(set(tokens)) == 4, tokens
         assert first == again
+        body = fake.state.received[-1]
+        assert len(body.input_ids) == 4 and {p.n for p in body.sampling_params} == {1}
         # The contract's whole range is usable: a seed above SGLang's int64 limit works.
         top = SamplingSpec(6, 1.0, disable_eos_stop=True, seed=contract.SEED_LIMIT - 1)
         assert len((await engine.sample(SampleRequest(None, PROMPT, top, 2))).sequences) == 2
@@ -132,6 +134,20 @@ async def test_seeded_samples_are_distinct_and_reproducible(
                   "sampling_params": {**sp, "sampling_seed": 2**63}},
         )  # fmt: skip
         assert too_big.status_code == 400 and "sampling_seed" in too_big.json()["error"]["message"]
+
+
+async def test_unseeded_or_seedless_server_prefills_once(model_dir: Path) -> None:
+    """Where seeds change nothing, n samples go as one request with n (SGLang's parallel
+    sampling prefills the prompt once); seeded on a deterministic server, as n copies."""
+    with FakeSGLang(model_dir, deterministic=False) as fake:
+        engine = await _engine(fake.url, model_dir)
+        try:
+            result = await engine.sample(SampleRequest(None, PROMPT, SEEDED, num_samples=4))
+            assert len(result.sequences) == 4  # unseeded draws: equal ones are possible
+            (body,) = fake.state.received[-1:]
+            assert len(body.input_ids) == 1 and body.sampling_params[0].n == 4
+        finally:
+            await engine.close()
 
 
 def test_sample_seeds_follow_the_contract() -> None:

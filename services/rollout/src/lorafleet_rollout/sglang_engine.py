@@ -22,11 +22,11 @@ Schema: `sglang_api.py` (sglang 0.5.23). What the driver guarantees, and why:
   that request once).
 * **Every request names its adapter** in `lora_path` (None for the base): without it SGLang
   silently samples the base model.
-* **Seeds.** n samples go as a batch of n single-sample requests, each with its own seed from
-  `lorafleet.contract.sample_seed` (SGLang gives the n copies of one request the same seed, so
-  they would come out identical). SGLang honours seeds only when started with
-  `--enable-deterministic-inference` (GPU attention backends only); otherwise seeded requests
-  are still served, not reproducibly, and `start()` logs that once.
+* **Seeds.** SGLang honours seeds only when started with `--enable-deterministic-inference`
+  (GPU attention backends only), and then gives the n copies of one request the same seed, so
+  they come out identical. On such a server a seeded request goes as a batch of n single-sample
+  requests, each with its own seed from `lorafleet.contract.sample_seed`; otherwise (seeds
+  ignored: `start()` logs that once) as one request with n, which prefills the prompt once.
 * **Logprobs are the model's own.** Unless SGLANG_RETURN_ORIGINAL_LOGPROB=1 is set in the
   server's environment, SGLang reports logprobs of the temperature-scaled distribution, which
   RL losses must not get. The launcher (`sglang_server.py`, the chart) sets it; `start()`
@@ -129,6 +129,7 @@ class SGLangEngine:
         #: Serialises loads, unloads and reconciliation (never sampling).
         self._adapters = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
+        self._seeds_honoured = False
         #: Adapters re-loaded by reconciliation since start (a restart shows here).
         self.reloads = 0
 
@@ -176,7 +177,8 @@ class SGLangEngine:
             )
         rank = min(self.max_lora_rank, server.max_lora_rank or self.max_lora_rank)
         self._server = ServerLora.from_flags(server.lora_target_modules, rank)
-        if not server.enable_deterministic_inference:
+        self._seeds_honoured = server.enable_deterministic_inference
+        if not self._seeds_honoured:
             log.info(
                 "SGLang at %s ignores sampling seeds (no --enable-deterministic-inference)",
                 self.url,
@@ -293,11 +295,14 @@ class SGLangEngine:
     def generate_body(
         self, request: SampleRequest, lora_name: str | None
     ) -> sglang_api.GenerateRequest:
-        """One single-sample request per sample, each with its own seed (module docstring)."""
+        """A seeded request, on a server that honours seeds, goes as n single-sample copies each
+        with its own seed (module docstring); otherwise as one prompt with n, so SGLang's
+        parallel sampling prefills the prompt once for all n."""
         p = request.params
         want_prompt = request.prompt_logprobs or request.topk_prompt_logprobs > 0
         context = self.info().max_context_length
         n = request.num_samples
+        copies = n if p.seed is not None and self._seeds_honoured else 1
         params = [
             sglang_api.SamplingParams(
                 max_new_tokens=p.max_tokens or context - len(request.prompt_tokens),
@@ -307,19 +312,20 @@ class SGLangEngine:
                 stop=list(p.stop_strings) or None,
                 stop_token_ids=list(p.stop_token_ids) or None,
                 ignore_eos=p.disable_eos_stop,
+                n=n // copies,
                 sampling_seed=None if p.seed is None else sample_seed(p.seed, i),
             )
-            for i in range(n)
+            for i in range(copies)
         ]
         return sglang_api.GenerateRequest(
-            input_ids=[list(request.prompt_tokens)] * n,
+            input_ids=[list(request.prompt_tokens)] * copies,
             sampling_params=params,
-            lora_path=[lora_name] * n,
+            lora_path=[lora_name] * copies,
             return_logprob=True,
             logprob_start_len=0 if want_prompt else -1,
             top_logprobs_num=request.topk_prompt_logprobs,
             stream=self.stream,
-            rid=[uuid.uuid4().hex for _ in range(n)],
+            rid=[uuid.uuid4().hex for _ in range(copies)],
         )
 
     async def sample(self, request: SampleRequest) -> SampleResult:
