@@ -295,3 +295,7 @@ def test_carried_keys_values_keep_the_weights_they_were_computed_with(make_engin
 
     assert (got.logprobs[0] - lp(logits)).abs().max().item() <= TOL
     assert (got.logprobs[0] - lp(fresh)).abs().max().item() > 1e-4  # the choice shows
+    # A job saves at a pass boundary or its end: the carried cache is freed there.
+    assert engine.optim_step("step2", 0, "r0", AdamParams(learning_rate=0.05)).applied
+    engine.save_state("save", 0, "r0", "end", include_optimizer=False)
+    assert engine.slots.bindings[0].carried is None

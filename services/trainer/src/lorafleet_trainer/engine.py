@@ -476,6 +476,10 @@ class TrainerEngine:
             },
         )
         binding.ops.record(operation_id, ref)
+        # Jobs save at pass boundaries and at the end, where no window reads the carried
+        # keys/values (a pass starts each document afresh): free them (up to the model's
+        # positions of keys/values per slot) rather than hold them while the slot idles.
+        binding.carried = None
         metrics.STATE_IO_SECONDS.labels(op="save").observe(time.perf_counter() - start)
         return ref
 
