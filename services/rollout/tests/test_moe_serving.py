@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from transformers import AutoModelForCausalLM, Phi3Config, Qwen2MoeConfig
 
 from lorafleet.errors import InvalidArgument, NotFound
 from lorafleet.families import TORCH_ENGINE_FAMILIES, check_torch_servable, torch_engine_refusal
+from lorafleet.testing import child_env
 from lorafleet_rollout.peft_io import WEIGHTS_FILE
 from lorafleet_rollout.torch_engine import TorchEngine
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SamplingSpec
@@ -259,3 +262,22 @@ def test_families_rule_refuses_what_the_engine_does_not_run(tmp_path: Path) -> N
     with pytest.raises(InvalidArgument) as err:
         check_torch_servable(tmp_path)
     assert err.value.field == "model_path" and "'gpt2'" in err.value.message
+
+
+def test_the_rollout_exits_at_start_on_a_family_it_does_not_serve(tmp_path: Path) -> None:
+    """`python -m lorafleet_rollout` on a GPT-2 folder: exit 2 before loading torch, one line
+    naming the setting and the families rule's reason."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0,
+                        eos_token_id=0)  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    env = child_env(LORAFLEET_ROLLOUT_MODEL_PATH=str(tmp_path / "gpt2"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorafleet_rollout"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: LORAFLEET_ROLLOUT_MODEL_PATH={tmp_path / 'gpt2'}: ")
+    assert "not 'gpt2'" in line
