@@ -49,9 +49,10 @@ def registration_id(session_id: str, model_seq_id: int) -> str:
 
 
 def terminal(exc: errors.LorafleetError) -> bool:
-    """A bind failure retrying cannot fix: the trainer refused the run's config itself
-    (InvalidArgument). Transport, lease and capacity failures are retried."""
-    return isinstance(exc, errors.InvalidArgument)
+    """A bind failure retrying cannot fix: the trainer refused the run's config itself (an
+    InvalidArgument naming a `lora_config` field; any trainer of the model would). Transport,
+    lease, capacity and slot failures (a trainer restarted with fewer slots) are retried."""
+    return isinstance(exc, errors.InvalidArgument) and exc.field.startswith("lora_config")
 
 
 @dataclass(frozen=True)
