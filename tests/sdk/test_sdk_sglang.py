@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,3 +48,15 @@ def test_sdk_samples_through_sglang_with_the_trainers_logprobs(
             assert prompt_lps[0] is None
             assert prompt_lps[1:] == pytest.approx(trainer, abs=TOL), name
     assert out["samples"]["greedy"][0]["tokens"] == out["samples"]["greedy"][1]["tokens"]
+
+
+def test_up_refuses_at_once_without_an_sglang_interpreter(
+    make_fleet: Callable[..., Any], tmp_path: Path
+) -> None:
+    from lorafleet_cli.fleet import FleetError
+
+    fleet = make_fleet(engine="sglang", sglang_python=tmp_path / "absent" / "python")
+    with pytest.raises(FleetError, match=r"no SGLang interpreter at .*setup_sglang_venv\.sh"):
+        fleet.start()
+    assert fleet.members == []  # nothing but the private Redis started, and it was stopped
+    assert fleet.redis is None

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venvs/sglang for the slow real-SGLang-on-CPU tier (platform.md §4.2): ~3 min cold, 3.5 GB.
+# Create .venvs/sglang for the slow real-SGLang-on-CPU tier (platform.md §4.2): 3.5 GB; 4.5-8 min on a busy
+# 2-core machine, about the same with the wheelhouse below (unpacking, not downloading, dominates).
 # sglang 0.5.23 requires a CUDA torch 2.14.1 and a CUDA-only kernel stack, none of which loads or
 # is needed on its CPU backend. So: the CPU torch wheel, sglang without its dependencies, then its
 # non-extra requirements read from the installed METADATA minus the CUDA-only ones, under a
@@ -7,20 +8,26 @@
 # CPU path still needs (sgl_kernel, torchvision, sitecustomize) live in
 # services/rollout/sglang_cpu_shims/ and go on the server's PYTHONPATH only
 # (lorafleet_rollout.sglang_server), never into this venv.
-# pip's cache (~/.cache/pip) stays on: a second install on this machine (CI on a clean clone)
-# reuses the downloaded wheels.
+# Wheels are kept in a wheelhouse between installs (CI on a clean clone of this machine):
+# pip's own HTTP cache stores nothing on these machines, so the second install is offline from
+# ~/.cache/lorafleet/wheels/sglang-<version> (LORAFLEET_WHEELHOUSE moves it).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-VENV=.venvs/sglang
+VENV=${LORAFLEET_SGLANG_VENV:-.venvs/sglang}
 SGLANG=0.5.23
-if [[ -x $VENV/bin/python ]] && $VENV/bin/python -c "import sglang, sglang.srt.entrypoints.http_server" 2>/dev/null \
-  && [[ -f $VENV/.installed ]]; then
+WHEELS=${LORAFLEET_WHEELHOUSE:-$HOME/.cache/lorafleet/wheels}/sglang-$SGLANG
+if [[ -f $VENV/.installed ]] && $VENV/bin/python -c \
+  "from importlib.metadata import version; assert version('sglang') == '$SGLANG'" 2>/dev/null; then
   echo "$VENV is ready"
   exit 0
 fi
+mkdir -p "$WHEELS"
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q --no-deps "sglang==$SGLANG"
+"$VENV/bin/pip" install -q torch==2.13.0  # the CPU wheel on the machine (PIP_FIND_LINKS)
+if [[ ! -f $WHEELS/complete ]]; then
+  "$VENV/bin/pip" download -q --no-deps -d "$WHEELS" "sglang==$SGLANG"
+fi
+"$VENV/bin/pip" install -q --no-deps --no-index --find-links "$WHEELS" "sglang==$SGLANG"
 CONSTRAINTS=$VENV/constraints.txt
 REQUIREMENTS=$VENV/requirements-cpu.txt
 echo "torch==2.13.0" >"$CONSTRAINTS"
@@ -49,7 +56,13 @@ with open(sys.argv[1], "w", encoding="utf-8") as out:
     out.write("\n".join(kept) + "\n")
 print(f"{len(kept)} non-CUDA requirements of sglang")
 PY
-"$VENV/bin/pip" install -q -r "$REQUIREMENTS" -c "$CONSTRAINTS"
+if [[ ! -f $WHEELS/complete ]]; then
+  # Every wheel the install needs (sdists built once), minus the torch already installed.
+  "$VENV/bin/pip" wheel -q -w "$WHEELS" --find-links "$WHEELS" -r "$REQUIREMENTS" -c "$CONSTRAINTS"
+  rm -f "$WHEELS"/torch-*.whl
+  touch "$WHEELS/complete"
+fi
+"$VENV/bin/pip" install -q --no-index --find-links "$WHEELS" -r "$REQUIREMENTS" -c "$CONSTRAINTS"
 "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 touch "$VENV/.installed"
 echo "$VENV is ready"
