@@ -4,7 +4,7 @@ As a script (one process per rank, launcher variables in the environment):
     python group_scenario.py MODEL_DIR STORAGE_DIR OUT_DIR [REFS]
 rank 0 drives a GroupEngine through `run` (or, given REFS, a torch.save'd {slot: StateRef},
 through `resume`) and writes its record to OUT_DIR/record.pt; every rank writes the share
-of the base it holds to OUT_DIR/fraction-<rank>.json.
+of the base it holds and the datum tokens it computed to OUT_DIR/share-<rank>.json.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from prometheus_client import REGISTRY
 
 from lorafleet.errors import LorafleetError
 from lorafleet_trainer.domain import (
@@ -28,10 +29,25 @@ from lorafleet_trainer.domain import (
 
 SPECS = {
     0: LoraSpec(rank=4, alpha=8, seed=1),
-    1: LoraSpec(rank=2, seed=2, dropout=0.1, target_modules=("q_proj", "v_proj", "o_proj")),
+    1: LoraSpec(rank=8, seed=2, dropout=0.1, target_modules=("q_proj", "v_proj", "o_proj")),
+    2: LoraSpec(rank=4, seed=3),
+    3: LoraSpec(rank=8, alpha=4, seed=4),
 }
+LOSSES = {
+    0: "cross_entropy",
+    1: "cross_entropy",
+    2: "importance_sampling",
+    3: "importance_sampling",
+}
+LENGTHS = {0: (9, 14), 1: (21, 6, 11), 2: (17,), 3: (8, 12, 5, 10)}  # unequal: a balanced split
+TOKEN_MEAN = (1, 0)  # step 1's item of slot 0 normalises by its tokens (a jobs step)
 HP = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 STEPS = 3
+
+
+def batch_tokens() -> int:
+    """Tokens in one step's batch (every step has the same lengths)."""
+    return sum(sum(lengths) for lengths in LENGTHS.values())
 
 
 def batch(step: int, vocab: int) -> list[ForwardBackwardItem]:
@@ -39,20 +55,22 @@ def batch(step: int, vocab: int) -> list[ForwardBackwardItem]:
     items = []
     for slot in SPECS:
         data = []
-        for n in (9, 14):
+        for n in LENGTHS[slot]:
             tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
-            data.append(
-                Datum(
-                    tokens,
-                    {
-                        "target_tokens": torch.randint(0, vocab, (n,), generator=gen),
-                        "weights": torch.rand(n, generator=gen),
-                    },
-                )
-            )
+            inputs = {"target_tokens": torch.randint(0, vocab, (n,), generator=gen)}
+            if LOSSES[slot] == "cross_entropy":
+                inputs["weights"] = torch.rand(n, generator=gen)
+            else:
+                inputs["logprobs"] = -torch.rand(n, generator=gen) * 8
+                inputs["advantages"] = torch.randn(n, generator=gen)
+            data.append(Datum(tokens, inputs))
+        group_tokens = sum(LENGTHS[slot]) if (step, slot) == TOKEN_MEAN else 0
         items.append(
             ForwardBackwardItem(
-                f"fb{step}", slot, f"r{slot}", ForwardBackwardInput(data, "cross_entropy")
+                f"fb{step}",
+                slot,
+                f"r{slot}",
+                ForwardBackwardInput(data, LOSSES[slot], group_tokens=group_tokens),
             )
         )
     return items
@@ -138,18 +156,21 @@ def main() -> None:
         dtype="float32",
         timeout=60.0,
         base_model="tiny",
-        num_slots=2,
+        num_slots=len(SPECS),
         max_rank=8,
         storage_root=storage,
     )
-    fraction = {"rank": env.rank, "fraction": local_fraction(engine.model)}
-    (out / f"fraction-{env.rank}.json").write_text(json.dumps(fraction))
+    fraction = local_fraction(engine.model)
     if env.rank != 0:
         worker_loop(engine, group)
     else:
         driver = GroupEngine(engine, group, keepalive=2.0, on_lost=lambda exc: os._exit(3))
         torch.save(run(driver) if refs is None else resume(driver, refs), out / "record.pt")
         driver.close()
+    # The datum tokens this rank's forwards computed (the service's own counter).
+    forward = REGISTRY.get_sample_value("lorafleet_trainer_forward_tokens_total", {"kind": "datum"})
+    share = {"rank": env.rank, "fraction": fraction, "forward_tokens": forward}
+    (out / f"share-{env.rank}.json").write_text(json.dumps(share))
     group.close()
     # Exit as the service does (`__main__`, `serve_worker`): everything is written and the
     # group destroyed, so skip interpreter teardown, where gloo's threads can still drop

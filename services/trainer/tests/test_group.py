@@ -1,4 +1,4 @@
-"""Trainer groups (torch.distributed, gloo on CPU): two ranks equal one process.
+"""Trainer groups (torch.distributed, gloo on CPU): two data-parallel ranks equal one process.
 
 The group runs `group_scenario.py` as two real rank processes (the launcher's environment
 variables, as torchrun sets them); the reference runs the same scenario in this process on
@@ -85,10 +85,15 @@ def test_two_ranks_equal_one_process_and_resume_in_one(model, request, engine_fo
     logs = "\n".join(f.read_text()[-2000:] for f in sorted(out.glob("rank*.log")))
     assert codes == [0, 0], logs
 
-    # Each rank holds about half of the base at rest.
-    fractions = [json.loads((out / f"fraction-{r}.json").read_text())["fraction"] for r in (0, 1)]
+    # Each rank holds about half of the base at rest, and computes only its share of the rows.
+    shares = [json.loads((out / f"share-{r}.json").read_text()) for r in (0, 1)]
+    fractions = [s["fraction"] for s in shares]
     assert all(f <= 0.6 for f in fractions), fractions
     assert abs(sum(fractions) - 1.0) < 0.01, fractions
+    batch = group_scenario.STEPS * group_scenario.batch_tokens()
+    forward = [s["forward_tokens"] for s in shares]
+    assert all(f <= 0.6 * batch for f in forward), (forward, batch)
+    assert sum(forward) == batch, (forward, batch)  # every row once, on one rank
 
     group = torch.load(out / "record.pt", weights_only=False)
     single = engine_for(tiny_model_dir)
@@ -101,7 +106,7 @@ def test_two_ranks_equal_one_process_and_resume_in_one(model, request, engine_fo
         for key in want_step:
             assert close(got_step[key], want_step[key]), key
     assert_same_state(group["state"], want["state"])
-    assert group["refused_import"] == want["refused_import"] == "R_MISMATCH"  # rank 4 vs 2
+    assert group["refused_import"] == want["refused_import"] == "R_MISMATCH"  # rank 8 vs 4
 
     # The group's saved state resumes in one process and continues like the uninterrupted run.
     resumed = engine_for(tiny_model_dir, storage_root=storage)

@@ -42,6 +42,7 @@ from lorafleet_trainer.losses import (
     prepare_input,
 )
 from lorafleet_trainer.optim import SlotOptimizer, validate_adam
+from lorafleet_trainer.rowshare import RowShare, Single
 from lorafleet_trainer.sites import wrap_model
 from lorafleet_trainer.slots import RESULT_UNKNOWN, Binding, OpLog, SlotTable
 from lorafleet_trainer.targets import peft_prefixes, peft_targets, resolve_targets
@@ -89,6 +90,8 @@ class TrainerEngine:
         self.arch = str(getattr(config, "model_type", ""))
         self.device = next(model.parameters()).device
         self.incarnation = uuid.uuid4().hex
+        # Which rows this process computes and how it combines them (a group sets its own).
+        self.share: RowShare = Single()
         self._update_slot_gauge()
 
     @classmethod
@@ -274,44 +277,53 @@ class TrainerEngine:
         rows: list[tuple[_Plan, PreparedDatum]] = []
         windows: list[tuple[_Plan, PreparedDatum, RowGroup]] = []  # truncated-BPTT rows
         group_rows: dict[tuple[int, bool], list[int]] = {}
-        group_keys: dict[tuple[int, bool], list[int]] = {}
+        row_keys: list[int | None] = []  # each row's dropout mask key
         ordinals: dict[int, int] = {}
         for plan in plans:
             spec = plan.binding.spec
             dropout = plan.backward and spec.dropout > 0
             for d in plan.data:
-                key = (plan.slot, dropout)
-                keys = None
+                key = None
                 if dropout:
                     ordinal = ordinals.get(plan.slot, plan.binding.pending_datums)
                     ordinals[plan.slot] = ordinal + 1
-                    keys = [row_key(spec.seed, plan.binding.optimizer.steps, ordinal)]
+                    key = row_key(spec.seed, plan.binding.optimizer.steps, ordinal)
                 if d.context or d.window:  # runs alone after its detached context (bptt.py)
                     rate = spec.dropout if dropout else 0.0
-                    group = RowGroup(plan.slot, 1, spec.rank, spec.scale, rate, keys)
-                    windows.append((plan, d, group))
+                    keys = None if key is None else [key]
+                    windows.append(
+                        (plan, d, RowGroup(plan.slot, 1, spec.rank, spec.scale, rate, keys))
+                    )
                     continue
-                group_rows.setdefault(key, []).append(len(rows))
-                if keys:
-                    group_keys.setdefault(key, []).extend(keys)
+                group_rows.setdefault((plan.slot, dropout), []).append(len(rows))
                 rows.append((plan, d))
+                row_keys.append(key)
         dev = self.device
+        share = self.share
         # Sort rows by group, and groups by rank (largest first, stable), so every group is a
-        # contiguous split of the batch and every rank class a contiguous run of groups.
+        # contiguous split of the batch and every rank class a contiguous run of groups; a
+        # rank's share is a contiguous range of this order, so the same holds for its rows.
         specs = {plan.slot: plan.binding.spec for plan in plans}
         group_rows = dict(sorted(group_rows.items(), key=lambda kv: -specs[kv[0][0]].rank))
-        rows = [rows[r] for members in group_rows.values() for r in members]
-        groups = [
-            RowGroup(
-                slot,
-                len(members),
-                specs[slot].rank,
-                specs[slot].scale,
-                specs[slot].dropout if dropout else 0.0,
-                group_keys.get((slot, dropout)),
+        order = [r for members in group_rows.values() for r in members]
+        row_group = [g for g, members in group_rows.items() for _ in members]
+        rows = [rows[r] for r in order]
+        row_keys = [row_keys[r] for r in order]
+        first, last = share.share([len(d.tokens) for _, d in rows], row_group)
+        groups: list[RowGroup] = []
+        for r in range(first, last):
+            (slot, dropout), key = row_group[r], row_keys[r]
+            if groups and r > first and row_group[r - 1] == row_group[r]:
+                groups[-1].size += 1
+                if key is not None:
+                    assert groups[-1].dropout_keys is not None
+                    groups[-1].dropout_keys.append(key)
+                continue
+            spec = specs[slot]
+            rate = spec.dropout if dropout else 0.0
+            groups.append(
+                RowGroup(slot, 1, spec.rank, spec.scale, rate, None if key is None else [key])
             )
-            for (slot, dropout), members in group_rows.items()
-        ]
         # id(datum) -> (its summed loss, target logprobs, elementwise_loss)
         scored: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         recomputed: dict[int, int] = {}  # id(plan) -> context tokens its windows computed
@@ -324,39 +336,91 @@ class TrainerEngine:
             scored[id(d)] = (terms.sum(), lp_t.detach(), elementwise_output(terms))
 
         need_grad = any(p.backward for p in plans)
-        with torch.set_grad_enabled(need_grad):
+        bindings = {p.slot: p.binding for p in plans}
+        summed = {p.slot for p in plans if p.backward}
+        # This call's gradients alone: they are summed over ranks before joining what earlier
+        # calls accumulated, and slots that only ran forward keep theirs untouched.
+        earlier = {slot: [p.grad for p in b.optimizer.params] for slot, b in bindings.items()}
+        for b in bindings.values():
+            b.optimizer.clear_gradients()
+        local_tokens = sum(len(d.tokens) for _, d, _ in windows)
+        try:
+            with torch.set_grad_enabled(need_grad):
+                zero_term = None
+                if rows:
+                    local = rows[first:last]
+                    if not local:
+                        # Fewer rows than ranks: a one-token row through no slot keeps this
+                        # rank's collectives (FSDP's all-gathers) in step with the others.
+                        groups = [RowGroup(-1, 1, 1, 0.0)]
+                    width = max((len(d.tokens) for _, d in local), default=1)
+                    ids = torch.zeros(max(len(local), 1), width, dtype=torch.int64)
+                    for r, (_, d) in enumerate(local):
+                        ids[r, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.int64)
+                    local_tokens += sum(len(d.tokens) for _, d in local) or 1
+                    # Right padding needs no attention mask: causal attention never looks ahead.
+                    with self.router.route(groups, dev):
+                        logits = self.model(input_ids=ids.to(dev), use_cache=False).logits
+                    if share.world > 1 and need_grad:
+                        zero_term = logits.sum() * 0.0  # every rank runs the same backward
+                    logp_all = torch.log_softmax(logits.float(), dim=-1)
+                    for r, (plan, d) in enumerate(local):
+                        score(plan, d, logp_all[r, : len(d.tokens)])
+                for plan, d, group in windows:
+                    w = bptt.window_logits(
+                        self.model,
+                        self.router,
+                        group,
+                        d.context,
+                        d.tokens,
+                        dev,
+                        plan.binding.carried,
+                    )
+                    plan.binding.carried = w.carried
+                    recomputed[id(plan)] = recomputed.get(id(plan), 0) + w.context_tokens
+                    score(plan, d, torch.log_softmax(w.logits.float(), dim=-1))
+                # grad_scale is exactly 1 unless the call asked for token-mean normalisation
+                # (group_tokens: the caller's whole-batch count, so the same on every rank).
+                # Every rank computes every window (a window carries its slot's keys/values to
+                # the next, so windows run in order); only rank 0's count in the summed gradients.
+                zeroed = {id(d) for _, d, _ in windows} if share.rank else set()
+                backward_terms = [
+                    torch.stack(mine).sum() * p.cfg.grad_scale
+                    for p in plans
+                    if p.backward
+                    and (
+                        mine := [
+                            scored[id(d)][0] * 0.0 if id(d) in zeroed else scored[id(d)][0]
+                            for d in p.data
+                            if id(d) in scored
+                        ]
+                    )
+                ]
+                if zero_term is not None:
+                    backward_terms.append(zero_term)
+                if backward_terms:
+                    torch.stack(backward_terms).sum().backward()
+        except BaseException:  # forward_backward clears the trained slots' gradients
+            for slot, b in bindings.items():
+                if slot not in summed:
+                    for param, old in zip(b.optimizer.params, earlier[slot], strict=True):
+                        param.grad = old
+            raise
+        self._join_gradients(bindings, summed, earlier)
+        metrics.FORWARD_TOKENS.labels(kind="datum").inc(local_tokens)
+        if share.world > 1:  # every rank's rows, on the CPU (as the outputs are)
+            for key, (summed_loss, lp, el) in scored.items():
+                scored[key] = (summed_loss.detach().cpu(), lp.cpu(), el.cpu())
             if rows:
-                width = max(len(d.tokens) for _, d in rows)
-                ids = torch.zeros(len(rows), width, dtype=torch.int64)
-                for r, (_, d) in enumerate(rows):
-                    ids[r, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.int64)
-                # Right padding needs no attention mask: causal attention never looks ahead.
-                with self.router.route(groups, dev):
-                    logits = self.model(input_ids=ids.to(dev), use_cache=False).logits
-                logp_all = torch.log_softmax(logits.float(), dim=-1)
-                for r, (plan, d) in enumerate(rows):
-                    score(plan, d, logp_all[r, : len(d.tokens)])
-            for plan, d, group in windows:
-                w = bptt.window_logits(
-                    self.model, self.router, group, d.context, d.tokens, dev, plan.binding.carried
-                )
-                plan.binding.carried = w.carried
-                recomputed[id(plan)] = recomputed.get(id(plan), 0) + w.context_tokens
-                score(plan, d, torch.log_softmax(w.logits.float(), dim=-1))
-            # grad_scale is exactly 1 unless the call asked for token-mean normalisation.
-            backward_terms = [
-                torch.stack([scored[id(d)][0] for d in p.data]).sum() * p.cfg.grad_scale
-                for p in plans
-                if p.backward
-            ]
-            if backward_terms:
-                torch.stack(backward_terms).sum().backward()
+                computed = {r: scored[id(rows[r][1])] for r in range(first, last)}
+                for theirs in share.gather(computed):
+                    for r, result in theirs.items():
+                        scored[id(rows[r][1])] = result
         outputs = []
         for p in plans:
             loss, logprobs, elementwise = zip(*(scored[id(d)] for d in p.data), strict=True)
             out_metrics = {"loss:sum": float(torch.stack(loss).sum().detach())}
             own = sum(len(d.tokens) for d in p.data)
-            metrics.FORWARD_TOKENS.labels(kind="datum").inc(own)
             if any(d.context or d.window for d in p.data):  # a document job's: what it cost
                 context = recomputed.get(id(p), 0)
                 metrics.FORWARD_TOKENS.labels(kind="context").inc(context)
@@ -370,6 +434,29 @@ class TrainerEngine:
                 )
             )
         return outputs
+
+    def _join_gradients(
+        self,
+        bindings: dict[int, Binding],
+        summed: set[int],
+        earlier: dict[int, list[torch.Tensor | None]],
+    ) -> None:
+        """Sum this pass's gradients over ranks (one all-reduce of every trained slot's LoRA
+        gradients, replicated on every rank) and add them to the earlier accumulation; slots
+        that only ran forward get their earlier gradients back, untouched."""
+        trained = [p for slot in sorted(summed) for p in bindings[slot].optimizer.params]
+        if self.share.world > 1 and trained:
+            new = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trained]
+            flat = torch.cat([g.reshape(-1) for g in new])
+            self.share.sum_gradients(flat)
+            for p, g in zip(trained, flat.split([p.numel() for p in trained]), strict=True):
+                p.grad = g.view_as(p).clone()
+        for slot, b in bindings.items():
+            for p, old in zip(b.optimizer.params, earlier[slot], strict=True):
+                if slot not in summed or p.grad is None:
+                    p.grad = old
+                elif old is not None:
+                    p.grad = old + p.grad
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(

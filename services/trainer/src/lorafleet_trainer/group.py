@@ -12,20 +12,33 @@ exactness) untouched, and the base is frozen, so there are no base gradients to
 reduce-scatter. Tensor parallelism would split the compute as well, but needs a sharding
 plan per architecture and changes the reduction order of every projection.
 
-Every rank runs the same engine calls on the same inputs, so LoRA slots, per-slot AdamW,
-the float64 clip and hashed dropout are unchanged and identical on every rank, and a state
-any rank could write is the single-process state (rank 0 writes it). Rank 0 serves the gRPC
-contract through `GroupEngine`: each call that runs the model or changes slot state is first
-broadcast to the other ranks (`worker_loop`) on a gloo control group, then run locally;
-after it every rank shares its outcome (`Group.agree`, which is also the barrier). A rank
-that died or hangs makes a collective fail (peer connection closed, or the group timeout),
-and a rank whose outcome differs has diverged; either way the survivor exits the process
-(`on_lost`): the replica goes down as a whole, its heartbeat stops, and the controller's
-replica-loss policy applies. Idle workers are kept from timing out by pings.
+Every rank runs the same engine calls on the same inputs: validation, slot state, per-slot
+AdamW, the float64 clip with its non-finite veto and hashed dropout are the single process's
+code, on every rank. Rank 0 serves the gRPC contract through `GroupEngine`: each call that
+runs the model or changes slot state is first broadcast to the other ranks (`worker_loop`)
+on a gloo control group, then run locally; after it every rank shares its outcome
+(`Group.agree`, which is also the barrier). A rank that died or hangs makes a collective
+fail (peer connection closed, or the group timeout), and a rank whose outcome differs has
+diverged; either way the survivor exits the process (`on_lost`): the replica goes down as a
+whole, its heartbeat stops, and the controller's replica-loss policy applies. Idle workers
+are kept from timing out by pings.
 
-The batch is not split across ranks: every rank computes the whole batch on gathered
-layers (memory scales with N, compute does not). Splitting rows across ranks (data
-parallel) with an all-reduce of LoRA gradients is the next step.
+A forward_backward is data parallel (`GroupShare`): the engine sorts the batch's rows by
+slot as one process does, and each rank computes a contiguous share of them balanced by
+token count (`rowshare.balance`, slots kept whole where that balances). A datum is never
+split, so a loss over one sequence (gspo's sequence ratio) sees all of it, and token-mean
+normalisation uses the caller's whole-batch `group_tokens`, the same on every rank. The
+LoRA weights are replicated, not sharded (they are created after `fully_shard`, outside the
+base's parameters), so the gradients are summed with one all-reduce of every trained slot's
+flattened LoRA gradients: FSDP's reduce-scatter would need the adapters inside its units,
+and would shard moments that per-slot AdamW, the clip's global norm and the state files
+want whole on every rank (they are small: rank x width per module). After the all-reduce
+every rank holds the whole batch's gradients, so each one's clip norm is the global norm and
+the optimizer steps agree. Per-datum results are gathered on the control group, so every
+rank returns them in the caller's order. Truncated-BPTT windows carry keys/values from one
+window to the next; every rank runs them all (only rank 0's count in the gradient sum).
+Every rank runs each forward and backward, even with no rows of its own (a one-token row
+through no slot), so FSDP's all-gathers stay in step.
 """
 
 from __future__ import annotations
@@ -36,16 +49,18 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lorafleet.errors import LorafleetError
+from lorafleet_trainer.rowshare import balance
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +154,43 @@ class Group:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class GroupShare:
+    """A rank's share of each batch and the collectives that combine the shares."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.rank = group.env.rank
+        self.world = group.env.world_size
+
+    def share(self, lengths: list[int], slots: Sequence[Hashable]) -> tuple[int, int]:
+        return balance(lengths, slots, self.world)[self.rank]
+
+    def sum_gradients(self, flat: torch.Tensor) -> None:
+        dist.all_reduce(flat)
+
+    def gather(self, local: Any) -> list[Any]:
+        shares: list[Any] = [None] * self.world
+        dist.all_gather_object(shares, local, group=self.group.control)
+        return shares
+
+
+def inputs_need_grad(model: nn.Module) -> None:
+    """Embeddings that require grad whenever grad is on, so every decoder layer's output does.
+
+    FSDP2 all-gathers a layer again in backward only where its output requires grad; without
+    this, a rank whose rows reach no LoRA weight in a layer (no rows, or slots that target
+    other modules) would skip an all-gather the others wait on.
+    """
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and not out.requires_grad:
+            return out.detach().requires_grad_()
+        return out
+
+    embeddings: nn.Module = cast(Any, model).get_input_embeddings()
+    embeddings.register_forward_hook(hook)
 
 
 def outcome_of(result: Any) -> Any:
@@ -342,8 +394,10 @@ def load_group_engine(
     group = Group(env, dev, timeout)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
     engine = TrainerEngine(model, base_model=base_model, **engine_kwargs)
+    inputs_need_grad(engine.model)
     shard_base(engine.model, group)
     engine.device = dev
+    engine.share = GroupShare(group)
     return engine, group
 
 
