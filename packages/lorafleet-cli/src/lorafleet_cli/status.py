@@ -37,9 +37,9 @@ def _health(port: int, service: str, tls: TlsIdentity | None) -> str:
         return f"DOWN ({exc.code().name})"
 
 
-def _http_health(port: int) -> str:
+def _http_health(port: int, path: str = "/api/v1/healthz") -> str:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
             return "SERVING" if r.status == 200 else f"HTTP {r.status}"
     except (urllib.error.URLError, OSError) as exc:
         return f"DOWN ({exc.__class__.__name__})"
@@ -57,6 +57,10 @@ def _redis_health(port: int) -> str:
 def _process_health(service: str, port: int, tls: TlsIdentity | None) -> str:
     if service in _SERVICE:
         return _health(port, _SERVICE[service], tls)
+    if service == "sglang":  # the server beside a rollout (lorafleet up --engine sglang)
+        from lorafleet_rollout.sglang_api import HEALTH
+
+        return _http_health(port, HEALTH)
     return _http_health(port) if service == "gateway" else _redis_health(port)
 
 
