@@ -31,6 +31,7 @@ import torch
 from peft import LoraConfig
 from peft.utils.other import get_pattern_key
 
+from lorafleet import peft_experts
 from lorafleet.errors import InvalidArgument
 from lorafleet_rollout.kernels import DecodeLora
 from lorafleet_rollout.peft_io import WEIGHTS_FILE, Banks, target_of
@@ -83,11 +84,9 @@ def adapter_weights(
             )
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
         a, b = a.to(torch.float32), b.to(torch.float32) * scale
-        if experts is not None:  # PEFT's rows (expert, rank) and columns (rank, expert), per expert
-            modules[module] = (
-                a.view(experts, rank, -1).transpose(1, 2),
-                b.view(-1, rank, experts).permute(2, 1, 0),
-            )
+        if experts is not None:  # per expert (`lorafleet.peft_experts`), transposed views
+            a3, b3 = peft_experts.from_peft(a, b, experts)
+            modules[module] = (a3.transpose(1, 2), b3.transpose(1, 2))
         else:  # transposed views: `LoraStacks.lay_out` copies them into place once
             modules[module] = (a.t(), b.t())
     return AdapterWeights(max(a.shape[-1] for a, _ in modules.values()), modules)

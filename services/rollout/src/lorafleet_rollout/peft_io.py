@@ -6,9 +6,7 @@ here, on the caller's thread, means a bad adapter is refused with a clear messag
 running batch never sees it.
 
 Expert banks (MoE `gate_up_proj` / `down_proj`, 3-D parameters) are PEFT `target_parameters`
-LoRA, as the trainer exports them: lora_A [experts * r, in], lora_B [out, r * experts], keyed
-by the experts module, where the i-th of k targeted banks of one module sits under k-1-i
-`.base_layer` hops (PEFT nests one ParamWrapper per parameter; `target_of` undoes that).
+LoRA, as the trainer exports them, in the layout `lorafleet.peft_experts` owns (keys and shapes).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from lorafleet import contract
+from lorafleet import contract, peft_experts
 from lorafleet.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
@@ -51,7 +49,7 @@ def read_peft_dir(folder: Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
 
 #: Expert module path -> {bank parameter: (experts, out, in)}, in the module's parameter order.
 Banks = dict[str, dict[str, tuple[int, int, int]]]
-EXPERT_BANKS = ("gate_up_proj", "down_proj")
+EXPERT_BANKS = peft_experts.EXPERT_BANKS
 
 
 def expert_banks(model: torch.nn.Module) -> Banks:
@@ -81,19 +79,18 @@ def target_of(key: str, config: LoraConfig, banks: Banks) -> tuple[str, str]:
             break
     else:
         raise InvalidArgument(f"{key!r} is not a LoRA A/B weight", field=WEIGHTS_FILE)
-    hops = 0
-    while module.endswith(".base_layer"):
-        module, hops = module.removesuffix(".base_layer"), hops + 1
+    module, hops = peft_experts.split_hops(module)
     if module not in banks:
         return stem.removesuffix(f".{kind}.weight"), kind
     targeted = [p for p in banks[module] if _parameter_targeted(config, f"{module}.{p}")]
-    if hops >= len(targeted):
+    bank = peft_experts.bank_at(hops, targeted)
+    if bank is None:
         raise InvalidArgument(
             f"{key!r} names no expert bank of {module} that target_parameters "
             f"{getattr(config, 'target_parameters', None)} selects",
             field=WEIGHTS_FILE,
         )
-    return f"{module}.{targeted[len(targeted) - 1 - hops]}", kind
+    return f"{module}.{bank}", kind
 
 
 def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:

@@ -12,7 +12,7 @@ is refused here with the reason, and the server never sees it.
 Expert LoRA. Our trainer exports adapters on fused expert banks as PEFT's `target_parameters`
 LoRA: one key pair per bank, `...mlp.experts[.base_layer].lora_A.weight` of shape
 (experts * rank, in) and `lora_B.weight` of shape (out, rank * experts) with expert-interleaved
-columns (`lorafleet_trainer.experts.ExpertBank.to_peft`). SGLang names per-expert LoRA after
+columns (`lorafleet.peft_experts`, the layout's one owner). SGLang names per-expert LoRA after
 its own modules, one 2-D pair per expert: `...experts.{e}.gate_up_proj.lora_A.weight` (rank,
 hidden) and `lora_B.weight` (2 * intermediate, rank), `...experts.{e}.down_proj.*` likewise,
 and puts them in its `gate_up_proj_moe` / `down_proj_moe` buffers (mem_pool.py, the
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from lorafleet import peft_experts
 from lorafleet.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
@@ -70,9 +71,9 @@ _NORMALIZED = {
 _EMBEDDINGS = ("embed_tokens", "lm_head")
 _MOE_TARGETS = frozenset({"gate_up_proj", "down_proj"})
 #: The expert banks SGLang serves, as PEFT `target_parameters` name them (module.param).
-EXPERT_BANKS = ("experts.gate_up_proj", "experts.down_proj")
+EXPERT_BANKS = tuple(f"experts.{p}" for p in peft_experts.EXPERT_BANKS)
 
-_EXPERT_KEY = re.compile(r"^(?P<module>.+\.experts)(?:\.base_layer)*\.lora_(?P<ab>[AB])\.weight$")
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+)\.lora_(?P<ab>[AB])\.weight$")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -250,14 +251,14 @@ def convert(
     expert_keys: dict[str, list[str]] = {}
     for key, tensor in tensors.items():
         m = _EXPERT_KEY.match(key)
-        if m is None:
+        module = "" if m is None else peft_experts.split_hops(m["prefix"])[0]
+        if m is None or not module.endswith(".experts"):
             out[key] = tensor
             continue
-        # PEFT nests one ParamWrapper per targeted bank of a module, so a module's banks differ
-        # only in their `.base_layer` hops; group by the full prefix, pair A with B.
-        prefix = key[: -len(f".lora_{m['ab']}.weight")]
-        pairs.setdefault(prefix, {})[m["ab"]] = tensor
-        expert_keys.setdefault(m["module"], []).append(prefix)
+        # A module's banks differ only in their `.base_layer` hops (`peft_experts`); group by
+        # the full prefix, pair A with B, and tell the banks apart by shape.
+        pairs.setdefault(m["prefix"], {})[m["ab"]] = tensor
+        expert_keys.setdefault(module, []).append(m["prefix"])
     out = complete_stacks(out, rank, shape)
     banks: set[str] = set()
     for module, prefixes in expert_keys.items():
@@ -275,10 +276,8 @@ def convert(
                     f"intermediate {shape.moe_intermediate})"
                 )
             seen.add(bank)
-            e = shape.num_experts
-            a = pair["A"].reshape(e, rank, -1)
-            b = pair["B"].reshape(pair["B"].shape[0], rank, e).permute(2, 0, 1)
-            for i in range(e):
+            a, b = peft_experts.from_peft(pair["A"], pair["B"], shape.num_experts)
+            for i in range(shape.num_experts):
                 out[f"{module}.{i}.{bank}.lora_A.weight"] = a[i].contiguous()
                 out[f"{module}.{i}.{bank}.lora_B.weight"] = b[i].contiguous()
         banks |= seen

@@ -28,10 +28,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lorafleet import peft_experts
 from lorafleet.errors import FailedPrecondition
 from lorafleet_trainer.lora import LoraWeights, Router, init_weights
 
-BANKS = ("gate_up_proj", "down_proj")
+BANKS = peft_experts.EXPERT_BANKS
 
 
 class _StandardExperts(Protocol):
@@ -87,25 +88,19 @@ class ExpertBank:
     def to_peft(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """PEFT ParamWrapper's lora_A (experts*rank, in) and lora_B (out, rank*experts).
 
-        PEFT reads lora_A as (experts, rank, in) row blocks and lora_B as (out, rank, experts)
-        interleaved columns; a shared adapter is written as the same block for every expert.
+        The layout is `lorafleet.peft_experts`'; a shared adapter is written as the same block
+        for every expert.
         """
         e = self.num_experts
         if a.dim() == 2:  # shared
             a, b = a.expand(e, *a.shape), b.expand(e, *b.shape)
-        rank = a.shape[1]
-        return a.reshape(e * rank, self.in_features), b.permute(1, 2, 0).reshape(
-            self.out_features, rank * e
-        )
+        return peft_experts.to_peft(a, b)
 
     def from_peft(
         self, a: torch.Tensor, b: torch.Tensor, shared: bool, key: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse of `to_peft`; a shared slot accepts only an adapter equal across experts."""
-        e = self.num_experts
-        rank = a.shape[0] // e
-        a3 = a.reshape(e, rank, self.in_features)
-        b3 = b.reshape(self.out_features, rank, e).permute(2, 0, 1)
+        a3, b3 = peft_experts.from_peft(a, b, self.num_experts)
         if not shared:
             return a3, b3
         if not (torch.equal(a3, a3[:1].expand_as(a3)) and torch.equal(b3, b3[:1].expand_as(b3))):

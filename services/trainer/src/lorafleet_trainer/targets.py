@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lorafleet import contract
+from lorafleet import contract, peft_experts
 from lorafleet.errors import InvalidArgument
 from lorafleet_trainer.domain import LoraSpec
 from lorafleet_trainer.sites import Site
@@ -122,9 +122,8 @@ def peft_targets(targets: Sequence[str], sites: Sequence[Site]) -> tuple[list[st
 def peft_prefixes(targets: Sequence[str], sites: Sequence[Site]) -> dict[str, str]:
     """Each target's PEFT key prefix (the key without `.lora_A.weight`).
 
-    PEFT wraps every targeted parameter of one module in a nested ParamWrapper, in the
-    module's parameter order, the last one outermost: the i-th of k targeted banks of a
-    module sits under k-1-i `base_layer` hops.
+    Expert banks of one module differ only in their `base_layer` hops
+    (`lorafleet.peft_experts.bank_prefix`).
     """
     by_name = {s.name: s for s in sites}
     per_module: dict[str, list[str]] = {}
@@ -138,6 +137,7 @@ def peft_prefixes(targets: Sequence[str], sites: Sequence[Site]) -> dict[str, st
             out[t] = f"base_model.model.{t}"
             continue
         siblings = per_module[site.module]
-        hops = len(siblings) - 1 - siblings.index(t)
-        out[t] = f"base_model.model.{site.module}" + ".base_layer" * hops
+        out[t] = peft_experts.bank_prefix(
+            f"base_model.model.{site.module}", siblings.index(t), len(siblings)
+        )
     return out
