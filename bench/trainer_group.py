@@ -1,19 +1,18 @@
 """Trainer groups: step time and memory per rank, world sizes 1 and 2, on the ~20M model.
 
-Each world size runs as real rank processes (the variables torchrun sets, gloo, one torch
-thread each) through the distributed path (`load_group_engine`, FSDP2, `GroupEngine`), side
-by side in one run. Per rank: the base bytes it holds at rest (its FSDP shards), its RSS,
-and its peak RSS during the steps (the kernel's high-water mark, reset once the model is
-loaded and sharded, so the full checkpoint every rank reads first is not counted), also
-less the RSS of the bare runtime (python, torch, transformers: ~the same for every rank),
-and its RSS at rest after the steps, less the runtime. Memory
-must halve at world size 2; time will not on 2 shared cores (each rank computes the whole
-batch; see lorafleet_trainer.group).
+Each world size runs as real rank processes (the variables torchrun sets, gloo) through the
+distributed path (`load_group_engine`, FSDP2, `GroupEngine`), one after the other, with the
+same total torch threads (`--threads`, default 2: one process of 2 threads against two
+ranks of 1). Each rank computes its share of the batch's rows (data parallel, see
+lorafleet_trainer.group), so the step time of world 2 should match world 1's. Per rank: the
+base bytes it holds at rest (its FSDP shards), its RSS, and its peak RSS during the steps
+(the kernel's high-water mark, reset once the model is loaded and sharded, so the full
+checkpoint every rank reads first is not counted), also less the RSS of the bare runtime
+(python, torch, transformers: ~the same for every rank), and its RSS at rest after the
+steps, less the runtime.
 
-    python bench/trainer_group.py [--steps N] [--batch ROWS] [--seq TOKENS]   # 5, 8, 128
-
-Every rank computes the whole batch, so activation memory (most of the peak at 8x128 on
-this model) does not shrink with the world size; only the base does.
+    python bench/trainer_group.py [--steps N] [--batch ROWS] [--seq TOKENS] [--threads T]
+    # defaults 5, 8, 128, 2
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def rank_main(model_dir: Path, steps: int, batch: int, seq: int, out: Path) -> None:
+def rank_main(model_dir: Path, steps: int, batch: int, seq: int, threads: int, out: Path) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401  (the runtime, before the model)
 
     from lorafleet_trainer.group import (
@@ -68,7 +67,7 @@ def rank_main(model_dir: Path, steps: int, batch: int, seq: int, out: Path) -> N
         worker_loop,
     )
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     env = GroupEnv.from_environ()
     runtime_mib = status_kib("VmRSS") / 1024
     with tempfile.TemporaryDirectory() as storage:
@@ -136,7 +135,7 @@ def run_world(model_dir: Path, world: int, args: argparse.Namespace) -> list[dic
             env = {
                 **os.environ,
                 **launcher_env(rank, world, port),
-                "OMP_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": str(args.threads // world),
                 # One heap arena and mmap for large blocks: freed tensors leave the RSS, so
                 # it shows live memory rather than what glibc kept (gloo adds threads/arenas).
                 "MALLOC_ARENA_MAX": "1",
@@ -144,6 +143,7 @@ def run_world(model_dir: Path, world: int, args: argparse.Namespace) -> list[dic
             }
             argv = [sys.executable, __file__, "--rank-of", str(model_dir), "--out", str(out)]
             sizes = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
+            sizes += ["--threads", str(args.threads // world)]
             procs.append(subprocess.Popen([*argv, *sizes], env=env))
         codes = [p.wait(timeout=1800) for p in procs]
         if codes != [0] * world:
@@ -156,11 +156,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of all ranks")
     parser.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
-        rank_main(args.rank_of, args.steps, args.batch, args.seq, args.out)
+        rank_main(args.rank_of, args.steps, args.batch, args.seq, args.threads, args.out)
         return
     model_dir, name = bench_model_dir()
     one = run_world(model_dir, 1, args)
@@ -170,6 +171,7 @@ def main() -> None:
         "model": name,
         "batch": f"{args.batch}x{args.seq}",
         "steps": args.steps,
+        "total_threads": args.threads,
         "world_1": one,
         "world_2": two,
         "base_held_ratio_2_over_1": max(r["base_mib_held"] for r in two) / r1["base_mib_held"],
