@@ -1,6 +1,7 @@
 """`lorafleet up` supervises what it started: a killed process comes back (same ports, new
-PID, logged, counted in `status`), Redis included; a crash loop past the restart budget
-fails the fleet; `down` stops every process, restarted ones too."""
+PID, logged, counted in `status`), Redis included; a process past its restart budget stays
+down and is reported (status, the controller's replica table, Unavailable to the SDK) while
+the rest of the fleet keeps running; `down` stops every process, restarted ones too."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lorafleet.testing import wait_until
+from lorafleet.testing import child_env, wait_until
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
+from lorafleet_cli.status import render_status
 
 LORAFLEET = [sys.executable, "-m", "lorafleet_cli.main"]
 SERVICE = {
@@ -72,7 +74,37 @@ def _kill(fleet: object, name: str) -> int:
     return pid
 
 
-def test_killed_processes_come_back_and_a_crash_loop_fails_the_fleet(make_fleet) -> None:
+def _trainer_down(fleet: object) -> bool:
+    with fleet.admin_channel() as ch:  # type: ignore[attr-defined]
+        status = controller_pb2_grpc.ControllerServiceStub(ch).GetFleetStatus(
+            controller_pb2.GetFleetStatusRequest(), timeout=10
+        )
+    return any(r.replica_id == "trainer-0" and not r.healthy for r in status.replicas)
+
+
+def _model_name(fleet: object) -> str:
+    caps = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",  # type: ignore[attr-defined]
+                     headers={"X-API-Key": fleet.api_key}, timeout=30).json()  # type: ignore[attr-defined]  # fmt: skip
+    return str(caps["supported_models"][0]["model_name"])
+
+
+def _sdk_create(fleet: object, python: Path, model: str) -> dict:
+    """create_model through the real SDK's client (degraded_sdk_script.py)."""
+    env = child_env(TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,  # type: ignore[attr-defined]
+                    SMOKE_BASE_MODEL=model)  # fmt: skip
+    proc = subprocess.run(
+        [str(python), str(Path(__file__).with_name("degraded_sdk_script.py"))],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DEGRADED ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("DEGRADED ") :])
+
+
+def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
+    make_fleet, sdk_python
+) -> None:
+    python = sdk_python("0.38.0")
     with make_fleet(slots=2, backoff_initial=0.2) as fleet:
         old = [_kill(fleet, "trainer-0")]
         wait_until(lambda: _serving(fleet, "trainer-0"), "trainer-0 SERVING again")
@@ -99,8 +131,38 @@ def test_killed_processes_come_back_and_a_crash_loop_fails_the_fleet(make_fleet)
         rollout = fleet.member("rollout-0")
         wait_until(lambda: rollout.proc.poll() is None, "rollout-0 restarted")
         os.kill(rollout.proc.pid, signal.SIGKILL)
-        wait_until(lambda: fleet.failure, "the fleet gives up on rollout-0")
-        assert fleet.failure.startswith("rollout-0 exited with -9 after 1 restarts in 600s")
+        wait_until(lambda: "rollout-0" in fleet.failures, "supervision gives up on rollout-0")
+        assert fleet.failures["rollout-0"].startswith("rollout-0 exited with -9 after 1 restarts")
+        # trainer-0 spent its one restart above: killed again, it stays down too.
+        model = _model_name(fleet)  # while a trainer serves it (capabilities list live ones)
+        trainer = fleet.member("trainer-0")
+        os.kill(trainer.proc.pid, signal.SIGKILL)
+        wait_until(lambda: "trainer-0" in fleet.failures, "supervision gives up on trainer-0")
+        wait_until(lambda: _trainer_down(fleet), "the controller's replica table: trainer-0 down")
+
+        answer = _sdk_create(fleet, python, model)
+        assert answer["status"] == 503 and answer["seconds"] < 5, answer
+        assert "no healthy trainer serves base model" in answer["message"], answer
+        assert "trainer-0" in answer["message"], answer
+
+        # The rest of the fleet keeps running and the failed ones stay down.
+        assert _serving(fleet, "controller") and _gateway_answers(fleet)
+        assert fleet.failures.keys() == {"rollout-0", "trainer-0"}
+        assert trainer.proc.poll() is not None and rollout.proc.poll() is not None
+        alive = {m.name for m in fleet.supervised if m.proc.poll() is None}
+        assert alive == {"redis", "controller", "gateway"}, alive
+
+        state = json.loads((fleet.config.run_dir / "fleet.json").read_text())
+        report, problem = render_status(fleet.controller_address, fleet.admin, state)
+        assert problem == "", problem
+        processes = report.split("Trainer slots")[0].splitlines()
+        rows = {ln.split()[0]: ln.split() for ln in processes if ln.strip()}
+        assert rows["trainer-0"][4] == "FAILED" and rows["rollout-0"][4] == "FAILED", report
+        assert rows["gateway"][4] == "SERVING", report
+        for name in ("trainer-0", "rollout-0"):
+            log = fleet.member(name).log
+            assert f"  {name}: {name} exited with -9 after 1 restarts" in report, report
+            assert f"it stays down; log: {log}" in report, report
         current = fleet.pids
     assert [p for p in [*old, *current] if _alive(p)] == []
 

@@ -16,9 +16,12 @@ they take longest, and each must be healthy before its rollout starts.
 
 Supervision: a thread restarts any process that exits (the private Redis included) with
 the same settings and ports, after an exponential backoff, at most `restart_budget` times
-per process within `restart_window` seconds; past that the fleet is marked failed
-(`failure`) and `lorafleet up` stops it. Each restart is logged and rewrites fleet.json
-with the new PID and the restart count, so `status` shows it and `down` stops it.
+per process within `restart_window` seconds. Past that budget the process stays down and is
+marked failed (`Member.failed`, the reason, written to fleet.json with its log path): the
+fleet degrades, it does not vanish. The rest keeps running, `status` names the failed
+process, and the controller, which sees the replica gone, answers calls that need it with
+Unavailable naming it. Each restart is logged and rewrites fleet.json with the new PID and
+the restart count, so `status` shows it and `down` stops it.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class Member:
     recent_restarts: list[float] = field(default_factory=list)
     restart_at: float | None = None  # a restart is scheduled for this monotonic time
     backoff: float = 0.0
+    failed: str = ""  # why supervision gave up on it ("": it is supervised)
 
 
 class Fleet:
@@ -116,7 +120,6 @@ class Fleet:
         self.controller_address = ""
         self.certs: dict[str, CertFiles] = {}
         self.admin: TlsIdentity | None = None
-        self.failure = ""  # why supervision gave up, once it has
         self.redis_member: Member | None = None  # the private Redis, when we started it
         self._stopping = threading.Event()
         self._lock = threading.RLock()
@@ -238,8 +241,14 @@ class Fleet:
                 if self._stopping.is_set():
                     return
                 for member in self.supervised:
-                    if member.proc.poll() is not None:
+                    if not member.failed and member.proc.poll() is not None:
                         self._schedule_or_restart(member)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Process name -> why supervision gave up on it (its restart budget is spent)."""
+        with self._lock:
+            return {m.name: m.failed for m in self.supervised if m.failed}
 
     @property
     def supervised(self) -> list[Member]:
@@ -253,12 +262,12 @@ class Fleet:
                 t for t in member.recent_restarts if now - t < self.config.restart_window
             ]
             if len(member.recent_restarts) >= self.config.restart_budget:
-                if not self.failure:
-                    self.failure = (
-                        f"{member.name} exited with {code} after {len(member.recent_restarts)} "
-                        f"restarts in {self.config.restart_window:.0f}s; giving up"
-                    )
-                    self._note(self.failure)
+                member.failed = (
+                    f"{member.name} exited with {code} after {len(member.recent_restarts)} "
+                    f"restarts in {self.config.restart_window:.0f}s; it stays down"
+                )
+                self._note(f"{member.failed} (log: {member.log}); the rest of the fleet runs")
+                self._write_state()
                 return
             ran = now - member.started_at
             if ran >= self.config.backoff_reset or member.backoff == 0:
@@ -473,10 +482,10 @@ class Fleet:
             "redis_url": self.redis_url,
             "launcher_pid": os.getpid(),
             "admin_tls": {k: str(v) for k, v in admin.env().items()} if admin else {},
-            "failure": self.failure,
             "processes": [
                 {"name": m.name, "service": m.service, "pid": m.proc.pid, "port": m.port,
-                 "metrics_port": m.metrics_port, "log": str(m.log), "restarts": m.restarts}
+                 "metrics_port": m.metrics_port, "log": str(m.log), "restarts": m.restarts,
+                 "failed": m.failed}
                 for m in [*self.members, *([self.redis_member] if self.redis_member else [])]
             ],
         }  # fmt: skip

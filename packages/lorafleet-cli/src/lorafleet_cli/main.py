@@ -91,16 +91,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(_exports(fleet.base_url, fleet.api_key), flush=True)
     print("lorafleet: fleet is up; Ctrl-C (or `lorafleet down`) stops it", file=sys.stderr)
     try:
-        while not stop["now"]:
-            if fleet.failure:  # supervision gave up on a process: say so, stop the rest
-                _err(f"{fleet.failure}; stopping the fleet")
-                break
+        while not stop["now"]:  # a failed process stays down; the supervisor logged it
             time.sleep(0.5)
     finally:
         fleet.stop()
         runs.clear_current(run_dir)
         print("lorafleet: fleet stopped", file=sys.stderr)
-    return 1 if fleet.failure else 0
+    return 1 if fleet.failures else 0
 
 
 def _up_detached(args: argparse.Namespace) -> int:

@@ -81,14 +81,20 @@ def render_status(
     """The report, and what is wrong when the controller does not answer ("" if nothing)."""
     out = []
     if state:
-        rows = []
+        rows, failed = [], []
         for p in state["processes"]:
-            health = _process_health(p["service"], p["port"], tls)
+            if p.get("failed"):  # supervision gave up on it: it stays down (fleet.py)
+                health = "FAILED"
+                failed.append(f"  {p['name']}: {p['failed']}; log: {p['log']}")
+            else:
+                health = _process_health(p["service"], p["port"], tls)
             rows.append([p["name"], str(p["pid"]), str(p["port"]), str(p.get("restarts", 0)),
                          health])  # fmt: skip
         out += ["Processes", _table(["name", "pid", "port", "restarts", "health"], rows), ""]
-        if state.get("failure"):
-            out += [f"Supervision gave up: {state['failure']}", ""]
+        if failed:
+            out += ["Failed (restart budget spent; the rest of the fleet runs without them):",
+                    *failed, "  Fix the cause in the log, then `lorafleet down` and "
+                    "`lorafleet up` again.", ""]  # fmt: skip
     try:
         with make_blocking_channel(controller, tls=tls) as ch:
             status = controller_pb2_grpc.ControllerServiceStub(ch).GetFleetStatus(

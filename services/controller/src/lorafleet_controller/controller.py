@@ -312,6 +312,18 @@ class Controller:
                 f"no trainer serves base model {base_model!r} (served: {served})",
                 field="base_model",
             )
+        if not any(t.healthy for t in trainers):
+            # A trainer whose restart budget is spent stays down (`lorafleet up`) or a pod
+            # crash-loops: a registration queued now would wait forever, so say who is missing.
+            now = self.registry.clock()
+            down = ", ".join(f"{t.replica_id} (last seen {now - t.last_seen:.0f}s ago)"
+                             for t in trainers)  # fmt: skip
+            raise errors.Unavailable(
+                f"no healthy trainer serves base model {base_model!r}: {down} is down; "
+                "retry once it is back (`lorafleet status` says why it is down)",
+                field="base_model",
+                reason="NO_HEALTHY_TRAINER",
+            )
         # The LoraConfig's rules (contract.check_lora_config) are checked by the gateway and
         # by the trainer at bind; a refused bind fails the run with that error (fail_run).
         rec, created = await self.registry.create(
