@@ -1,7 +1,7 @@
 """Fairness across tenants: tenant A's step latency with and without tenant B's flood.
 
     .venv/bin/python bench/fairness.py [--steps 300] [--flood-runs 32] [--op-ms 0.5]
-        [--per-tenant N]
+        [--per-tenant N] [--rate R] [--burst N] [--rounds 3]
 
 A runs one training run in lockstep (submit a forward_backward, wait until it finished,
 acknowledge it), as the SDK does. B floods from `--flood-runs` runs with forward calls whose
@@ -11,12 +11,16 @@ claim what is ready into a backlog, take the next batch with the scheduler's `fa
 and stands in for the trainer with a batch cost of `--batch-ms` plus `--op-ms` per
 operation. The ledger is the real one on a private
 redis-server with the default per-tenant limits (B is refused once it holds
-`max_unacked_results_per_tenant` unretrieved results). The flood runs twice, side by side:
-`fifo` batches everything claimed (no per-tenant cap: the scheduler before fair_batch) and
-`fair` caps each tenant at `--per-tenant` per batch (default: the scheduler's
-BATCH_PER_TENANT). Prints JSON: A's step
-p50/p99 alone and under each flood, the ratios (target <= 2), and how much of B's flood was
-admitted.
+`max_unacked_results_per_tenant` unretrieved results) and each tenant's admission bucket at
+`--rate`/`--burst` (default: the controller's defaults). The flood runs three times, side by
+side: `fifo` batches everything claimed (no per-tenant cap: the scheduler before fair_batch),
+`fair_no_bucket` caps each tenant at `--per-tenant` per batch (default: the scheduler's
+BATCH_PER_TENANT) with no admission bucket, and `fair` has both. A alone runs with and
+without the bucket: what the bucket costs a single tenant. A refused submission (A's or B's)
+is retried after its Retry-After, as the SDK does. `--rounds` repeats all five back to back
+(p99s on a shared, loaded machine swing with the load). Prints JSON: per round, A's step
+p50/p99 alone and under each flood and how much of each was admitted; the p99 ratios over A
+alone per round and their median (target <= 2).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -51,9 +56,12 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run(
-    args: argparse.Namespace, url: str, prefix: str, flood: bool, per_tenant: int
+    args: argparse.Namespace, url: str, prefix: str, flood: bool, per_tenant: int, rate: float
 ) -> dict[str, Any]:
-    settings = ControllerSettings(redis_url=url, key_prefix=prefix)
+    settings = ControllerSettings(
+        redis_url=url, key_prefix=prefix, admission_rate_per_tenant=rate,
+        admission_burst_per_tenant=args.burst,
+    )  # fmt: skip
     client = aioredis.from_url(url)
     store = Store(client, prefix)
     await store.take_epoch()
@@ -77,7 +85,7 @@ async def run(
     a_run = await ready_run("a", 0)
     b_runs = [await ready_run("b", i) for i in range(args.flood_runs)] if flood else []
     stop = asyncio.Event()
-    admitted = refused = 0
+    admitted = refused = a_refused = 0
 
     async def flooder(rid: str) -> None:
         nonlocal admitted, refused
@@ -118,7 +126,13 @@ async def run(
     steps: list[float] = []
     for seq in range(1, args.steps + 1):
         start = time.perf_counter()
-        adm = await ledger.submit("a", a_run, seq, FORWARD_BACKWARD, b"s", f"s{seq}")
+        while True:
+            try:
+                adm = await ledger.submit("a", a_run, seq, FORWARD_BACKWARD, b"s", f"s{seq}")
+                break
+            except errors.ResourceExhausted as exc:
+                a_refused += 1
+                await asyncio.sleep(exc.retry_after)
         rec = await ledger.wait("a", adm.operation_id, 30)
         assert rec.state == OpState.SUCCEEDED, rec
         await ledger.ack("a", adm.operation_id)
@@ -128,7 +142,7 @@ async def run(
     await notifier.stop()
     await client.aclose()
     return {"a_step_ms": {"p50": pct(steps, 0.5), "p99": pct(steps, 0.99)},
-            "b_admitted": admitted, "b_refused": refused}  # fmt: skip
+            "a_refused": a_refused, "b_admitted": admitted, "b_refused": refused}  # fmt: skip
 
 
 def main() -> None:
@@ -139,23 +153,40 @@ def main() -> None:
     parser.add_argument("--op-ms", type=float, default=0.5)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--per-tenant", type=int, default=BATCH_PER_TENANT)
+    defaults = ControllerSettings()
+    parser.add_argument("--rate", type=float, default=defaults.admission_rate_per_tenant)
+    parser.add_argument("--burst", type=int, default=defaults.admission_burst_per_tenant)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     load = os.getloadavg()[0]
     out: dict[str, Any] = {"bench": "fairness", **vars(args)}
+    cap, rate = args.per_tenant, args.rate
+    # name -> (flood, per-tenant cap, bucket rate); fifo: no cap, every claimed operation in
+    # the next batch (as before fair_batch)
+    configs = {"alone": (False, cap, rate), "alone_no_bucket": (False, cap, 0.0),
+               "flooded_fifo": (True, 1 << 30, rate), "flooded_fair_no_bucket": (True, cap, 0.0),
+               "flooded_fair": (True, cap, rate)}  # fmt: skip
+    rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp) / "redis")
         try:
-            out["alone"] = asyncio.run(run(args, server.url, "alone:", False, args.per_tenant))
-            # fifo: no cap, every claimed operation in the next batch (as before fair_batch)
-            out["flooded_fifo"] = asyncio.run(run(args, server.url, "fifo:", True, 1 << 30))
-            out["flooded_fair"] = asyncio.run(run(args, server.url, "fair:", True, args.per_tenant))
+            # Rounds run every configuration back to back, so a burst of load from the rest
+            # of the machine lands on one round's ratios, not on one configuration.
+            for r in range(args.rounds):
+                rounds.append({name: asyncio.run(run(args, server.url, f"{name}{r}:", *cfg))
+                               for name, cfg in configs.items()})  # fmt: skip
         finally:
             server.stop()
-    alone = out["alone"]["a_step_ms"]["p99"]
-    for name in ("fifo", "fair"):
-        ratio = out[f"flooded_{name}"]["a_step_ms"]["p99"] / alone
-        out[f"p99_ratio_{name}_over_alone"] = round(ratio, 3)
+    out["rounds"] = rounds
+
+    def ratio(num: str, den: str) -> dict[str, Any]:
+        each = [x[num]["a_step_ms"]["p99"] / x[den]["a_step_ms"]["p99"] for x in rounds]
+        return {"median": round(statistics.median(each), 3), "rounds": [round(v, 3) for v in each]}
+
+    for name in ("fifo", "fair_no_bucket", "fair"):
+        out[f"p99_ratio_{name}_over_alone"] = ratio(f"flooded_{name}", "alone")
     out["target_ratio"] = 2.0
+    out["p99_ratio_alone_bucket_over_no_bucket"] = ratio("alone", "alone_no_bucket")
     out["loadavg_1m"] = {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)}
     print(json.dumps(out, indent=2))
 

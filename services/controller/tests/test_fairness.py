@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from lorafleet import errors
+from lorafleet.settings import SettingsError, load_settings
 from lorafleet_controller.scheduler import BATCH_PER_TENANT, fair_batch
-from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.settings import PREFIX, ControllerSettings
 from lorafleet_controller.store import OpState, RegState
 
 from .conftest import Domain
@@ -108,3 +109,95 @@ def test_limits_are_settings() -> None:
     names = {f.name for f in dataclasses.fields(ControllerSettings)}
     assert {"max_pending_per_tenant", "max_unacked_results_per_tenant",
             "max_registrations_per_tenant"} <= names  # fmt: skip
+
+
+async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_leave_no_trace(
+    domain: Domain,
+) -> None:
+    """The per-tenant token bucket of submit.lua on real Redis, with the domain's settable
+    clock: `burst` admissions at once, then one per 1/rate seconds; another tenant's bucket
+    is its own; a refusal is backpressure that writes nothing, so its retry is a first
+    admission and seq_id order holds."""
+    d = await domain.restart(
+        admission_rate_per_tenant=2.0, admission_burst_per_tenant=3,
+        max_pending_per_registration=64,
+    )  # fmt: skip
+    b = await d.ready_registration(tenant="b", session="sb")
+    a = await d.ready_registration(tenant="a", session="sa")
+    for seq in (1, 2, 3):  # the burst
+        adm = await d.ledger.submit("b", b, seq, FORWARD, b"f", f"f{seq}")
+        assert adm.state == OpState.QUEUED
+
+    async def trace() -> tuple[object, ...]:
+        r, k = d.client, d.store.keys
+        return (await r.hgetall(k.reg(b)), await r.hgetall(k.tenant("b")),
+                await r.exists(k.op(f"{b}#4")), await r.get(k.pending),
+                await r.llen(k.ready_ctl), await r.llen(k.ready_data),
+                await r.hgetall(k.depth))  # fmt: skip
+
+    before = await trace()
+    with pytest.raises(errors.ResourceExhausted) as refused:
+        await d.ledger.submit("b", b, 4, FORWARD, b"f", "f4")
+    assert refused.value.reason == "BACKPRESSURE" and refused.value.field == "seq_id"
+    assert "admissions per second" in refused.value.message
+    # Retry when the bucket is half full again: 1.5 tokens at 2/s.
+    assert refused.value.retry_after == pytest.approx(0.75)
+    assert await trace() == before  # nothing written: not the op, the bucket or a counter
+    # A duplicate of an admitted seq_id is answered, not charged or refused.
+    assert (await d.ledger.submit("b", b, 3, FORWARD, b"f", "f3")).duplicate
+    # Tenant A's bucket is its own: its whole burst is there while B's is empty.
+    for seq in (1, 2, 3):
+        adm = await d.ledger.submit("a", a, seq, FORWARD, b"x", f"x{seq}")
+        assert adm.state == OpState.QUEUED
+    # Refill: half a token after 0.25 s (still refused, half full in 0.5 s), one at 0.5 s.
+    d.clock.now += 0.25
+    with pytest.raises(errors.ResourceExhausted) as refused:
+        await d.ledger.submit("b", b, 4, FORWARD, b"f", "f4")
+    assert refused.value.retry_after == pytest.approx(0.5)
+    d.clock.now += 0.25
+    retried = await d.ledger.submit("b", b, 4, FORWARD, b"f", "f4")
+    assert not retried.duplicate and retried.state == OpState.QUEUED  # a first admission
+    with pytest.raises(errors.ResourceExhausted):
+        await d.ledger.submit("b", b, 5, FORWARD, b"f", "f5")
+    # A long idle refills to `burst`, no more.
+    d.clock.now += 1000
+    for seq in (5, 6, 7):
+        await d.ledger.submit("b", b, seq, FORWARD, b"f", f"f{seq}")
+    with pytest.raises(errors.ResourceExhausted):
+        await d.ledger.submit("b", b, 8, FORWARD, b"f", "f8")
+    # A hole-filling seq_id is never refused (a gap must not wait on the bucket) but pays:
+    # 9 skips 8, 8 fills the hole with the bucket empty (-1), and 10 is told 2.5 tokens' wait.
+    d.clock.now += 0.5
+    await d.ledger.submit("b", b, 9, FORWARD, b"f", "f9")
+    await d.ledger.submit("b", b, 8, FORWARD, b"f", "f8")
+    with pytest.raises(errors.ResourceExhausted) as refused:
+        await d.ledger.submit("b", b, 10, FORWARD, b"f", "f10")
+    assert refused.value.retry_after == pytest.approx(1.25)
+    # Ordering by seq_id is unchanged: B's operations run 1..9, one head at a time.
+    ran: list[int] = []
+    for _ in range(20):
+        for claim in await d.ledger.claim_many([], 64):
+            ran += [claim.seq_id] if claim.registration_id == b else []
+            await d.ledger.complete(claim.operation_id, OpState.SUCCEEDED, b"out")
+    assert ran == list(range(1, 10))
+    await d.notifier.stop()
+
+
+async def test_admission_rate_zero_means_no_bucket(domain: Domain) -> None:
+    d = await domain.restart(admission_rate_per_tenant=0.0, admission_burst_per_tenant=1,
+                             max_pending_per_registration=64)  # fmt: skip
+    b = await d.ready_registration(tenant="b", session="sb")
+    for seq in range(1, 11):
+        await d.ledger.submit("b", b, seq, FORWARD, b"f", f"f{seq}")
+    assert not await d.client.hexists(d.store.keys.tenant("b"), "bucket_tokens")
+    await d.notifier.stop()
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [("ADMISSION_RATE_PER_TENANT", "-1"), ("ADMISSION_RATE_PER_TENANT", "fast"),
+     ("ADMISSION_BURST_PER_TENANT", "0")],
+)  # fmt: skip
+def test_admission_bucket_settings_are_validated_naming_the_variable(var: str, raw: str) -> None:
+    with pytest.raises(SettingsError, match=PREFIX + var):
+        load_settings(ControllerSettings, PREFIX, {PREFIX + var: raw})

@@ -35,6 +35,7 @@ BACKPRESSURE_SCOPES = {
     "global": "open operations of the fleet",
     "tenant_results": "unacknowledged results of this tenant",
     "results": "unacknowledged results of the fleet",
+    "rate": "admissions per second for this tenant",
 }
 
 
@@ -188,8 +189,9 @@ class Ledger:
     ) -> str:
         """Admit a controller-made operation (the seq 0 load of create-via-load)."""
         adm = await self._admit(
-            tenant, registration_id, seq_id, kind, payload, f"internal:{kind}", None
-        )
+            tenant, registration_id, seq_id, kind, payload, f"internal:{kind}", None,
+            bucket=False,
+        )  # fmt: skip
         return adm.operation_id
 
     async def _admit(
@@ -201,7 +203,12 @@ class Ledger:
         payload: bytes,
         digest: str,
         rejection: errors.LorafleetError | None,
+        *,
+        bucket: bool = True,
     ) -> Admission:
+        """Run the admission script. `bucket=False` skips the tenant's admission bucket: the
+        controller's own seq 0 load is part of a creation the registration limit governs,
+        not a request a tenant can flood."""
         s = self.settings
         born = error_json(rejection) if rejection is not None else ""
         scripts = self.store.scripts
@@ -212,6 +219,7 @@ class Ledger:
             "submit", own, registration_id, seq_id, digest, kind, payload, self.clock(), tenant,
             s.max_pending_per_registration, s.max_pending_per_tenant, s.max_pending_global,
             s.max_unacked_results_per_tenant, s.max_unacked_results, born, self.window,
+            s.admission_rate_per_tenant if bucket else 0, s.admission_burst_per_tenant,
         ))  # fmt: skip
         code = text(out["code"])
         if code in ("created", "duplicate"):
@@ -252,7 +260,7 @@ class Ledger:
                 reason="REGISTRATION_UNAVAILABLE",
             )
         if code == "backpressure":
-            raise backpressure(text(out["scope"]))
+            raise backpressure(text(out["scope"]), float(text(out.get("retry_after"), "1")))
         raise errors.Internal(f"unexpected submit outcome {code!r}")
 
     # --- reads ----------------------------------------------------------------------------
@@ -471,10 +479,13 @@ class Ledger:
         return {text(k): int(v) for k, v in raw.items()}
 
 
-def backpressure(scope: str) -> errors.ResourceExhausted:
-    """The retryable refusal of a submission over one of its limits (nothing was written)."""
+def backpressure(scope: str, retry_after: float = 1.0) -> errors.ResourceExhausted:
+    """The retryable refusal of a submission over one of its limits (nothing was written).
+
+    `retry_after` is 1 s for the count limits (they free up as operations finish, at no
+    known time) and, for the admission bucket, when it is half full again (submit.lua)."""
     metrics.BACKPRESSURE.labels(scope=scope).inc()
     return errors.ResourceExhausted(
         f"too many {BACKPRESSURE_SCOPES.get(scope, scope)}; nothing was admitted, retry the "
-        "same seq_id", retry_after=1.0, field="seq_id", reason="BACKPRESSURE",
+        "same seq_id", retry_after=retry_after, field="seq_id", reason="BACKPRESSURE",
     )  # fmt: skip

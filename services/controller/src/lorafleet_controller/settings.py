@@ -80,6 +80,24 @@ class ControllerSettings:
     max_pending_per_tenant: int = setting(
         4096, doc="Open operations of one tenant.", min=1, max=10_000_000
     )
+    admission_rate_per_tenant: float = setting(
+        200.0,
+        doc="Training operations one tenant may submit per second, sustained (a token bucket in "
+        "the admission script): a tenant flooding the ledger is refused with backpressure "
+        "(retry after its next token) before its operations reach the ready queues, so it "
+        "cannot slow another tenant's steps. 200/s is far above what SDK clients stepping a "
+        "GPU submit (two operations a step) and caps one tenant at about a sixth of what the "
+        "bench dispatcher can run (bench/fairness.py). Sampling is not counted. 0 = no limit.",
+        min=0.0,
+        max=1_000_000.0,
+    )
+    admission_burst_per_tenant: int = setting(
+        400,
+        doc="The bucket's depth: operations a tenant idle long enough may submit at once before "
+        "ADMISSION_RATE_PER_TENANT applies (one full pipeline of a few runs).",
+        min=1,
+        max=10_000_000,
+    )
     max_registrations_per_tenant: int = setting(
         1024, doc="Live (not retired) registrations of one tenant.", min=1, max=1_000_000
     )

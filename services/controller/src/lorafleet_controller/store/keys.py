@@ -47,6 +47,7 @@ KEY_FAMILIES: dict[str, str] = {
     "done": "done",  # pub/sub channel: ids of operations that just finished
     "epoch": "leader_epoch",  # counter: the dispatching controller's fencing token
     "tenant": "tenant:{id}",  # hash: per-tenant counters (pending, unacked, registrations)
+    # and the admission bucket (bucket_tokens, bucket_at; see submit.lua)
     # registry
     "reg": "reg:{id}",  # hash: one registration
     "regs": "regs",  # set: every registration id

@@ -1,15 +1,31 @@
 -- Admit an operation at (rid, seq). ARGS: rid, seq, digest, kind, payload, now, tenant,
 -- limits (per registration, per tenant, fleet; unacked per tenant, fleet), born_error (JSON,
--- '' = none), window. Limits and the window are checked before anything is written, so a
--- refused seq_id stays free; a hole-filling seq_id is always admitted; a born-FAILED record
--- (a rejected payload) only needs room for its result.
+-- '' = none), window, rate and burst (the tenant's admission bucket; rate 0 = no bucket).
+-- Limits and the window are checked before anything is written, so a refused seq_id stays
+-- free; a hole-filling seq_id is always admitted; a born-FAILED record (a rejected payload)
+-- only needs room for its result.
+-- The bucket: each tenant holds up to `burst` tokens, refilled at `rate` per second of `now`,
+-- and every new seq_id costs one. A seq_id past max_seq with no whole token is refused
+-- (backpressure, scope 'rate'), so one tenant's flood is held at `rate` admissions per second
+-- before it reaches the ready queues and cannot crowd out another tenant's steps. The refusal
+-- says to retry when the bucket is half full again, not when one token is: a tenant flooding
+-- from N runs would otherwise retry N times per token, a herd of refused scripts that costs
+-- the controller more than the admissions it limits (bench/fairness.py: A's p99 ratio 3.6
+-- with one-token retries, see the README for the half-bucket figure). The sustained rate is
+-- the same either way. A hole-filling seq_id pays too (the balance may go
+-- negative) but is never refused, so a gap cannot wait on the bucket and a tenant cannot
+-- dodge it by submitting ahead and filling behind. Refill is a function of the stored balance
+-- and time only, so a refusal writes nothing; `now` never runs backwards for the bucket (a
+-- replica whose clock lags refills nothing until it catches up).
 -- Result: code = created | duplicate | conflict | not_found | retired | window | unavailable
--- | backpressure, with operation_id, state, head, reason, scope, corrupted, failed as they apply.
+-- | backpressure, with operation_id, state, head, reason, scope, retry_after, corrupted,
+-- failed as they apply.
 local rid, seq, digest, kind, payload = ARGS[1], tonumber(ARGS[2]), ARGS[3], ARGS[4], ARGS[5]
 local now, tenant = tonumber(ARGS[6]), ARGS[7]
 local max_reg, max_tenant, max_fleet = tonumber(ARGS[8]), tonumber(ARGS[9]), tonumber(ARGS[10])
 local max_unacked_tenant, max_unacked_fleet = tonumber(ARGS[11]), tonumber(ARGS[12])
 local born_error, window = ARGS[13], tonumber(ARGS[14])
+local rate, burst = tonumber(ARGS[15]), tonumber(ARGS[16])
 local rk = keys.reg(rid)
 local reg = redis.call('HMGET', rk, 'tenant', 'state', 'head', 'max_seq', 'pending',
   'unavailable_reason')
@@ -45,6 +61,21 @@ if seq > max_seq then
     end
   end
   if refuse then return result('code', 'backpressure', 'scope', refuse) end
+end
+local tokens, filled_at = nil, now
+if rate > 0 then
+  local b = redis.call('HMGET', keys.tenant(tenant), 'bucket_tokens', 'bucket_at')
+  tokens, filled_at = tonumber(b[1] or burst), tonumber(b[2] or now)
+  if now > filled_at then
+    tokens = math.min(burst, tokens + (now - filled_at) * rate)
+    filled_at = now
+  end
+  if tokens < 1 and seq > max_seq then
+    local due = math.max(1, burst / 2)
+    return result('code', 'backpressure', 'scope', 'rate',
+      'retry_after', tostring((due - tokens) / rate))
+  end
+  redis.call('HSET', keys.tenant(tenant), 'bucket_tokens', tokens - 1, 'bucket_at', filled_at)
 end
 redis.call('HSET', ok, 'rid', rid, 'tenant', tenant, 'seq', seq, 'kind', kind, 'digest', digest,
   'submitted_at', now, 'ordered', '1')
