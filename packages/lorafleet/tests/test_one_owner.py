@@ -20,7 +20,15 @@ from lorafleet import contract
 
 REPO = Path(__file__).resolve().parents[3]
 ROOTS = ("services", "packages")
-OWNERS = {Path("packages/lorafleet/src/lorafleet/contract.py")}
+OWNERS = {
+    Path("packages/lorafleet/src/lorafleet/contract.py"),
+    Path("packages/lorafleet/src/lorafleet/validate_msgs.py"),
+}
+# Known restatements still to remove, each with what remains: the trainer's prepare_input
+# (losses.py) still checks group_tokens and an empty batch for in-process callers of the
+# engine that bypass the wire (its gRPC path runs validate_msgs first). A file here must
+# still have findings (test below), so it leaves this set once it is fixed.
+PENDING = {Path("services/trainer/src/lorafleet_trainer/losses.py")}
 ID_PARTS = (contract.TINKER_SCHEME, contract.RunId.SEP, contract.SamplerId.SEP)
 DEFAULTED = {"alpha": "contract.effective_alpha", "lora_plus_ratio": "contract.b_lr_ratio"}
 RETIRED_NAMES = {"a_only_decay": "a_only_weight_decay"}
@@ -152,6 +160,33 @@ def retired_name(node: ast.AST) -> str | None:
     return None
 
 
+# Fields whose rules `lorafleet.validate_msgs` owns for the v1 SampleRequest and
+# ForwardBackwardInput: a service raising an error on one of them restates that rule.
+MESSAGE_FIELDS = {
+    "params.max_tokens",
+    "params.temperature",
+    "params.top_p",
+    "params.top_k",
+    "topk_prompt_logprobs",
+    "group_tokens",
+    "data",
+}
+
+
+def message_rule(node: ast.AST) -> str | None:
+    """InvalidArgument(..., field="params.top_k"): a v1 message's check restated."""
+    if isinstance(node, ast.Call):
+        for kw in node.keywords:
+            value = kw.value
+            if (
+                kw.arg == "field"
+                and isinstance(value, ast.Constant)
+                and value.value in MESSAGE_FIELDS
+            ):
+                return f"checks {value.value!r}: use lorafleet.validate_msgs"
+    return None
+
+
 CHECKS: tuple[Check, ...] = (
     built_id,
     split_id,
@@ -161,6 +196,7 @@ CHECKS: tuple[Check, ...] = (
     limit_bound,
     suffix_rule,
     retired_name,
+    message_rule,
 )
 
 
@@ -168,7 +204,7 @@ def _sources() -> Iterator[Path]:
     for root in ROOTS:
         for path in sorted((REPO / root).glob("*/src/**/*.py")):
             rel = path.relative_to(REPO)
-            if rel in OWNERS or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            if rel in OWNERS | PENDING or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
                 continue
             yield rel
 
@@ -200,9 +236,16 @@ def test_the_scan_finds_each_shape() -> None:
         limit_bound: "num_samples: Annotated[int, Field(ge=1, le=1024)] = 1",
         suffix_rule: 'm.endswith("." + pattern)',
         retired_name: 'options["a_only_decay"]',
+        message_rule: 'raise InvalidArgument("bad", field="params.top_k")',
     }
     assert set(shapes) == set(CHECKS)
     for check, line in shapes.items():
         assert any(check(node) for node in ast.walk(ast.parse(line))), (check.__name__, line)
     assert any(limit_bound(n) for n in ast.walk(ast.parse("ok = 1 <= lora.rank <= 1024")))
     assert not findings('msg = f"not tinker://<run>/weights/<name>: {path}"', "probe")
+
+
+def test_pending_restatements_are_still_there() -> None:
+    """A file leaves PENDING once fixed, so the scan covers it again."""
+    for rel in PENDING:
+        assert findings((REPO / rel).read_text(), str(rel)), f"{rel} is clean: drop it from PENDING"

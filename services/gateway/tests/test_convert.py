@@ -176,7 +176,7 @@ def test_unknown_loss_missing_inputs_and_non_text_chunks_are_rejected() -> None:
         convert.fb_input_from_json(
             fb_json([datum_json([1], target_tokens=target)], "nope"), "fb", False
         )
-    with raises("fb.data[0].loss_fn_inputs"):
+    with raises("fb.data[0].loss_fn_inputs.logprobs"):
         convert.fb_input_from_json(
             fb_json([datum_json([1], target_tokens=target)], "ppo"), "fb", False
         )

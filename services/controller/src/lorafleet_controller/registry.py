@@ -317,9 +317,6 @@ class Registry:
         reps = await self._replicas(sorted(text(i) for i in ids))
         return [r for r in reps if r is not None and (kind is None or r.kind == kind)]
 
-    async def max_num_samples(self, base_model: str) -> int:
-        return sample_limit(await self.replicas(ROLLOUT, base_model))
-
     async def slot_table(self, replica_id: str) -> dict[int, str]:
         raw = await self.store.redis.hgetall(self.keys.slots(replica_id))
         return {int(k): text(v) for k, v in raw.items()}

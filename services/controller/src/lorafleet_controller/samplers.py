@@ -96,11 +96,7 @@ class Samplers:
         sampler = await self.get(tenant, req.sampler_id)
         if req.seq_id < 0:
             raise errors.InvalidArgument("seq_id must be >= 0", field="seq_id")
-        if not req.prompt_tokens:
-            raise errors.InvalidArgument("empty prompt", field="prompt_tokens")
-        n = req.num_samples or 1
-        if limit := await self.registry.max_num_samples(sampler.base_model):
-            contract.check_num_samples(n, limit)  # what any of its rollouts would accept
+        n = req.num_samples or 1  # the request's rules: lorafleet.validate_msgs.check_sample
         body = rollout_pb2.SampleRequest(
             prompt_tokens=req.prompt_tokens, params=req.params, num_samples=n,
             prompt_logprobs=req.prompt_logprobs, topk_prompt_logprobs=req.topk_prompt_logprobs,

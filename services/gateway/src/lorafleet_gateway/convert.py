@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from lorafleet import contract
+from lorafleet import contract, validate_msgs
 from lorafleet.errors import InvalidArgument
 from lorafleet.tensors import BY_NAME, WIRE_DTYPES, check_layout
 from lorafleet.v1 import common_pb2 as pb
@@ -180,33 +180,15 @@ def tokens_from_proto(chunks: Iterable[tpb.Chunk], field: str) -> list[int]:
                 f"chunk type {kind!r} is not supported (text only)", field=f"{field}[{j}]"
             )
         ids = _frombuffer(chunk.encoded_text.tokens, "<i4", f"{field}[{j}].encoded_text.tokens")
-        if ids.size and ids.min() < 0:
-            raise InvalidArgument("negative token id", field=f"{field}[{j}].encoded_text.tokens")
         tokens.extend(ids.tolist())
     if not tokens:
         raise InvalidArgument("needs at least one token", field=field)
     return tokens
 
 
-def _datum(
-    tokens: list[int], inputs: Mapping[str, np.ndarray], loss_fn: str, field: str
-) -> pb.Datum:
-    for name in contract.loss_spec(loss_fn).required:
-        if name not in inputs:
-            raise InvalidArgument(f"{loss_fn} needs {name!r}", field=f"{field}.loss_fn_inputs")
+def _datum(tokens: list[int], inputs: Mapping[str, np.ndarray]) -> pb.Datum:
     datum = pb.Datum(tokens=tokens)
     for name, arr in inputs.items():
-        where = f"{field}.loss_fn_inputs.{name}"
-        if arr.ndim == 0 or arr.shape[0] != len(tokens):
-            raise InvalidArgument(
-                f"leading dimension {arr.shape[0] if arr.ndim else '()'} != model_input "
-                f"length {len(tokens)}",
-                field=where,
-            )
-        if name in contract.INT_INPUTS and arr.dtype.kind != "i":
-            raise InvalidArgument("must be int64", field=f"{where}.dtype")
-        if name in contract.INT_INPUTS and arr.size and arr.min() < 0:
-            raise InvalidArgument("negative token id", field=where)
         datum.loss_fn_inputs[name].CopyFrom(_to_tensor(arr))
     return datum
 
@@ -215,8 +197,6 @@ def fb_input_from_json(
     body: protocol.ForwardBackwardInput, field: str, forward_only: bool
 ) -> pb.ForwardBackwardInput:
     contract.loss_spec(body.loss_fn, f"{field}.loss_fn")
-    if not body.data:
-        raise InvalidArgument("needs at least one datum", field=f"{field}.data")
     data = []
     for i, d in enumerate(body.data):
         where = f"{field}.data[{i}]"
@@ -225,13 +205,15 @@ def fb_input_from_json(
             k: array_from_json(v, f"{where}.loss_fn_inputs.{k}")
             for k, v in d.loss_fn_inputs.items()
         }
-        data.append(_datum(tokens, inputs, body.loss_fn, where))
+        data.append(_datum(tokens, inputs))
     config = contract.loss_config(
         body.loss_fn, body.loss_fn_config or {}, f"{field}.loss_fn_config"
     )
-    return pb.ForwardBackwardInput(
+    fb = pb.ForwardBackwardInput(
         data=data, loss_fn=body.loss_fn, loss_fn_config=config, forward_only=forward_only
     )
+    validate_msgs.check_forward_backward(fb, validate_msgs.Limits(), f"{field}.")
+    return fb
 
 
 def fb_request_parts_from_proto(
@@ -255,8 +237,6 @@ def fb_request_parts_from_proto(
 
 def _fb_input_from_proto(request: tpb.ForwardBackwardRequest) -> pb.ForwardBackwardInput:
     contract.loss_spec(request.loss_fn, "loss_fn")
-    if not request.data:
-        raise InvalidArgument("needs at least one datum", field="data")
     data = []
     for i, d in enumerate(request.data):
         where = f"data[{i}]"
@@ -265,7 +245,7 @@ def _fb_input_from_proto(request: tpb.ForwardBackwardRequest) -> pb.ForwardBackw
             k: array_from_proto(v, f"{where}.loss_fn_inputs.{k}")
             for k, v in d.loss_fn_inputs.items()
         }
-        data.append(_datum(tokens, inputs, request.loss_fn, where))
+        data.append(_datum(tokens, inputs))
     if request.loss_fn_config_v2:
         config = {}
         for key, value in request.loss_fn_config_v2.items():
@@ -281,6 +261,7 @@ def _fb_input_from_proto(request: tpb.ForwardBackwardRequest) -> pb.ForwardBackw
     fb = pb.ForwardBackwardInput(
         data=data, loss_fn=request.loss_fn, loss_fn_config=config, forward_only=request.forward_only
     )
+    validate_msgs.check_forward_backward(fb, validate_msgs.Limits())
     return fb
 
 

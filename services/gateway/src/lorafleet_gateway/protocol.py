@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorafleet.contract import ADAM_DEFAULTS, DEFAULT_RANK, MAX_RANK, SEED_LIMIT
 
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+# int32, what the v1 messages carry; the id rules (>= 0, < vocabulary) are lorafleet.validate_msgs'
+TokenId = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 SEQ_ID_LIMIT = 2**31  # seq_ids are int32 in tinker_public
 SeqId = Annotated[int, Field(ge=0, lt=SEQ_ID_LIMIT)]
 # Seconds until a checkpoint expires (int64 on the wire; bounded far below it).
@@ -199,8 +200,11 @@ class SamplingParams(Body):
     max_tokens: Annotated[int, Field(ge=1, lt=2**31)] | None = None
     seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
     stop: str | list[str] | list[int] | None = None
-    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
-    top_k: Annotated[int, Field(ge=-1, lt=2**31)] = -1
+    # Value rules (temperature >= 0, top_k >= -1, ...) are lorafleet.validate_msgs.check_sample's,
+    # run on the converted request; here only what the v1 message cannot carry: int32 range,
+    # and top_p 0 (proto3 reads it as unset).
+    temperature: float = 1.0
+    top_k: Annotated[int, Field(ge=-(2**31), lt=2**31)] = -1
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
 
 
@@ -214,7 +218,7 @@ class SampleRequest(Body):
     model_path: str | None = None
     seq_id: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     prompt_logprobs: bool | None = False
-    topk_prompt_logprobs: Annotated[int, Field(ge=0, le=1024)] = 0
+    topk_prompt_logprobs: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
 
 
 class RetrieveFutureRequest(Body):

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorafleet import validate_msgs
 from lorafleet.errors import InvalidArgument, LorafleetError, NotFound, ResourceExhausted
 from lorafleet_rollout import metrics
 from lorafleet_rollout.adapters import (
@@ -30,7 +31,6 @@ from lorafleet_rollout.adapters import (
 from lorafleet_rollout.engine import RolloutEngine
 from lorafleet_rollout.peft_io import CONFIG_FILE
 from lorafleet_rollout.types import EngineInfo, LoraSpec, SampleRequest, SampleResult
-from lorafleet_rollout.validation import validate_sample
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,11 @@ class RolloutCore:
         self, registration_id: str, version: int, request: SampleRequest
     ) -> SampleResult:
         try:
-            validate_sample(request, self.engine.info(), self.limits.max_num_samples)
+            info = self.engine.info()
+            limits = validate_msgs.Limits(
+                info.vocab_size, info.max_context_length, self.limits.max_num_samples
+            )
+            validate_msgs.check_sample(request, limits)
             if self._in_flight >= self.limits.max_queued_requests:
                 raise ResourceExhausted(
                     f"{self._in_flight} requests are queued (limit "

@@ -1,7 +1,7 @@
 """RolloutEngine: the one interface the service drives, whatever generates the tokens.
 
 A Protocol rather than a base class: the torch, SGLang and vLLM engines share no code by
-inheritance, only this shape. Engines receive validated requests (see `validation.py`) and
+inheritance, only this shape. Engines receive validated requests (`lorafleet.validate_msgs`) and
 already-verified adapter folders (see `adapters.py`); identity, versions, refcounts and
 capacity are the service's job, never the engine's.
 """

@@ -9,6 +9,7 @@ import torch
 from lorafleet.errors import InvalidArgument
 from lorafleet.tensors import WIRE_DTYPES
 from lorafleet.v1 import common_pb2, trainer_pb2
+from lorafleet.validate_msgs import Limits, check_forward_backward
 from lorafleet_trainer import domain
 
 # The wire dtype table is lorafleet.tensors'; torch shares its dtype names.
@@ -91,7 +92,12 @@ def slot_to_proto(info: domain.SlotInfo) -> trainer_pb2.SlotInfo:
     return msg
 
 
-def fb_input_from_proto(inp: common_pb2.ForwardBackwardInput) -> domain.ForwardBackwardInput:
+def fb_input_from_proto(
+    inp: common_pb2.ForwardBackwardInput, limits: Limits
+) -> domain.ForwardBackwardInput:
+    """The domain input, after the contract's one check of the message with this trainer's
+    vocabulary and context length (the gateway ran the same check against capabilities)."""
+    check_forward_backward(inp, limits)
     data = [
         domain.Datum(
             tokens=list(d.tokens),

@@ -24,6 +24,7 @@ from lorafleet import names, shared_storage
 from lorafleet.errors import FailedPrecondition, InvalidArgument, LorafleetError
 from lorafleet.rpc.errors import error_info
 from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from lorafleet.validate_msgs import Limits
 from lorafleet_trainer import convert
 from lorafleet_trainer.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lorafleet_trainer.domain import ForwardBackwardItem
@@ -118,7 +119,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         positions = []
         for i, it in enumerate(request.items):
             try:
-                inp = convert.fb_input_from_proto(it.input)
+                limits = Limits(self.engine.vocab_size, self.engine.max_length)
+                inp = convert.fb_input_from_proto(it.input, limits)
             except LorafleetError as exc:
                 results[i] = exc
                 continue

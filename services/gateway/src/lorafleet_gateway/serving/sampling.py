@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import secrets
 
-from lorafleet import contract, errors
+from lorafleet import contract, errors, validate_msgs
 from lorafleet.contract import FutureId, FutureKind
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway import convert, views
@@ -65,6 +65,20 @@ class SamplingServing:
             model_path=sampler.model_path or None,
         )
 
+    async def _limits(self, tenant: str, sampler_id: str) -> validate_msgs.Limits:
+        """What the sampler's base model accepts, from capabilities (cached): the rollout
+        checks the same request against its own engine and settings."""
+        request = cpb.GetSamplerRequest(tenant=tenant, sampler_id=sampler_id)
+        base_model = (await self._controller.get_sampler(request)).sampler.base_model
+        model = next(
+            (m for m in await self._controller.capabilities() if m.name == base_model), None
+        )
+        if model is None:
+            return validate_msgs.Limits()
+        return validate_msgs.Limits(
+            max_context_length=model.max_context_length, max_num_samples=model.max_num_samples
+        )
+
     async def sample(self, tenant: str, body: SampleRequest) -> UntypedAPIFuture:
         if not body.sampling_session_id:
             raise errors.InvalidArgument(
@@ -84,6 +98,7 @@ class SamplingServing:
             prompt_logprobs=bool(body.prompt_logprobs),
             topk_prompt_logprobs=body.topk_prompt_logprobs,
         )
+        validate_msgs.check_sample(request, await self._limits(tenant, request.sampler_id))
         reply = await self._controller.submit_sample(request)
         operation = FutureId(FutureKind.OPERATION, reply.operation_id)
         ids = list(reply.sequence_ids) or [

@@ -1,0 +1,169 @@
+"""One validator per v1 request message that crosses a service boundary (issue 23).
+
+`check_forward_backward` (a `ForwardBackwardInput`, forward or forward_backward) and
+`check_sample` (a sample request: the rollout's `SampleRequest`, the controller's
+`SubmitSampleRequest`, which carry the same fields) are called at exactly two places each:
+the gateway, so bad input is a 400 naming the field before anything is admitted, and the
+service that acts on the message (trainer, rollout), which must not trust its caller. Both
+refuse with the same field names (the v1 proto's), so a client sees the same refusal
+whichever hop caught it. The proto3 defaults are read as the rollout reads them: num_samples
+0 means 1 and top_p 0 means 1.0.
+
+Deployment limits (vocabulary, context length, num_samples) are arguments, never constants:
+the gateway takes them from the controller's capabilities, the acting service from its own
+model and settings. A limit of 0 means "not known at this hop" and skips that rule; the
+acting service always knows all of them. Torch-free on purpose: the gateway imports this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from lorafleet import contract
+from lorafleet.errors import InvalidArgument
+from lorafleet.tensors import WIRE_DTYPES, check_layout
+from lorafleet.v1 import common_pb2
+
+# An engine can report at most this many top-k prompt logprobs per position.
+MAX_TOPK_PROMPT_LOGPROBS = 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the serving deployment accepts; 0 = unknown here (the rule is skipped)."""
+
+    vocab_size: int = 0
+    max_context_length: int = 0
+    max_num_samples: int = 0
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    for i, tok in enumerate(ids):
+        if tok < 0 or (vocab_size and tok >= vocab_size):
+            where = f"[0, {vocab_size})" if vocab_size else "the vocabulary (>= 0)"
+            raise InvalidArgument(f"token {tok} is outside {where}", field=f"{field}[{i}]")
+
+
+def _array(t: common_pb2.Tensor, field: str) -> np.ndarray:
+    dims = check_layout(t.dtype, t.shape, len(t.data), field)
+    return np.frombuffer(t.data, dtype=WIRE_DTYPES[t.dtype].numpy_le).reshape(dims)
+
+
+def check_forward_backward(
+    fb: common_pb2.ForwardBackwardInput, limits: Limits, prefix: str = ""
+) -> None:
+    """Raise InvalidArgument naming the first bad field of a forward(_backward) input.
+    `prefix` is where the message sits in the caller's request (the gateway's JSON bodies
+    nest it, e.g. `forward_input.`); the names after it are the v1 message's."""
+    spec = contract.loss_spec(fb.loss_fn, f"{prefix}loss_fn")
+    contract.loss_config(fb.loss_fn, dict(fb.loss_fn_config), f"{prefix}loss_fn_config")
+    if fb.group_tokens < 0:
+        raise InvalidArgument(f"{fb.group_tokens} must be >= 0", field=f"{prefix}group_tokens")
+    if not fb.data:
+        raise InvalidArgument("at least one datum is required", field=f"{prefix}data")
+    for i, datum in enumerate(fb.data):
+        where = f"{prefix}data[{i}]"
+        n = len(datum.tokens)
+        if not n:
+            raise InvalidArgument("must not be empty", field=f"{where}.tokens")
+        if limits.max_context_length and n + len(datum.context) > limits.max_context_length:
+            raise InvalidArgument(
+                f"{n} tokens after {len(datum.context)} of context exceed the context length "
+                f"{limits.max_context_length}",
+                field=f"{where}.tokens",
+            )
+        _check_ids(datum.tokens, limits.vocab_size, f"{where}.tokens")
+        _check_ids(datum.context, limits.vocab_size, f"{where}.context")
+        for name in spec.required:
+            if name not in datum.loss_fn_inputs:
+                raise InvalidArgument(
+                    f"{fb.loss_fn} needs it", field=f"{where}.loss_fn_inputs.{name}"
+                )
+        for name, tensor in datum.loss_fn_inputs.items():
+            field = f"{where}.loss_fn_inputs.{name}"
+            arr = _array(tensor, field)
+            if arr.ndim == 0 or arr.shape[0] != n:
+                raise InvalidArgument(
+                    f"leading dimension of shape {list(arr.shape)} != {n} input tokens",
+                    field=field,
+                )
+            if name in contract.INT_INPUTS:
+                if arr.dtype.kind not in "iu":
+                    raise InvalidArgument("must be an integer tensor", field=f"{field}.dtype")
+                _check_ids(arr.reshape(-1).tolist(), limits.vocab_size, field)
+            elif arr.size and not np.isfinite(arr.astype(np.float64)).all():
+                raise InvalidArgument("contains a non-finite value", field=field)
+
+
+class SamplingParamsLike(Protocol):
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def stop_token_ids(self) -> Sequence[int]: ...
+    @property
+    def stop_strings(self) -> Sequence[str]: ...
+
+
+class SampleLike(Protocol):
+    """The fields every sample request message shares (v1 SampleRequest, SubmitSampleRequest
+    and the rollout's domain SampleRequest)."""
+
+    @property
+    def prompt_tokens(self) -> Sequence[int]: ...
+    @property
+    def num_samples(self) -> int: ...
+    @property
+    def topk_prompt_logprobs(self) -> int: ...
+    @property
+    def params(self) -> SamplingParamsLike: ...
+
+
+def check_sample(request: SampleLike, limits: Limits) -> None:
+    """Raise InvalidArgument naming the first bad field of a sample request."""
+    p = request.params
+    prompt = request.prompt_tokens
+    if not prompt:
+        raise InvalidArgument("the prompt is empty", field="prompt_tokens")
+    _check_ids(prompt, limits.vocab_size, "prompt_tokens")
+    n = request.num_samples or 1  # proto3: 0 is unset, which means 1
+    if limits.max_num_samples:
+        contract.check_num_samples(n, limits.max_num_samples)
+    elif n < 1:
+        raise InvalidArgument(f"{n} must be >= 1", field="num_samples")
+    if p.max_tokens < 0:
+        raise InvalidArgument(f"{p.max_tokens} is negative", field="params.max_tokens")
+    if limits.max_context_length and len(prompt) + max(p.max_tokens, 1) > limits.max_context_length:
+        raise InvalidArgument(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the context "
+            f"length {limits.max_context_length}",
+            field="params.max_tokens",
+        )
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise InvalidArgument(
+            f"{p.temperature} must be a finite number >= 0", field="params.temperature"
+        )
+    top_p = p.top_p or 1.0  # proto3: 0 is unset, Tinker's default 1.0
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise InvalidArgument(f"{top_p} is outside (0, 1]", field="params.top_p")
+    if p.top_k < -1:
+        raise InvalidArgument(f"{p.top_k} must be -1 or 0 (off) or >= 1", field="params.top_k")
+    _check_ids(p.stop_token_ids, limits.vocab_size, "params.stop_token_ids")
+    for i, text in enumerate(p.stop_strings):
+        if not text:
+            raise InvalidArgument("empty stop string", field=f"params.stop_strings[{i}]")
+    top = min(limits.vocab_size or MAX_TOPK_PROMPT_LOGPROBS, MAX_TOPK_PROMPT_LOGPROBS)
+    if not 0 <= request.topk_prompt_logprobs <= top:
+        raise InvalidArgument(
+            f"{request.topk_prompt_logprobs} is outside [0, {top}]", field="topk_prompt_logprobs"
+        )
