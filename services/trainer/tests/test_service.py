@@ -95,7 +95,7 @@ async def test_service_end_to_end(service, tmp_path: Path) -> None:
         assert ok.WhichOneof("outcome") == "output" and ok.output.metrics["loss:sum"] > 0
         logprobs = convert.tensor_from_proto(ok.output.outputs[0].outputs["logprobs"], "x")
         assert logprobs.shape == (4,) and bool((logprobs < 0).all())
-        assert bad.error.field == "data[0].tokens"
+        assert bad.error.field == "data[0].tokens[1]"  # validate_msgs names the id
 
         again = await stub.ForwardBackward(
             trainer_pb2.ForwardBackwardRequest(items=[fb.items[0]]), timeout=600
