@@ -13,13 +13,21 @@
 # ~/.cache/lorafleet/wheels/sglang-<version> (LORAFLEET_WHEELHOUSE moves it).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-VENV=${LORAFLEET_SGLANG_VENV:-.venvs/sglang}
 SGLANG=0.5.23
 WHEELS=${LORAFLEET_WHEELHOUSE:-$HOME/.cache/lorafleet/wheels}/sglang-$SGLANG
-if [[ -f $VENV/.installed ]] && $VENV/bin/python -c \
-  "from importlib.metadata import version; assert version('sglang') == '$SGLANG'" 2>/dev/null; then
-  echo "$VENV is ready"
-  exit 0
+if [[ -n ${LORAFLEET_SGLANG_VENV:-} ]]; then  # an explicit (throwaway) venv, built in place
+  VENV=$LORAFLEET_SGLANG_VENV
+  LINK=
+  if [[ -f $VENV/.installed ]] && $VENV/bin/python -c \
+    "from importlib.metadata import version; assert version('sglang') == '$SGLANG'" 2>/dev/null; then
+    echo "$VENV is ready"
+    exit 0
+  fi
+else  # .venvs/sglang links the machine's cached venv of this recipe (tests/cached_venv.sh)
+  # shellcheck source=../../../tests/cached_venv.sh
+  source tests/cached_venv.sh
+  if cached_venv sglang services/rollout/tests/setup_sglang_venv.sh; then exit 0; fi
+  LINK=sglang
 fi
 mkdir -p "$WHEELS"
 python3 -m venv "$VENV"
@@ -65,4 +73,5 @@ fi
 "$VENV/bin/pip" install -q --no-index --find-links "$WHEELS" -r "$REQUIREMENTS" -c "$CONSTRAINTS"
 "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 touch "$VENV/.installed"
+if [[ -n $LINK ]]; then ln -sfn "$VENV" ".venvs/$LINK"; fi
 echo "$VENV is ready"

