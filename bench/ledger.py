@@ -1,6 +1,7 @@
 """Ledger throughput and latency on a real redis-server, with no-op trainer work.
 
     .venv/bin/python bench/ledger.py [--registrations 64] [--ops 20000] [--consumers 4]
+        [--admission-rate 0]
 
 Producers submit forward_backward ops for many registrations (each registration's ops in
 seq order, as the SDK sends them); consumers do what the scheduler does (BLPOP the ready
@@ -47,9 +48,11 @@ async def run(
         redis_url=url, key_prefix=prefix, max_pending_per_registration=1024,
         max_unacked_results=10_000_000, max_pending_global=10_000_000,
         max_unacked_results_per_tenant=10_000_000, max_pending_per_tenant=10_000_000,
-        pipeline_submits=pipelined,
+        pipeline_submits=pipelined, admission_rate_per_tenant=args.admission_rate,
+        admission_burst_per_tenant=10_000_000,
     )  # fmt: skip
     client = aioredis.from_url(url)
+    await client.config_resetstat()  # Redis's own time per script call, for this run only
     store = Store(client, settings.key_prefix)
     await store.take_epoch()
     notifier = Notifier(client, store.keys.done)
@@ -116,8 +119,10 @@ async def run(
     elapsed = time.perf_counter() - start
     await asyncio.gather(*consumers)
     await notifier.stop()
+    scripts = (await client.info("commandstats")).get("cmdstat_evalsha", {})
     await client.aclose()
     return {
+        "redis_usec_per_script_call": scripts.get("usec_per_call"),
         "registrations": args.registrations,
         "ops": total,
         "consumers": args.consumers,
@@ -130,9 +135,12 @@ async def run(
     }  # fmt: skip
 
 
-async def idle_latency(url: str, n: int, pipelined: bool, prefix: str) -> dict[str, float]:
+async def idle_latency(
+    url: str, n: int, pipelined: bool, prefix: str, admission_rate: float
+) -> dict[str, float]:
     """Submit→claimed with one registration and an idle consumer (no queueing)."""
-    args = argparse.Namespace(registrations=1, ops=n, consumers=1, lockstep=True)
+    args = argparse.Namespace(registrations=1, ops=n, consumers=1, lockstep=True,
+                              admission_rate=admission_rate)  # fmt: skip
     out = await run(args, url, pipelined, prefix + "idle:")
     return out["submit_to_claimed_ms"]  # type: ignore[return-value]
 
@@ -142,6 +150,9 @@ def main() -> None:
     parser.add_argument("--registrations", type=int, default=64)
     parser.add_argument("--ops", type=int, default=20000)
     parser.add_argument("--consumers", type=int, default=4)
+    # Like the limits above, the tenant's admission bucket is off (0) by default: this measures
+    # the ledger's throughput. Any rate it never reaches (1e6) measures what the bucket costs.
+    parser.add_argument("--admission-rate", type=float, default=0.0)
     args = parser.parse_args()
     args.lockstep = False
     load = os.getloadavg()[0]  # this machine is shared: report how busy it was
@@ -152,7 +163,7 @@ def main() -> None:
             for name, pipelined in (("plain", False), ("pipelined", True)):
                 loaded = asyncio.run(run(args, server.url, pipelined, f"lf-{name}:"))
                 loaded["unloaded_submit_to_claimed_ms"] = asyncio.run(
-                    idle_latency(server.url, 2000, pipelined, f"lf-{name}:")
+                    idle_latency(server.url, 2000, pipelined, f"lf-{name}:", args.admission_rate)
                 )
                 out[name] = loaded
         finally:
