@@ -100,7 +100,18 @@ def workloads(
 
 # ------------------------------------------------------------------ the vLLM server
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterator[tuple[str, int]]:
+def vllm_server(
+    model_dir: Path,
+    threads: int,
+    lora: bool,
+    log: Path,
+    *,
+    python: Path = VLLM_PYTHON,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """The vLLM server, from `python` (gpu_check.py: a GPU image's own), serving `dtype`;
+    yields its URL and process."""
     port = free_port()
     env = child_env(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
@@ -109,10 +120,10 @@ def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterato
         OMP_NUM_THREADS=str(threads),
     )
     command = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", "base",
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-        "--dtype", "float32", "--max-num-seqs", "256",
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
+        "--dtype", dtype, "--max-num-seqs", "256",
     ]  # fmt: skip
     if lora:
         command += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "8"]
@@ -120,7 +131,7 @@ def vllm_server(model_dir: Path, threads: int, lora: bool, log: Path) -> Iterato
     with log.open("w") as out:
         proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        yield f"http://127.0.0.1:{port}", proc.pid
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         stop_process(proc, grace=30)
 
@@ -274,7 +285,7 @@ async def side(
     log = work / f"vllm-{'lora' if lora else 'base'}.log"
     report: dict[str, object] = {}
     try:
-        with vllm_server(model_dir, args.threads, lora, log) as (url, pid):
+        with vllm_server(model_dir, args.threads, lora, log) as (url, proc):
             vllm = VLLMEngine(url, model_dir, ready_timeout=600)
             try:
                 await vllm.start()
@@ -284,7 +295,7 @@ async def side(
                 if name is not None:
                     await vllm.load_adapter(name, folder, spec)
             ours = {key: Side(e.sample, time.process_time) for key, e in engines.items()}
-            theirs = Side(vllm.sample, lambda: tree_cpu_seconds(pid))
+            theirs = Side(vllm.sample, lambda: tree_cpu_seconds(proc.pid))
             for temperature in (0.0, 1.0):
                 loads = workloads(names, temperature, args.workloads, args.scale)
                 result = await compare(ours, theirs, loads, args.rounds)
