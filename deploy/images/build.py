@@ -7,8 +7,8 @@ chart's appVersion), so `make images` and `helm install` always agree.
 
 Why a script and not a Makefile loop: the same steps serve `make images` and the slow tier
 that starts the fleet from the images (`tests/images/`), and they need a little logic:
-- the engine: docker where a daemon answers, else buildah (daemonless, `vfs` storage,
-  `chroot` isolation: runs as root in a sandbox without user namespaces);
+- the engine: docker where a daemon answers, else buildah (daemonless, `chroot` isolation:
+  runs as root in a sandbox without user namespaces; overlay storage, or STORAGE_DRIVER=vfs);
 - the base: `--base`, else docker's public `python:3.11-slim-bookworm`, else (buildah, no
   registry) a Debian 12 root bootstrapped here with mmdebstrap and committed as
   `localhost/lorafleet/base:bookworm`;
@@ -53,9 +53,12 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 #: our packages from source), and async-timeout, which redis requires below Python 3.11.3:
 #: Debian 12's Python is 3.11.2, and `pip download` judges markers by the host's Python.
 EXTRA_WHEELS = ("pip", "setuptools>=68", "async-timeout>=4.0.3")
-#: buildah's global flags: vfs storage works on any filesystem and in sandboxes without
-#: overlay mounts (platform.md §10).
-BUILDAH = ("buildah", "--storage-driver", "vfs")
+#: buildah's storage driver: overlay (kernel overlayfs, as root) shares layers instead of
+#: copying them, which made a torch image's build and each container start minutes faster
+#: here; STORAGE_DRIVER=vfs works on any filesystem and in sandboxes without overlay mounts
+#: (platform.md §10).
+STORAGE_DRIVER = os.environ.get("STORAGE_DRIVER") or "overlay"
+BUILDAH = ("buildah", "--storage-driver", STORAGE_DRIVER)
 
 
 def refs(gpu: bool = False) -> dict[str, str]:
@@ -117,7 +120,8 @@ def image_size(kind: str, ref: str) -> int:
         return int(out.stdout.strip())
     listed = subprocess.run([*BUILDAH, "images", "--json", ref], capture_output=True, text=True,
                             check=True)  # fmt: skip
-    return int(json.loads(listed.stdout)[0]["size"])
+    number, unit = json.loads(listed.stdout)[0]["size"].split()  # "680 MB": decimal units
+    return round(float(number) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit])
 
 
 def ensure_base(kind: str) -> str:
@@ -214,11 +218,13 @@ def build(
         reused = image_id(kind, content) is not None
         if not reused:
             arguments = [
-                "--build-arg", f"BASE={base}", "--build-arg", f"FLAVOR={flavor}",
+                "--build-arg", f"BASE={base}",
                 "--build-arg", f"VERSION={chart_version()}",
                 "--build-arg", f"REVISION={_revision()}",
                 "-f", f"services/{service}/Containerfile", "-t", content,
             ]  # fmt: skip
+            if service in TORCH_SERVICES:  # only they take FLAVOR
+                arguments += ["--build-arg", f"FLAVOR={flavor}"]
             if kind == "buildah":
                 command = [*BUILDAH, "bud", "--isolation", "chroot", "--layers", *arguments, "."]
             else:
