@@ -25,6 +25,7 @@ server log's tail when a server fails.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,8 @@ class Trained:
     """One trainer-exported adapter and the trainer's own logprobs for any token sequence."""
 
     folder: Path
+    #: What the adapter adapts, from its adapter_config.json (lm_head; the expert banks).
+    targets: list[str]
     logprobs: Callable[[str | None, list[int]], torch.Tensor]
 
 
@@ -118,7 +121,9 @@ def train(model: Path, device: str, work: Path) -> Trained:
         item = ForwardBackwardItem("", 0, "reg", probe)
         return engine.forward_backward([item])[0].logprobs[0].cpu()
 
-    return Trained(folder, logprobs)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    targets = [*(config.get("target_modules") or []), *(config.get("target_parameters") or [])]
+    return Trained(folder, sorted(targets), logprobs)
 
 
 async def compare(engine: SGLangEngine | VLLMEngine, trained: Trained, cuda: bool) -> dict:
@@ -139,6 +144,7 @@ async def compare(engine: SGLangEngine | VLLMEngine, trained: Trained, cuda: boo
         await engine.unload_adapter("reg@1")
     out: dict = {
         "dtype": "bfloat16" if cuda else "float32",
+        "adapter_targets": trained.targets,
         "logprob_max_abs_diff_vs_trainer": worst,
         "adapter_changes_tokens": tokens["reg@1"] != tokens[None],
     }
@@ -152,13 +158,16 @@ def server_python(package: str, cpu_python: Path, setup: str, cuda: bool) -> Pat
     Python runs this check (the device image's stack), on a CPU the project's CPU venv."""
     if not cuda:
         return cpu_python if cpu_python.exists() else f"skipped: no {cpu_python} (run {setup})"
-    probe = subprocess.run(
-        [sys.executable, "-c", f"import {package}"], capture_output=True, text=True, timeout=300
-    )
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"skipped: {package} is not importable in {sys.executable}: {last}"
-    return Path(sys.executable)
+    why = []
+    candidates = dict.fromkeys([sys.executable, shutil.which("python3"), shutil.which("python")])
+    for python in filter(None, candidates):
+        probe = subprocess.run(
+            [python, "-c", f"import {package}"], capture_output=True, text=True, timeout=300
+        )
+        if probe.returncode == 0:
+            return Path(python)
+        why.append(f"{python}: {(probe.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return f"skipped: {package} is not importable ({'; '.join(why)})"
 
 
 async def sglang_part(model: Path, trained: Callable[[], Trained], cuda: bool, work: Path) -> dict:
