@@ -159,7 +159,7 @@ def test_bad_adapters_are_refused_naming_the_field(fleet: object, adapter, tmp_p
                  cfg + "base_model_name_or_path"),
         "rank": (_big_rank(folder, tmp_path / "rank", 2048), cfg + "r"),
         "targets": (_rewrite(folder, tmp_path / "targets", target_modules=["q_proj", "zz_proj"]),
-                    cfg + "target_modules[1]"),
+                    cfg + "target_modules"),
         "dora": (_rewrite(folder, tmp_path / "dora", use_dora=True), cfg + "use_dora"),
         "rslora": (_rewrite(folder, tmp_path / "rslora", use_rslora=True), cfg + "use_rslora"),
     }  # fmt: skip
@@ -181,6 +181,8 @@ def test_bad_adapters_are_refused_naming_the_field(fleet: object, adapter, tmp_p
             err = from_rpc_error(info.value)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, err)
             assert err.field == field, (case, err.field, err.message)
+            if case == "targets":  # the field is the list; the message names the bad entry
+                assert "'zz_proj'" in err.message, err.message
     assert sorted(r.keys("*bad-tenant*")) == before == []
     # The CLI shows the same error in one line.
     out = _cli(fleet, "adapters", "import", str(cases["dora"][0]), "--tenant", "bad-tenant")
