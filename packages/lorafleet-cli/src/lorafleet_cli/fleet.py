@@ -76,7 +76,8 @@ class FleetConfig:
     engine: str = "torch"
     # sglang: the interpreter with SGLang installed (default: the repo's .venvs/sglang).
     sglang_python: Path | None = None
-    # Extra environment per service ("controller", "trainer", "rollout", "gateway").
+    # Extra environment per service ("controller", "trainer", "rollout", "gateway"), then
+    # per process name ("trainer-1": one replica set apart, as the fault campaign's canary).
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
     start_timeout: float = 180.0
     # Supervision: restart a process that exits, waiting backoff_initial, doubling up to
@@ -353,6 +354,7 @@ class Fleet:
             metrics_port = free_port()
             env[f"{prefix}METRICS_PORT"] = str(metrics_port)
         env.update(self.config.extra_env.get(service, {}))
+        env.update(self.config.extra_env.get(name, {}))
         log = self.config.run_dir / "logs" / f"{name}.log"
         env = child_env(**env)
         with open(log, "ab") as out:
