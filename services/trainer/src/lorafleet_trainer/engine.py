@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lorafleet import contract, names
+from lorafleet import contract, names, quantize
 from lorafleet.contract import LOSS_NAMES, OPTIMIZERS
 from lorafleet.errors import FailedPrecondition, Internal, InvalidArgument, LorafleetError
 from lorafleet_trainer import bptt, checkpoint, metrics
@@ -42,6 +42,7 @@ from lorafleet_trainer.losses import (
     prepare_input,
 )
 from lorafleet_trainer.optim import SlotOptimizer, validate_adam
+from lorafleet_trainer.quantized import quantize_base
 from lorafleet_trainer.rowshare import RowShare, Single
 from lorafleet_trainer.sites import wrap_model
 from lorafleet_trainer.slots import RESULT_UNKNOWN, Binding, OpLog, SlotTable
@@ -73,6 +74,7 @@ class TrainerEngine:
         max_rank: int,
         storage_root: Path,
         max_applied_ops: int = 1024,
+        quantization: str = quantize.NONE,
     ) -> None:
         self.model = model.eval()
         for p in model.parameters():
@@ -83,6 +85,9 @@ class TrainerEngine:
         self.max_applied_ops = max_applied_ops
         self.router = Router()
         self.wrappers, self.sites = wrap_model(model, self.router)
+        # After wrapping: the wrappers' base Linears are swapped, their LoRA stays float32.
+        quantize_base(model, quantization)
+        self.quantization = quantization
         self.slots = SlotTable(num_slots)
         config = model.config
         self.vocab_size = int(config.vocab_size)
@@ -133,6 +138,7 @@ class TrainerEngine:
             "max_context_length": self.max_length,
             "incarnation": self.incarnation,
             "arch": self.arch,
+            "quantization": self.quantization,
         }
 
     def list_slots(self) -> list[SlotInfo]:
