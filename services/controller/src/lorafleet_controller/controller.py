@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from lorafleet import contract, errors
+from lorafleet import contract, errors, quantize
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller import metrics, validate
 from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
@@ -456,18 +456,24 @@ class Controller:
                 raise errors.InvalidArgument(f"{name} is required", field=name)
         if kind == TRAINER and req.num_slots < 1:
             raise errors.InvalidArgument("must be >= 1", field="num_slots")
+        quantization = req.quantization or quantize.NONE
+        if quantization not in quantize.QUANTIZATIONS:
+            raise errors.InvalidArgument(
+                f"must be one of {', '.join(quantize.QUANTIZATIONS)}", field="quantization"
+            )
         rep = Replica(
             kind=kind, replica_id=req.replica_id, address=req.address,
             base_model=base_model_name(req.base_model), num_slots=req.num_slots,
             incarnation=req.incarnation,
             last_seen=0, healthy=True, tokenizer_id=req.tokenizer_id, max_rank=req.max_rank,
             max_context_length=req.max_context_length, arch=req.arch,
-            max_num_samples=req.max_num_samples,
+            max_num_samples=req.max_num_samples, quantization=quantization,
         )  # fmt: skip
         await self.admit_replica(rep)
 
     async def admit_replica(self, rep: Replica) -> str:
         """Record a replica (RegisterReplica or discovery) and act on what changed."""
+        await self._check_same_base(rep)
         change = await self.registry.register_replica(rep)
         if change == "same":
             return change
@@ -477,6 +483,32 @@ class Controller:
         else:
             self._background(self.publisher.reconcile(rep))
         return change
+
+    async def _check_same_base(self, rep: Replica) -> None:
+        """Refuse a replica that stores its base model otherwise (`lorafleet.quantize`) than a
+        healthy replica of the same model: a sampler on other weights than its trainer's gives
+        logprobs that drift from the trainer's, and RL's importance ratios pay for it.
+
+        Refused here, when the replica registers, rather than when a run is created: the
+        mismatch is a deployment fault no run can fix, it is caught before any tenant's work
+        reaches the replica (a refused replica is never recorded, so it gets no traffic), the
+        replica's heartbeat log names it, and it is admitted by itself once the replicas it
+        disagrees with are gone (changing the quantization is redeploying the model)."""
+        for other in await self.registry.replicas():
+            if (
+                other.healthy
+                and other.base_model == rep.base_model
+                and other.replica_id != rep.replica_id
+                and other.quantization != rep.quantization
+            ):
+                raise errors.FailedPrecondition(
+                    f"{rep.kind} {rep.replica_id} stores base model {rep.base_model!r} with "
+                    f"quantization {rep.quantization!r}, but {other.kind} {other.replica_id} "
+                    f"serves it with {other.quantization!r}: every trainer and rollout of a "
+                    "model must run the same one",
+                    field="quantization",
+                    reason="QUANTIZATION_MISMATCH",
+                )
 
     async def _trainer_joined(self, rep: Replica) -> None:
         try:

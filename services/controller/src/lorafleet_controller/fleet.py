@@ -37,6 +37,7 @@ class BaseModelView:
     loss_fns: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)
     max_num_samples: int = 0  # the least of the healthy rollouts' limits (0 = no rollout)
+    quantization: str = ""  # its replicas' one setting (registration refuses a second)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Fleet:
                 continue
             info = models.setdefault(rep.base_model, BaseModelView(rep.base_model))
             info.tokenizer_id = info.tokenizer_id or rep.tokenizer_id
+            info.quantization = info.quantization or rep.quantization
             if rep.kind == TRAINER:  # a rollout's arch (its engine) only fills a gap
                 info.arch = rep.arch
             else:

@@ -147,4 +147,5 @@ class Membership:
             last_seen=0, healthy=True, tokenizer_id=old.tokenizer_id if old else "",
             max_rank=max_rank, max_context_length=context, arch=old.arch if old else "",
             loss_fns=loss_fns or (old.loss_fns if old else []), max_num_samples=samples,
+            quantization=old.quantization if old else "none",
         )  # fmt: skip

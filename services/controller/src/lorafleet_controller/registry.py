@@ -109,6 +109,7 @@ class Replica:
     loss_fns: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)  # a trainer's adaptable modules
     max_num_samples: int = 0  # a rollout's limit on one request's num_samples
+    quantization: str = "none"  # how it stores the base (lorafleet.quantize); one per model
 
 
 # Rebuilds a registration the registry marked for restore (its trainer was lost) in its newly
@@ -276,6 +277,7 @@ class Registry:
             "num_slots": rep.num_slots, "incarnation": rep.incarnation, "last_seen": now,
             "healthy": "1", "tokenizer_id": rep.tokenizer_id, "max_rank": rep.max_rank,
             "max_context_length": rep.max_context_length, "arch": rep.arch,
+            "quantization": rep.quantization,
             "max_num_samples": rep.max_num_samples,
         }  # fmt: skip
         if rep.loss_fns:
@@ -403,6 +405,7 @@ def _replica(replica_id: str, raw: dict[bytes, bytes]) -> Replica:
         loss_fns=json.loads(raw.get(b"loss_fns", b"[]")),
         modules=json.loads(raw.get(b"modules", b"[]")),
         max_num_samples=int(raw.get(b"max_num_samples", b"0") or 0),
+        quantization=text(raw.get(b"quantization")) or "none",
     )
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from lorafleet import hub
 from lorafleet.settings import setting
-from lorafleet.staging import MAX_ADAPTER_BYTES
 
 PREFIX = "LORAFLEET_ROLLOUT_"
 
@@ -78,7 +77,7 @@ class RolloutSettings:
     )  # fmt: skip
     max_lora_rank: int = setting(64, doc="Largest LoRA rank accepted.", min=1, max=4096)
     max_adapter_bytes: int = setting(
-        MAX_ADAPTER_BYTES, doc="Largest adapter upload (all files).", min=1024, max=1 << 40
+        1 << 30, doc="Largest adapter upload (all files).", min=1024, max=1 << 40
     )
     adapter_dir: Path = setting(
         Path(".cache/rollout-adapters"),

@@ -1967,6 +1967,7 @@ class BaseModelInfo(_message.Message):
     LOSS_FNS_FIELD_NUMBER: _builtins.int
     MODULES_FIELD_NUMBER: _builtins.int
     MAX_NUM_SAMPLES_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tokenizer_id: _builtins.str
     """What a client loads with AutoTokenizer (HF name, or the local folder)."""
@@ -1977,6 +1978,10 @@ class BaseModelInfo(_message.Message):
     max_rank: _builtins.int
     max_num_samples: _builtins.int
     """The largest num_samples every healthy rollout of the model accepts (0 = none serves it)."""
+    quantization: _builtins.str
+    """How its replicas store the frozen base (lorafleet.quantize: "none", "int8", "fp8"); one
+    value per model, as the controller refuses a replica that differs.
+    """
     @_builtins.property
     def loss_fns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -1998,10 +2003,11 @@ class BaseModelInfo(_message.Message):
         loss_fns: _abc.Iterable[_builtins.str] | None = ...,
         modules: _abc.Iterable[_builtins.str] | None = ...,
         max_num_samples: _builtins.int = ...,
+        quantization: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_num_samples", b"max_num_samples", "max_rank", b"max_rank", "modules", b"modules", "name", b"name", "sampleable", b"sampleable", "tokenizer_id", b"tokenizer_id", "trainable", b"trainable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_num_samples", b"max_num_samples", "max_rank", b"max_rank", "modules", b"modules", "name", b"name", "quantization", b"quantization", "sampleable", b"sampleable", "tokenizer_id", b"tokenizer_id", "trainable", b"trainable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2057,6 +2063,7 @@ class RegisterReplicaRequest(_message.Message):
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     ARCH_FIELD_NUMBER: _builtins.int
     MAX_NUM_SAMPLES_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
     kind: Global___ReplicaKind.ValueType
     replica_id: _builtins.str
     address: _builtins.str
@@ -2070,6 +2077,12 @@ class RegisterReplicaRequest(_message.Message):
     arch: _builtins.str
     max_num_samples: _builtins.int
     """Rollouts: the largest num_samples one request may ask for (their setting)."""
+    quantization: _builtins.str
+    """How this replica stores the frozen base (lorafleet.quantize.QUANTIZATIONS; empty reads
+    as "none"). Refused with FAILED_PRECONDITION (reason QUANTIZATION_MISMATCH) while a
+    healthy replica of the same base model runs another: trainer and sampler must compute
+    with the same weights.
+    """
     def __init__(
         self,
         *,
@@ -2084,10 +2097,11 @@ class RegisterReplicaRequest(_message.Message):
         max_context_length: _builtins.int = ...,
         arch: _builtins.str = ...,
         max_num_samples: _builtins.int = ...,
+        quantization: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "arch", b"arch", "base_model", b"base_model", "incarnation", b"incarnation", "kind", b"kind", "max_context_length", b"max_context_length", "max_num_samples", b"max_num_samples", "max_rank", b"max_rank", "num_slots", b"num_slots", "replica_id", b"replica_id", "tokenizer_id", b"tokenizer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "arch", b"arch", "base_model", b"base_model", "incarnation", b"incarnation", "kind", b"kind", "max_context_length", b"max_context_length", "max_num_samples", b"max_num_samples", "max_rank", b"max_rank", "num_slots", b"num_slots", "quantization", b"quantization", "replica_id", b"replica_id", "tokenizer_id", b"tokenizer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
