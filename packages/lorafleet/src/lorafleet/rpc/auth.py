@@ -24,7 +24,14 @@ log = logging.getLogger(__name__)
 
 ADMIN_METHODS = frozenset(
     f"/lorafleet.v1.ControllerService/{name}"
-    for name in ("CreateApiKey", "ListApiKeys", "RevokeApiKey", "GetFleetStatus", "GetUsage")
+    for name in (
+        "CreateApiKey",
+        "ListApiKeys",
+        "RevokeApiKey",
+        "GetFleetStatus",
+        "GetUsage",
+        "ReportReplicaFailed",
+    )
 )
 
 
