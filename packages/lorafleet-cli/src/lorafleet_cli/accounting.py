@@ -1,6 +1,7 @@
-"""`lorafleet adapters import DIR --tenant T` and `lorafleet usage [--tenant T]`.
+"""`lorafleet adapters import DIR --tenant T`, `lorafleet usage [--tenant T]` and
+`lorafleet page-out RUN [--force]`.
 
-Both talk to the controller with the run's admin certificate (or LORAFLEET_TLS_* with
+All talk to the controller with the run's admin certificate (or LORAFLEET_TLS_* with
 --controller). The import sends the folder's two files as they are: the controller checks
 them (peft_import.py), so the CLI holds no rule of its own.
 """
@@ -25,7 +26,8 @@ Resolve = Callable[[argparse.Namespace], tuple[str, TlsIdentity | None]]
 
 
 def add_parsers(sub: argparse._SubParsersAction, resolve: Resolve) -> None:
-    """Register `adapters import` and `usage`; `resolve` finds the controller and identity."""
+    """Register `adapters import`, `usage` and `page-out`; `resolve` finds the controller and
+    identity."""
     adapters = sub.add_parser("adapters", help="adapters: import a PEFT LoRA folder")
     adapters.add_argument("action", choices=("import",))
     adapters.add_argument("dir", help="a PEFT LoRA adapter folder")
@@ -40,6 +42,13 @@ def add_parsers(sub: argparse._SubParsersAction, resolve: Resolve) -> None:
     usage.add_argument("--tenant", default="", help="one tenant (default: every tenant)")
     usage.add_argument("--controller", default="")
     usage.set_defaults(fn=lambda args: _guard(show_usage, args, resolve))
+
+    page = sub.add_parser("page-out", help="page a training run out of its trainer slot now")
+    page.add_argument("run", help="training run id (<session>:train:<n>)")
+    page.add_argument("--force", action="store_true",
+                      help="even with un-stepped gradients (restored by replay)")  # fmt: skip
+    page.add_argument("--controller", default="")
+    page.set_defaults(fn=lambda args: _guard(page_out, args, resolve))
 
 
 def _guard(fn: Callable[..., int], args: argparse.Namespace, resolve: Resolve) -> int:
@@ -87,4 +96,13 @@ def show_usage(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerSer
         values = [f"{getattr(row, c):.1f}" if c == "adapter_seconds" else str(getattr(row, c))
                   for c in COLUMNS]  # fmt: skip
         print("\t".join((row.tenant, *values)))
+    return 0
+
+
+def page_out(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServiceStub) -> int:
+    """Page a run out now (paging.py); its next operation pages it back in."""
+    req = controller_pb2.PageOutRegistrationRequest(registration_id=args.run, force=args.force)
+    resp = stub.PageOutRegistration(req, timeout=300)
+    state = controller_pb2.RegistrationState.Name(resp.state).removeprefix("REGISTRATION_STATE_")
+    print(f"{args.run}\t{state.lower()}\t{resp.seconds:.3f}s")
     return 0

@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the README's first command: up + quickstart + down")
     demo.add_argument("--model", default="smollm2")
     demo.set_defaults(fn=cmd_demo)
-    accounting.add_parsers(sub, _controller)  # adapters import, usage
+    accounting.add_parsers(sub, _controller)  # adapters import, usage, page-out
     train.add_parsers(sub)  # train, jobs: managed training jobs (issue 13)
     return p
 

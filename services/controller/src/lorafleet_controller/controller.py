@@ -27,6 +27,7 @@ from lorafleet_controller.ledger import Admission, Ledger
 from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.membership import Membership
 from lorafleet_controller.notify import Notifier
+from lorafleet_controller.paging import Pager
 from lorafleet_controller.publish import Publisher
 from lorafleet_controller.recovery import Recovery
 from lorafleet_controller.registry import (
@@ -84,6 +85,7 @@ class Controller:
             self._retire_corrupted,
         )  # fmt: skip
         self.placer = Placer(self.registry, self.pool, self._restore, self.fail_run)
+        self.pager = Pager(self.registry, self.pool, self.recovery, self.placer, settings, clock)
         self.samplers = Samplers(self.store, self.ledger, self.registry, self.pool, settings)
         self.publisher = Publisher(
             self.store, settings.storage_root, self.registry, self.catalog, self.samplers,
@@ -220,6 +222,7 @@ class Controller:
             )
         for rid in await self.registry.binding_ids():
             await self.placer.finish_binding(rid)
+        await self.pager.sweep()
         timeout = self.settings.session_timeout_seconds
         if timeout and now - self._sessions_heard_since >= timeout:
             for tenant, session_id in await self.tenancy.silent_sessions(timeout):
@@ -237,46 +240,6 @@ class Controller:
         await self.registry.replica_lost(rep.replica_id, reason)
         if rep.kind == TRAINER:
             await self.placer.fill(rep.base_model)
-
-    async def replica_failed(self, replica_id: str, reason: str) -> list[str]:
-        """A replica's process stays down: its supervisor spent the restart budget
-        (`lorafleet up`). Record why (status, the replica table) and lose it; when it was the
-        last trainer of its base model, strand the runs waiting on one. Returns those."""
-        rep = await self.registry.replica_failed(replica_id, reason)
-        return await self.strand(rep.base_model) if rep.kind == TRAINER else []
-
-    async def strand(self, base_model: str) -> list[str]:
-        """Fail the open operations of every run waiting for a trainer of `base_model` when
-        none is healthy and one is known to have failed for good, with an Unavailable that
-        names it, so waiting callers hear it now instead of polling a queue that will not move.
-
-        The runs stay (UNAVAILABLE, with the same reason: later calls are refused with it) and
-        are placed, or rebuilt by replay, if a trainer of the model registers again. A trainer
-        that is merely lost (restarting, a pod being rescheduled) strands nothing: its runs
-        wait for it and are rebuilt exactly, as recovery.py promises.
-        """
-        trainers = await self.registry.replicas(TRAINER, base_model)
-        if any(t.healthy for t in trainers) or not any(t.failed for t in trainers):
-            return []
-        error = self._no_healthy_trainer(base_model, trainers)
-        stranded = await self.registry.queued(base_model)
-        for rid in stranded:
-            await self.ledger.fence(rid, RegState.UNAVAILABLE, error, error.message)
-        if stranded:
-            log.warning("%s: %d waiting runs fail their open operations", error, len(stranded))
-        return stranded
-
-    def _no_healthy_trainer(self, base_model: str, trainers: list[Replica]) -> errors.Unavailable:
-        now = self.registry.clock()
-        why = {t.replica_id: f"failed: {t.failed}" if t.failed
-               else f"last seen {now - t.last_seen:.0f}s ago" for t in trainers}  # fmt: skip
-        down = ", ".join(f"{replica} ({text})" for replica, text in why.items())
-        return errors.Unavailable(
-            f"no healthy trainer serves base model {base_model!r}: {down} is down; "
-            "retry once it is back (`lorafleet status` says why it is down)",
-            field="base_model",
-            reason="NO_HEALTHY_TRAINER",
-        )
 
     async def _restore(self, trainer: TrainerClient, rec: RegRecord, rep: Replica) -> bool:
         return await self.recovery.restore(trainer, rec, rep.replica_id, rep.incarnation)
@@ -355,7 +318,15 @@ class Controller:
         if not any(t.healthy for t in trainers):
             # A trainer whose restart budget is spent stays down (`lorafleet up`) or a pod
             # crash-loops: a registration queued now would wait forever, so say who is missing.
-            raise self._no_healthy_trainer(base_model, trainers)
+            now = self.registry.clock()
+            down = ", ".join(f"{t.replica_id} (last seen {now - t.last_seen:.0f}s ago)"
+                             for t in trainers)  # fmt: skip
+            raise errors.Unavailable(
+                f"no healthy trainer serves base model {base_model!r}: {down} is down; "
+                "retry once it is back (`lorafleet status` says why it is down)",
+                field="base_model",
+                reason="NO_HEALTHY_TRAINER",
+            )
         # The LoraConfig's rules (contract.check_lora_config) are checked by the gateway and
         # by the trainer at bind; a refused bind fails the run with that error (fail_run).
         rec, created = await self.registry.create(
@@ -442,10 +413,13 @@ class Controller:
         body = payload.SerializeToString(deterministic=True)
         kind = validate.payload_kind(payload)
         rejection = validate.validate(payload)
-        return await self.ledger.submit(
+        admission = await self.ledger.submit(
             req.tenant, req.registration_id, req.seq_id, kind, body, validate.digest(payload),
             rejection,
         )  # fmt: skip
+        if admission.page_in:  # a paged run has work again: give it a free slot if one is
+            self._background(self.placer.fill(admission.page_in))
+        return admission
 
     # --- samplers -------------------------------------------------------------------------
     async def create_sampler(self, req: controller_pb2.CreateSamplerRequest) -> SamplerRecord:

@@ -60,6 +60,7 @@ class Admission:
     operation_id: str
     state: OpState
     duplicate: bool
+    page_in: str = ""  # base model of a PAGED registration this admission queued (paging.py)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ class Ledger:
         code = text(out["code"])
         if code in ("created", "duplicate"):
             return Admission(text(out["operation_id"]), OpState(int(out["state"])),
-                             code == "duplicate")  # fmt: skip
+                             code == "duplicate", text(out.get("page_in")))  # fmt: skip
         if code == "not_found":
             raise errors.NotFound(f"no registration {registration_id!r}", field="registration_id")
         if code == "conflict":
@@ -316,6 +317,8 @@ class Ledger:
         st = text(state)
         if st in (RegState.QUEUED, RegState.BINDING):
             return "waiting for a slot", controller_pb2.WAITING_FOR_SLOT
+        if st in (RegState.PAGING, RegState.PAGED):
+            return "paged out: waiting for a slot", controller_pb2.WAITING_FOR_SLOT
         if st == RegState.UNAVAILABLE:
             return f"registration unavailable: {text(reason)}", controller_pb2.WAITING_FOR_TRAINER
         h = int(head or 0)

@@ -26,3 +26,19 @@ PUBLISH_LATENCY = Histogram(
     "save_weights_for_sampler: export plus every rollout acknowledging.",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+PAGE_OUTS = Counter(
+    "lorafleet_registry_page_outs_total",
+    "Training runs paged out of their trainer slot, by trigger (idle, forced).",
+    ["trigger"],
+)
+PAGE_INS = Counter("lorafleet_registry_page_ins_total", "Paged runs restored into a slot.")
+PAGE_OUT_SECONDS = Histogram(
+    "lorafleet_registry_page_out_seconds",
+    "Page-out: the trainer's snapshot of the slot until its slot is free.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+PAGE_IN_SECONDS = Histogram(
+    "lorafleet_registry_page_in_seconds",
+    "Page-in: the restore of a paged run into its new slot (bind, load, replay).",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)

@@ -143,6 +143,12 @@ class Recovery:
         seq = seq_of(rid, snapshot.operation_id)
         if seq is None or not snapshot.manifest.uri:
             return
+        await self.record_page(rid, seq, snapshot.manifest)
+
+    async def record_page(self, rid: str, seq: int, manifest: common_pb2.BlobRef) -> None:
+        """Record a snapshot of the run's exact state after seq_id `seq` (an automatic one, or
+        a page-out's: paging.py); ignored unless newer than the one recorded."""
+        snapshot = trainer_pb2.SlotSnapshot(operation_id=f"{rid}#{seq}", manifest=manifest)
         body = snapshot.SerializeToString(deterministic=True)
         await self._snapshot(keys=[self.replay_key(rid)], args=[seq, body])
 

@@ -1,8 +1,9 @@
 """The slot registry: registrations, trainer/rollout replicas, and fixed slot placement.
 
 A registration (= Tinker training run, id `<session_id>:train:<model_seq_id>`) holds one
-fixed slot on a trainer replica serving its base model for its whole life. When every slot
-is taken it waits in a per-base-model queue (never evicting anyone). A trainer replica that
+fixed slot on a trainer replica serving its base model while it is bound. When every slot
+is taken it waits in a per-base-model queue (never evicting a busy run; an idle one is paged
+out for it and back in on its next operation: paging.py). A trainer replica that
 goes silent or restarts with a new incarnation loses its slots: its registrations become
 UNAVAILABLE and re-enter the queue ahead of new registrations, their open operations stay
 queued (the one in flight is queued again), and when a slot frees up (the replica returns,
@@ -15,6 +16,7 @@ drives the trainer side of a placement (BindSlot, LoadState for restores, Unbind
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -26,6 +28,7 @@ from redis.typing import EncodableT, FieldT
 
 from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2
+from lorafleet_controller import metrics
 from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.discovery.types import ROLLOUT, TRAINER
 from lorafleet_controller.settings import ControllerSettings
@@ -81,7 +84,8 @@ class RegRecord:
     restore: bool
     corrupted: str  # what a lost trainer took that replay could not rebuild (recovery.py)
     failed: str = ""  # why the trainer refused to bind it (Placer.fail), as error JSON
-    bound_at: float = 0.0  # when its trainer confirmed the slot it holds or last held
+    last_done: float = 0.0  # when its last ordered operation ended
+    paged_at: float = 0.0  # when it was paged out, while PAGED and until restored (paging.py)
 
     def failure(self) -> errors.LorafleetError | None:
         """The error every call on a failed run ends with (None unless it failed)."""
@@ -89,8 +93,13 @@ class RegRecord:
 
     @property
     def placed(self) -> bool:
-        """Holds a trainer slot (bound, or binding)."""
-        return self.state in (RegState.READY, RegState.BINDING)
+        """Holds a trainer slot (bound, binding, or being paged out)."""
+        return self.state in (RegState.READY, RegState.BINDING, RegState.PAGING)
+
+    @property
+    def last_active(self) -> float:
+        """When it last submitted an operation or had one end (paging's idleness)."""
+        return max(self.last_request_time, self.last_done)
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,6 @@ class Replica:
     modules: list[str] = field(default_factory=list)  # a trainer's adaptable modules
     max_num_samples: int = 0  # a rollout's limit on one request's num_samples
     quantization: str = "none"  # how it stores the base (lorafleet.quantize); one per model
-    failed: str = ""  # why its process stays down (ReportReplicaFailed); cleared when it returns
 
 
 # Rebuilds a registration the registry marked for restore (its trainer was lost) in its newly
@@ -127,7 +135,7 @@ class Placement:
     """The outcome of `Registry.place`: placed (or already bound) on a replica's slot,
     queued at a position, or retired."""
 
-    code: str  # placed | bound | queued | retired
+    code: str  # placed | bound | queued | capped | retired
     replica: str = ""
     slot: int = -1
     position: int = 0
@@ -199,7 +207,7 @@ class Registry:
         queued = [
             (i, text(raw.get(b"base_model")))
             for i, raw in enumerate(raws)
-            if raw and text(raw.get(b"state")) in (RegState.QUEUED, RegState.UNAVAILABLE)
+            if raw and text(raw.get(b"state")) in _WAITING
         ]
         ranks: list[int | None] = []
         if queued:
@@ -232,14 +240,16 @@ class Registry:
         return [text(x) for x in await self.store.redis.zrange(self.keys.regq(base_model), 0, -1)]
 
     async def place(self, rid: str) -> Placement:
-        """Place on a free slot (dispatch side: carries the leader epoch when it has one)."""
+        """Place on a free slot (dispatch side: carries the leader epoch when it has one).
+        `capped`: its tenant holds `max_slots_per_tenant` slots, so it waits."""
         out = named(await self.store.scripts.run(
-            "place", [self.keys.reg(rid)], rid, self.clock(), epoch=self.store.epoch
+            "place", [self.keys.reg(rid)], rid, self.clock(), self.settings.max_slots_per_tenant,
+            epoch=self.store.epoch,
         ))  # fmt: skip
         code = text(out["code"])
         if code in ("placed", "bound"):
             return Placement(code, text(out["replica"]), int(out["slot"]))
-        if code == "queued":
+        if code in ("queued", "capped"):
             return Placement(code, position=int(out["position"]))
         return Placement(code)
 
@@ -280,7 +290,7 @@ class Registry:
             "healthy": "1", "tokenizer_id": rep.tokenizer_id, "max_rank": rep.max_rank,
             "max_context_length": rep.max_context_length, "arch": rep.arch,
             "quantization": rep.quantization,
-            "max_num_samples": rep.max_num_samples, "failed": "",
+            "max_num_samples": rep.max_num_samples,
         }  # fmt: skip
         if rep.loss_fns:
             mapping["loss_fns"] = json.dumps(rep.loss_fns)
@@ -348,19 +358,13 @@ class Registry:
             log.warning("%s%s", reason, f": registrations {lost} are unavailable" if lost else "")
         return lost
 
-    async def replica_failed(self, replica_id: str, reason: str) -> Replica:
-        """Record that a replica's process stays down and why (its supervisor gave up on it),
-        and lose it (`replica_lost`). The reason stays until the replica registers again."""
-        rep = await self.replica(replica_id)
-        if rep is None:
-            raise errors.NotFound(f"no replica {replica_id!r}", field="replica_id")
-        await self.store.redis.hset(self.keys.replica(replica_id), "failed", reason)
-        await self.replica_lost(replica_id, f"{rep.kind} replica {replica_id} failed: {reason}")
-        return rep
-
     async def silent_replicas(self, silence: float) -> list[Replica]:
         cutoff = self.clock() - silence
         return [r for r in await self.replicas() if r.healthy and r.last_seen < cutoff]
+
+
+# States whose queue position is reported (a PAGED run is in the queue once it has work).
+_WAITING = (RegState.QUEUED, RegState.UNAVAILABLE, RegState.PAGED)
 
 
 def sample_limit(rollouts: list[Replica]) -> int:
@@ -397,7 +401,8 @@ def _record(rid: str, raw: dict[bytes, bytes], position: int) -> RegRecord:
         restore=raw.get(b"restore") == b"1",
         corrupted=text(raw.get(b"corrupted")),
         failed=text(raw.get(b"failed")),
-        bound_at=float(raw.get(b"bound_at", b"0")),
+        last_done=float(raw.get(b"last_done", b"0")),
+        paged_at=float(raw.get(b"paged_at", b"0")),
     )
 
 
@@ -419,7 +424,6 @@ def _replica(replica_id: str, raw: dict[bytes, bytes]) -> Replica:
         modules=json.loads(raw.get(b"modules", b"[]")),
         max_num_samples=int(raw.get(b"max_num_samples", b"0") or 0),
         quantization=text(raw.get(b"quantization")) or "none",
-        failed=text(raw.get(b"failed")),
     )
 
 
@@ -434,13 +438,17 @@ class Placer:
         self._binding: set[str] = set()  # registrations with a binding attempt in flight
 
     async def fill(self, base_model: str) -> None:
-        """Place queued registrations of a base model while free slots remain."""
+        """Place queued registrations of a base model while free slots remain, oldest
+        waiting first (one whose tenant is at its cap is passed over), then bind them all
+        at once: a page-in's restore does not wait for another's."""
+        placed = []
         for rid in await self.registry.queued(base_model):
             placement = await self.registry.place(rid)
             if placement.code == "queued":
-                return
+                break
             if placement.code == "placed":
-                await self.finish_binding(rid)
+                placed.append(rid)
+        await asyncio.gather(*(self.finish_binding(rid) for rid in placed))
 
     async def finish_binding(self, rid: str) -> None:
         """Bind (and restore) a placed registration on its trainer; retried by the sweeper,
@@ -466,6 +474,7 @@ class Placer:
         if rep is None or not rep.healthy:
             return
         trainer = self.pool.trainer(rep.address)
+        start = time.perf_counter()
         try:
             intact = await self._prepare_slot(trainer, rec)
             if rec.restore:
@@ -482,7 +491,13 @@ class Placer:
             log.warning("binding %s on %s failed (%s); will retry", rid, rep.replica_id, exc)
             return
         if not await self.registry.bound(rid, rep.replica_id, rec.slot):
-            await self._unbind_quietly(rep.address, rec.slot, rid)
+            await self.unbind_quietly(rep.address, rec.slot, rid)
+        elif rec.restore and rec.paged_at:
+            seconds = time.perf_counter() - start
+            metrics.PAGE_INS.inc()
+            metrics.PAGE_IN_SECONDS.observe(seconds)
+            log.info("paged in %s in %.3fs on %s slot %d (paged out %.1fs)", rid, seconds,
+                     rep.replica_id, rec.slot, self.registry.clock() - rec.paged_at)  # fmt: skip
 
     async def _prepare_slot(self, trainer: TrainerClient, rec: RegRecord) -> bool:
         """True when the trainer still holds this registration in this slot (state intact).
@@ -505,10 +520,12 @@ class Placer:
         if replica:
             rep = await self.registry.replica(replica)
             if rep is not None and rep.healthy:
-                await self._unbind_quietly(rep.address, slot, rid)
+                await self.unbind_quietly(rep.address, slot, rid)
             await self.fill(base_model)
 
-    async def _unbind_quietly(self, address: str, slot: int, rid: str) -> None:
+    async def unbind_quietly(self, address: str, slot: int, rid: str) -> None:
+        """Clear the trainer's slot; a failure is only logged (the next bind of the slot
+        clears what the registry no longer owns: `_prepare_slot`)."""
         try:
             await self.pool.trainer(address).unbind(slot, rid)
         except errors.LorafleetError as exc:

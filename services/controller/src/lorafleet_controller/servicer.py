@@ -227,6 +227,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def GetUsage(self, request: pb.GetUsageRequest, context: Context) -> pb.GetUsageResponse:
         return pb.GetUsageResponse(tenants=await self.controller.usage.totals(request.tenant))
 
+    async def PageOutRegistration(
+        self, request: pb.PageOutRegistrationRequest, context: Context
+    ) -> pb.PageOutRegistrationResponse:
+        done = await self.controller.pager.page_out(request.registration_id, replay=request.force)
+        return pb.PageOutRegistrationResponse(state=done.state.proto, seconds=done.seconds)
+
     # --- fleet ----------------------------------------------------------------------------
     async def GetCapabilities(
         self, request: pb.GetCapabilitiesRequest, context: Context
@@ -246,9 +252,3 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self, request: pb.GetFleetStatusRequest, context: Context
     ) -> pb.GetFleetStatusResponse:
         return convert.fleet_status(await self.controller.fleet.status())
-
-    async def ReportReplicaFailed(
-        self, request: pb.ReportReplicaFailedRequest, context: Context
-    ) -> pb.ReportReplicaFailedResponse:
-        stranded = await self.controller.replica_failed(request.replica_id, request.reason)
-        return pb.ReportReplicaFailedResponse(stranded=stranded)

@@ -132,6 +132,29 @@ class ControllerSettings:
         min=0.0,
         max=30 * 86400.0,
     )
+    page_idle_seconds: float = setting(
+        10.0,
+        doc="A bound training run with no open operation and no submission or result for this "
+        "long is paged out when registrations wait for a slot of its base model (paging.py): "
+        "its exact state goes to the checkpoint store and its next operation pages it back in. "
+        "10 s is far above the gaps of a client stepping in a loop (milliseconds) and about a "
+        "short sampling phase; a wrong page-out costs that run one snapshot and one restore "
+        "(under a second for a small adapter), while a slot held by an idle run makes every "
+        "waiting run wait. Nothing is paged while no registration waits. 0 = never page idle "
+        "runs (forced page-outs still work).",
+        min=0.0,
+        max=86400.0,
+    )
+    max_slots_per_tenant: int = setting(
+        0,
+        doc="Trainer slots one tenant may hold on a base model's trainers; its further runs "
+        "wait (and the pager frees one of its own idle slots for them) while other tenants' "
+        "runs take the rest, oldest waiting first. 0 = no cap: a fleet with one tenant, the "
+        "default `lorafleet up`, must be able to use every slot; set it to the slots divided "
+        "by the tenants that share them.",
+        min=0,
+        max=1_000_000,
+    )
     sweep_interval_seconds: float = setting(
         0.5, doc="How often the sweeper looks for gaps, stale claims and expired results.",
         min=0.01, max=60.0,

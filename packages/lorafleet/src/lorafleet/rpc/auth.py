@@ -24,14 +24,8 @@ log = logging.getLogger(__name__)
 
 ADMIN_METHODS = frozenset(
     f"/lorafleet.v1.ControllerService/{name}"
-    for name in (
-        "CreateApiKey",
-        "ListApiKeys",
-        "RevokeApiKey",
-        "GetFleetStatus",
-        "GetUsage",
-        "ReportReplicaFailed",
-    )
+    for name in ("CreateApiKey", "ListApiKeys", "RevokeApiKey", "GetFleetStatus", "GetUsage",
+                 "PageOutRegistration")
 )
 
 

@@ -165,6 +165,11 @@ class ControllerServiceStub:
                 request_serializer=lorafleet_dot_v1_dot_controller__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetUsageResponse.FromString,
                 _registered_method=True)
+        self.PageOutRegistration = channel.unary_unary(
+                '/lorafleet.v1.ControllerService/PageOutRegistration',
+                request_serializer=lorafleet_dot_v1_dot_controller__pb2.PageOutRegistrationRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_controller__pb2.PageOutRegistrationResponse.FromString,
+                _registered_method=True)
         self.GetCapabilities = channel.unary_unary(
                 '/lorafleet.v1.ControllerService/GetCapabilities',
                 request_serializer=lorafleet_dot_v1_dot_controller__pb2.GetCapabilitiesRequest.SerializeToString,
@@ -179,11 +184,6 @@ class ControllerServiceStub:
                 '/lorafleet.v1.ControllerService/GetFleetStatus',
                 request_serializer=lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusResponse.FromString,
-                _registered_method=True)
-        self.ReportReplicaFailed = channel.unary_unary(
-                '/lorafleet.v1.ControllerService/ReportReplicaFailed',
-                request_serializer=lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedRequest.SerializeToString,
-                response_deserializer=lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedResponse.FromString,
                 _registered_method=True)
 
 
@@ -387,6 +387,16 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PageOutRegistration(self, request, context):
+        """Page a bound training run out of its trainer slot now, as the idle pager does (its state
+        goes exactly to the checkpoint store, its slot to the next waiting run; its next operation
+        pages it back in). For operators and fault tests. Admin only. Deadline 300 s. Idempotent:
+        a run that is not bound (paged, queued, retired) answers its state and changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetCapabilities(self, request, context):
         """--- fleet -----------------------------------------------------------------------------
         Base models the fleet serves and what each supports. Deadline 5 s. Idempotent.
@@ -405,16 +415,6 @@ class ControllerServiceServicer:
 
     def GetFleetStatus(self, request, context):
         """Replicas, slots, queues and resident adapters, for `lorafleet status`. Deadline 10 s. Idempotent.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReportReplicaFailed(self, request, context):
-        """A replica's process stays down: its supervisor spent its restart budget (`lorafleet
-        up`). The controller records why (replica table, status), loses the replica, and when no
-        healthy trainer of its base model is left, fails the open operations of the runs waiting
-        for one with Unavailable naming it. Admin only. Deadline 10 s. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -553,6 +553,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     request_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetUsageRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_controller__pb2.GetUsageResponse.SerializeToString,
             ),
+            'PageOutRegistration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PageOutRegistration,
+                    request_deserializer=lorafleet_dot_v1_dot_controller__pb2.PageOutRegistrationRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_controller__pb2.PageOutRegistrationResponse.SerializeToString,
+            ),
             'GetCapabilities': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCapabilities,
                     request_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetCapabilitiesRequest.FromString,
@@ -567,11 +572,6 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.GetFleetStatus,
                     request_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusResponse.SerializeToString,
-            ),
-            'ReportReplicaFailed': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReportReplicaFailed,
-                    request_deserializer=lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedRequest.FromString,
-                    response_serializer=lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1287,6 +1287,33 @@ class ControllerService:
             _registered_method=True)
 
     @staticmethod
+    def PageOutRegistration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.ControllerService/PageOutRegistration',
+            lorafleet_dot_v1_dot_controller__pb2.PageOutRegistrationRequest.SerializeToString,
+            lorafleet_dot_v1_dot_controller__pb2.PageOutRegistrationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetCapabilities(request,
             target,
             options=(),
@@ -1357,33 +1384,6 @@ class ControllerService:
             '/lorafleet.v1.ControllerService/GetFleetStatus',
             lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusRequest.SerializeToString,
             lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReportReplicaFailed(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/lorafleet.v1.ControllerService/ReportReplicaFailed',
-            lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedRequest.SerializeToString,
-            lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -115,6 +115,12 @@ class ControllerServiceStub:
     """
     GetUsage: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetUsageRequest, _controller_pb2.GetUsageResponse]
     """Per-tenant usage totals (chargeback). Admin only. Deadline 10 s. Idempotent."""
+    PageOutRegistration: _grpc.UnaryUnaryMultiCallable[_controller_pb2.PageOutRegistrationRequest, _controller_pb2.PageOutRegistrationResponse]
+    """Page a bound training run out of its trainer slot now, as the idle pager does (its state
+    goes exactly to the checkpoint store, its slot to the next waiting run; its next operation
+    pages it back in). For operators and fault tests. Admin only. Deadline 300 s. Idempotent:
+    a run that is not bound (paged, queued, retired) answers its state and changes nothing.
+    """
     GetCapabilities: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetCapabilitiesRequest, _controller_pb2.GetCapabilitiesResponse]
     """--- fleet -----------------------------------------------------------------------------
     Base models the fleet serves and what each supports. Deadline 5 s. Idempotent.
@@ -125,12 +131,6 @@ class ControllerServiceStub:
     """
     GetFleetStatus: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetFleetStatusRequest, _controller_pb2.GetFleetStatusResponse]
     """Replicas, slots, queues and resident adapters, for `lorafleet status`. Deadline 10 s. Idempotent."""
-    ReportReplicaFailed: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ReportReplicaFailedRequest, _controller_pb2.ReportReplicaFailedResponse]
-    """A replica's process stays down: its supervisor spent its restart budget (`lorafleet
-    up`). The controller records why (replica table, status), loses the replica, and when no
-    healthy trainer of its base model is left, fails the open operations of the runs waiting
-    for one with Unavailable naming it. Admin only. Deadline 10 s. Idempotent.
-    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -211,6 +211,12 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """
     GetUsage: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetUsageRequest, _controller_pb2.GetUsageResponse]  # type: ignore[assignment]
     """Per-tenant usage totals (chargeback). Admin only. Deadline 10 s. Idempotent."""
+    PageOutRegistration: _aio.UnaryUnaryMultiCallable[_controller_pb2.PageOutRegistrationRequest, _controller_pb2.PageOutRegistrationResponse]  # type: ignore[assignment]
+    """Page a bound training run out of its trainer slot now, as the idle pager does (its state
+    goes exactly to the checkpoint store, its slot to the next waiting run; its next operation
+    pages it back in). For operators and fault tests. Admin only. Deadline 300 s. Idempotent:
+    a run that is not bound (paged, queued, retired) answers its state and changes nothing.
+    """
     GetCapabilities: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetCapabilitiesRequest, _controller_pb2.GetCapabilitiesResponse]  # type: ignore[assignment]
     """--- fleet -----------------------------------------------------------------------------
     Base models the fleet serves and what each supports. Deadline 5 s. Idempotent.
@@ -221,12 +227,6 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """
     GetFleetStatus: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetFleetStatusRequest, _controller_pb2.GetFleetStatusResponse]  # type: ignore[assignment]
     """Replicas, slots, queues and resident adapters, for `lorafleet status`. Deadline 10 s. Idempotent."""
-    ReportReplicaFailed: _aio.UnaryUnaryMultiCallable[_controller_pb2.ReportReplicaFailedRequest, _controller_pb2.ReportReplicaFailedResponse]  # type: ignore[assignment]
-    """A replica's process stays down: its supervisor spent its restart budget (`lorafleet
-    up`). The controller records why (replica table, status), loses the replica, and when no
-    healthy trainer of its base model is left, fails the open operations of the runs waiting
-    for one with Unavailable naming it. Admin only. Deadline 10 s. Idempotent.
-    """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -462,6 +462,18 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Per-tenant usage totals (chargeback). Admin only. Deadline 10 s. Idempotent."""
 
     @_abc_1.abstractmethod
+    def PageOutRegistration(
+        self,
+        request: _controller_pb2.PageOutRegistrationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.PageOutRegistrationResponse, _abc.Awaitable[_controller_pb2.PageOutRegistrationResponse]]:
+        """Page a bound training run out of its trainer slot now, as the idle pager does (its state
+        goes exactly to the checkpoint store, its slot to the next waiting run; its next operation
+        pages it back in). For operators and fault tests. Admin only. Deadline 300 s. Idempotent:
+        a run that is not bound (paged, queued, retired) answers its state and changes nothing.
+        """
+
+    @_abc_1.abstractmethod
     def GetCapabilities(
         self,
         request: _controller_pb2.GetCapabilitiesRequest,
@@ -488,17 +500,5 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.GetFleetStatusResponse, _abc.Awaitable[_controller_pb2.GetFleetStatusResponse]]:
         """Replicas, slots, queues and resident adapters, for `lorafleet status`. Deadline 10 s. Idempotent."""
-
-    @_abc_1.abstractmethod
-    def ReportReplicaFailed(
-        self,
-        request: _controller_pb2.ReportReplicaFailedRequest,
-        context: _ServicerContext,
-    ) -> _typing.Union[_controller_pb2.ReportReplicaFailedResponse, _abc.Awaitable[_controller_pb2.ReportReplicaFailedResponse]]:
-        """A replica's process stays down: its supervisor spent its restart budget (`lorafleet
-        up`). The controller records why (replica table, status), loses the replica, and when no
-        healthy trainer of its base model is left, fails the open operations of the runs waiting
-        for one with Unavailable naming it. Admin only. Deadline 10 s. Idempotent.
-        """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -54,6 +54,7 @@ KEY_FAMILIES: dict[str, str] = {
     "tenant_regs": "regs:{id}",  # zset: a tenant's registrations by creation time
     "session_runs": "session_runs:{id}",  # set: a session's registrations
     "binding": "binding",  # set: registrations placed but not yet confirmed by the trainer
+    "paging": "paging",  # set: registrations with a page-out in progress (paging.py)
     "regq": "regq:{id}",  # zset: registrations of a base model waiting for a slot
     "replay": "replay:{id}",  # hash: a registration's replay log and last snapshot (recovery)
     "replica": "replica:{id}",  # hash: one trainer or rollout replica

@@ -1,8 +1,9 @@
 """Operation and registration states, defined once from the proto enums, for Python and Lua.
 
 Operation states are stored as the numbers of `lorafleet.v1.OperationState`. Registration
-states are stored as lowercase names: the four of `lorafleet.v1.RegistrationState` plus
-BINDING, a placement the trainer has not confirmed yet (reported as QUEUED). `lua_prelude()`
+states are stored as lowercase names: those of `lorafleet.v1.RegistrationState` plus
+BINDING, a placement the trainer has not confirmed yet (reported as QUEUED), and PAGING, a
+page-out in progress (reported as READY: it still holds its slot; see paging.py). `lua_prelude()`
 emits both as Lua constants (`OP.QUEUED`, `REG.READY`, ...) so the scripts never restate them.
 """
 
@@ -44,10 +45,12 @@ class RegState(StrEnum):
     READY = "ready"
     UNAVAILABLE = "unavailable"
     RETIRED = "retired"
+    PAGING = "paging"
+    PAGED = "paged"
 
     @property
     def proto(self) -> controller_pb2.RegistrationState.ValueType:
-        name = "QUEUED" if self is RegState.BINDING else self.name
+        name = {RegState.BINDING: "QUEUED", RegState.PAGING: "READY"}.get(self, self.name)
         return controller_pb2.RegistrationState.Value(_REG_PREFIX + name)
 
 

@@ -94,7 +94,10 @@ local function finish(opid, state, result_body, err, now)
   redis.call('ZREM', keys.claimed, opid)
   redis.call('SREM', keys.open_samples, opid)
   redis.call('ZADD', keys.results, now, opid)
-  if f[3] == '1' then redis.call('HINCRBY', keys.reg(f[4]), 'pending', -1) end
+  if f[3] == '1' then  -- last_done: when the run was last busy (paging's idleness)
+    redis.call('HINCRBY', keys.reg(f[4]), 'pending', -1)
+    redis.call('HSET', keys.reg(f[4]), 'last_done', now)
+  end
   count(f[2], 'pending', -1)
   count(f[2], 'unacked', 1)
   depth(st, -1)

@@ -19,7 +19,8 @@
 -- replica whose clock lags refills nothing until it catches up).
 -- Result: code = created | duplicate | conflict | not_found | retired | window | unavailable
 -- | backpressure, with operation_id, state, head, reason, scope, retry_after, corrupted,
--- failed as they apply.
+-- failed as they apply; page_in (its base model) when it queued a PAGED registration for a
+-- slot again.
 local rid, seq, digest, kind, payload = ARGS[1], tonumber(ARGS[2]), ARGS[3], ARGS[4], ARGS[5]
 local now, tenant = tonumber(ARGS[6]), ARGS[7]
 local max_reg, max_tenant, max_fleet = tonumber(ARGS[8]), tonumber(ARGS[9]), tonumber(ARGS[10])
@@ -94,4 +95,9 @@ depth(state, 1)
 if seq > max_seq then redis.call('HSET', rk, 'max_seq', seq) end
 redis.call('HSET', rk, 'last_request_time', now)
 advance(rid, now)
+if reg[2] == REG.PAGED and state == OP.QUEUED then  -- page it back in (paging.py)
+  local base = redis.call('HGET', rk, 'base_model')
+  redis.call('ZADD', keys.regq(base), 'NX', now, rid)
+  return result('code', 'created', 'operation_id', id, 'state', state, 'page_in', base)
+end
 return result('code', 'created', 'operation_id', id, 'state', state)
