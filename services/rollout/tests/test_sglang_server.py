@@ -69,3 +69,15 @@ def test_moe_models_are_refused_on_the_cpu_backend(model_dir: Path, tmp_path: Pa
         SGLangServer(moe, 31000, python=python, device="cpu").check()
     SGLangServer(moe, 31000, python=python, device="cuda").check()
     SGLangServer(model_dir, 31000, python=python, device="cpu").check()
+
+
+def test_quantization_maps_to_the_servers_flag(model_dir: Path, tmp_path: Path) -> None:
+    """fp8 is SGLang's own online quantization (the trainer's "fp8" weights); it has no int8
+    weight-only one, so an int8 fleet is refused at once rather than served other weights."""
+    assert "--quantization" not in SGLangServer(model_dir, 31000).command()
+    fp8 = SGLangServer(model_dir, 31000, device="cuda", quantization="fp8")
+    assert _flag(fp8.command(), "--quantization") == ["fp8"]
+    python = tmp_path / "python"
+    python.touch()
+    with pytest.raises(ValueError, match=r"quantization 'int8': SGLang serves fp8"):
+        SGLangServer(model_dir, 31000, python=python, quantization="int8").check()

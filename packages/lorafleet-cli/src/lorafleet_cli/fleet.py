@@ -19,9 +19,10 @@ the same settings and ports, after an exponential backoff, at most `restart_budg
 per process within `restart_window` seconds. Past that budget the process stays down and is
 marked failed (`Member.failed`, the reason, written to fleet.json with its log path): the
 fleet degrades, it does not vanish. The rest keeps running, `status` names the failed
-process, and the controller, which sees the replica gone, answers calls that need it with
-Unavailable naming it. Each restart is logged and rewrites fleet.json with the new PID and
-the restart count, so `status` shows it and `down` stops it.
+process, and the controller, told so (ReportReplicaFailed), answers calls that need it
+with Unavailable naming it, the calls already waiting for it included. Each restart is
+logged and rewrites fleet.json with the new PID and the restart count, so `status` shows
+it and `down` stops it.
 """
 
 from __future__ import annotations
@@ -269,6 +270,8 @@ class Fleet:
                 )
                 self._note(f"{member.failed} (log: {member.log}); the rest of the fleet runs")
                 self._write_state()
+                threading.Thread(target=self._report_failed, args=(member,), daemon=True,
+                                 name=f"report-{member.name}").start()  # fmt: skip
                 return
             ran = now - member.started_at
             if ran >= self.config.backoff_reset or member.backoff == 0:
@@ -293,6 +296,26 @@ class Fleet:
             except Exception as exc:  # a failed start counts as one more crash
                 self._note(f"{member.name} did not start again: {exc}")
             self._write_state()
+
+    def _report_failed(self, member: Member) -> None:
+        """Tell the controller that a trainer or rollout stays down. Silence alone would say
+        only that the replica is gone, which a restart undoes, so runs waiting for it would
+        wait for ever; told, the controller fails their waiting calls with Unavailable naming
+        it (and its reason) and shows the reason in its replica table."""
+        replica_id = member.env.get(f"LORAFLEET_{member.service.upper()}_REPLICA_ID")
+        if not replica_id:
+            return
+        try:
+            with self.admin_channel() as ch:
+                controller_pb2_grpc.ControllerServiceStub(ch).ReportReplicaFailed(
+                    controller_pb2.ReportReplicaFailedRequest(
+                        replica_id=replica_id, reason=f"{member.failed}; log: {member.log}"
+                    ),
+                    timeout=10,
+                )
+        except grpc.RpcError as exc:
+            self._note(f"could not tell the controller that {replica_id} failed: "
+                       f"{exc.code().name} {exc.details()}")  # fmt: skip
 
     def _respawn(self, member: Member) -> None:
         with open(member.log, "ab") as out:

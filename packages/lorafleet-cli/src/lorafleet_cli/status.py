@@ -1,7 +1,10 @@
 """`lorafleet status`: the fleet as a readable table (processes, slots, queues, adapters).
 
 The process table comes from fleet.json and each process's own health check, so it is
-printed even when Redis or the controller is down: that is when an operator needs it.
+printed even when Redis or the controller is down: that is when an operator needs it. The
+rest comes from the controller's GetFleetStatus: who holds each trainer slot and since when,
+who waits for one, and the runs that need an eye (unavailable, paged, corrupted, failed),
+each with its state as the registry records it and its reason.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lorafleet import contract
 from lorafleet.rpc.channel import make_blocking_channel
 from lorafleet.tls import TlsIdentity, identity_from_env
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
@@ -75,6 +79,28 @@ def _ago(ts: float) -> str:
     return f"{time.time() - ts:.0f}s ago" if ts else "-"
 
 
+def _since(ts: float) -> str:
+    """When a slot was taken, and how long ago (slots are held for hours, not seconds)."""
+    if not ts:
+        return "-"
+    return time.strftime("%H:%M:%S", time.localtime(ts)) + f" ({_ago(ts).removesuffix(' ago')})"
+
+
+def _state(reg: controller_pb2.Registration) -> str:
+    """The state's proto name, whatever it is (a state added later shows as it is named),
+    marked when a retired run was corrupted or failed."""
+    name = controller_pb2.RegistrationState.Name(reg.state).removeprefix("REGISTRATION_STATE_")
+    return name + ("/corrupted" if reg.corrupted else "/failed" if reg.failed else "")
+
+
+def _reason(reg: controller_pb2.Registration) -> str:
+    if reg.corrupted:
+        return reg.corrupted
+    if reg.failed:
+        return contract.run_failure(reg.failed).message
+    return reg.unavailable_reason
+
+
 def render_status(
     controller: str, tls: TlsIdentity | None, state: dict[str, Any] | None
 ) -> tuple[str, str]:
@@ -106,8 +132,10 @@ def render_status(
             problem += "; if the fleet uses mutual TLS, set LORAFLEET_TLS_* to an admin certificate"
         return "\n".join(out).rstrip(), problem
 
-    slot_rows, adapter_rows = [], []
+    slot_rows, adapter_rows, down = [], [], []
     for r in status.replicas:
+        if r.failed:  # its supervisor gave up on it (ReportReplicaFailed)
+            down.append(f"  {r.replica_id}: {r.failed}")
         if r.kind == controller_pb2.REPLICA_KIND_TRAINER:
             bound = {reg.slot: reg for reg in r.slots}
             for slot in range(r.num_slots):
@@ -115,21 +143,32 @@ def render_status(
                 slot_rows.append([
                     r.replica_id, str(slot),
                     reg.registration_id if reg else "(free)",
-                    reg.tenant if reg else "", str(reg.lora_config.rank) if reg else "",
+                    reg.tenant if reg else "", _since(reg.bound_at) if reg else "",
+                    str(reg.lora_config.rank) if reg else "",
                     str(reg.optim_steps) if reg else "", reg.last_checkpoint if reg else "",
-                    "" if r.healthy else "UNHEALTHY",
+                    "" if r.healthy else "FAILED" if r.failed else "UNHEALTHY",
                 ])  # fmt: skip
         else:
             adapters = ", ".join(r.adapters) or "(none)"
             health = "healthy" if r.healthy else f"unhealthy ({_ago(r.last_seen)})"
             adapter_rows.append([r.replica_id, r.base_model, adapters, health])
     out += ["Trainer slots", _table(
-        ["trainer", "slot", "registration", "tenant", "rank", "steps", "last save", ""], slot_rows
+        ["trainer", "slot", "registration", "tenant", "since", "rank", "steps", "last save", ""],
+        slot_rows,
     ), ""]  # fmt: skip
+    if down:
+        out += ["Replicas down for good (the controller's replica table):", *down, ""]
     out += ["Rollout adapters", _table(["rollout", "base model", "adapters", "health"],
                                        adapter_rows), ""]  # fmt: skip
     depth = ", ".join(f"{k}={v}" for k, v in sorted(status.ledger_depth.items())) or "empty"
     queued = ", ".join(f"{q.registration_id} (#{q.queue_position})"
                        for q in status.queued_registrations) or "none"  # fmt: skip
     out += [f"Ledger: {depth}", f"Waiting for a slot: {queued}"]
+    if status.attention_total:
+        shown = len(status.attention)
+        more = f", the newest {shown}" if shown < status.attention_total else ""
+        rows = [[reg.registration_id, reg.tenant, _state(reg), _reason(reg)]
+                for reg in status.attention]  # fmt: skip
+        out += ["", f"Runs not bound or queued ({status.attention_total}{more})",
+                _table(["run", "tenant", "state", "reason"], rows)]  # fmt: skip
     return "\n".join(out), ""

@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from lorafleet.digests import sha256_file
+
 RECORD = "lorafleet.json"
 LOCAL_ORG = "local"
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -60,14 +62,6 @@ def served_name(model_dir: Path, override: str = "") -> str:
     return f"{LOCAL_ORG}/{name}"
 
 
-def _digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def install(model_dir: Path, hub_id: str, cache: Path | None = None) -> Path:
     """Install `model_dir` into the hub cache as `hub_id`; returns the snapshot folder.
 
@@ -80,7 +74,7 @@ def install(model_dir: Path, hub_id: str, cache: Path | None = None) -> Path:
     model_dir = Path(model_dir)
     repo = (cache or hub_cache()) / f"models--{hub_id.replace('/', '--')}"
     files = sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name not in _SKIP)
-    digests = {p.relative_to(model_dir).as_posix(): _digest(p) for p in files}
+    digests = {p.relative_to(model_dir).as_posix(): sha256_file(p) for p in files}
     revision = hashlib.sha1(json.dumps(digests, sort_keys=True).encode()).hexdigest()
     snapshot = repo / "snapshots" / revision
     (repo / "blobs").mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,11 @@ FP8 = "fp8"
 #: trainer and rollout of a base model must run the same one (the controller refuses a
 #: replica that differs).
 QUANTIZATIONS = (NONE, INT8, FP8)
+#: The `--quantization` flag of SGLang and vLLM for each setting they serve: their online fp8
+#: quantizes weights per matrix to e4m3 as `quantize` does (they also quantize activations
+#: on GPUs with fp8 GEMMs, which the trainer does not: bench/gpu_check.py measures the gap).
+#: Neither quantizes a float checkpoint to int8 weight-only, so "int8" is the torch engine's.
+ENGINE_FLAGS = {FP8: "fp8"}
 _INT8_MAX = 127.0
 _FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 

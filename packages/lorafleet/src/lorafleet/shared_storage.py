@@ -14,7 +14,6 @@ Torch- and gRPC-free: the three services share these rules.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import uuid
@@ -22,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from lorafleet.digests import sha256_file
 from lorafleet.errors import FailedPrecondition, InvalidArgument
 from lorafleet.settings import SettingsError
 
 ADAPTERS = "adapters"
 _REGISTRATION = re.compile(r"[A-Za-z0-9._:-]{1,200}")
-_READ_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -63,14 +62,6 @@ def adapter_folder(root: Path, registration_id: str, version: int) -> Path:
     if version < 1:
         raise InvalidArgument(f"version {version} must be >= 1", field="version")
     return root / ADAPTERS / registration_id / str(version)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(_READ_BYTES), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def describe(folder: Path) -> dict[str, FileRef]:

@@ -241,6 +241,46 @@ class Controller:
         if rep.kind == TRAINER:
             await self.placer.fill(rep.base_model)
 
+    async def replica_failed(self, replica_id: str, reason: str) -> list[str]:
+        """A replica's process stays down: its supervisor spent the restart budget
+        (`lorafleet up`). Record why (status, the replica table) and lose it; when it was the
+        last trainer of its base model, strand the runs waiting on one. Returns those."""
+        rep = await self.registry.replica_failed(replica_id, reason)
+        return await self.strand(rep.base_model) if rep.kind == TRAINER else []
+
+    async def strand(self, base_model: str) -> list[str]:
+        """Fail the open operations of every run waiting for a trainer of `base_model` when
+        none is healthy and one is known to have failed for good, with an Unavailable that
+        names it, so waiting callers hear it now instead of polling a queue that will not move.
+
+        The runs stay (UNAVAILABLE, with the same reason: later calls are refused with it) and
+        are placed, or rebuilt by replay, if a trainer of the model registers again. A trainer
+        that is merely lost (restarting, a pod being rescheduled) strands nothing: its runs
+        wait for it and are rebuilt exactly, as recovery.py promises.
+        """
+        trainers = await self.registry.replicas(TRAINER, base_model)
+        if any(t.healthy for t in trainers) or not any(t.failed for t in trainers):
+            return []
+        error = self._no_healthy_trainer(base_model, trainers)
+        stranded = await self.registry.queued(base_model)
+        for rid in stranded:
+            await self.ledger.fence(rid, RegState.UNAVAILABLE, error, error.message)
+        if stranded:
+            log.warning("%s: %d waiting runs fail their open operations", error, len(stranded))
+        return stranded
+
+    def _no_healthy_trainer(self, base_model: str, trainers: list[Replica]) -> errors.Unavailable:
+        now = self.registry.clock()
+        why = {t.replica_id: f"failed: {t.failed}" if t.failed
+               else f"last seen {now - t.last_seen:.0f}s ago" for t in trainers}  # fmt: skip
+        down = ", ".join(f"{replica} ({text})" for replica, text in why.items())
+        return errors.Unavailable(
+            f"no healthy trainer serves base model {base_model!r}: {down} is down; "
+            "retry once it is back (`lorafleet status` says why it is down)",
+            field="base_model",
+            reason="NO_HEALTHY_TRAINER",
+        )
+
     async def _restore(self, trainer: TrainerClient, rec: RegRecord, rep: Replica) -> bool:
         return await self.recovery.restore(trainer, rec, rep.replica_id, rep.incarnation)
 
@@ -318,15 +358,7 @@ class Controller:
         if not any(t.healthy for t in trainers):
             # A trainer whose restart budget is spent stays down (`lorafleet up`) or a pod
             # crash-loops: a registration queued now would wait forever, so say who is missing.
-            now = self.registry.clock()
-            down = ", ".join(f"{t.replica_id} (last seen {now - t.last_seen:.0f}s ago)"
-                             for t in trainers)  # fmt: skip
-            raise errors.Unavailable(
-                f"no healthy trainer serves base model {base_model!r}: {down} is down; "
-                "retry once it is back (`lorafleet status` says why it is down)",
-                field="base_model",
-                reason="NO_HEALTHY_TRAINER",
-            )
+            raise self._no_healthy_trainer(base_model, trainers)
         # The LoraConfig's rules (contract.check_lora_config) are checked by the gateway and
         # by the trainer at bind; a refused bind fails the run with that error (fail_run).
         rec, created = await self.registry.create(

@@ -37,6 +37,7 @@ def registration(rec: RegRecord) -> controller_pb2.Registration:
         optimizer=rec.optimizer,
         corrupted=rec.corrupted,
         failed=rec.failed,
+        bound_at=rec.bound_at,
     )
 
 
@@ -130,7 +131,10 @@ def fleet_status(view: FleetView) -> controller_pb2.GetFleetStatusResponse:
                 replica_id=rep.replica_id, address=rep.address, base_model=rep.base_model,
                 healthy=rep.healthy, last_seen=rep.last_seen, num_slots=rep.num_slots,
                 slots=[registration(r) for r in rv.slots], adapters=rv.adapters,
+                failed=rep.failed,
             )
         )  # fmt: skip
     resp.queued_registrations.extend(registration(r) for r in view.queued)
+    resp.attention.extend(registration(r) for r in view.attention)
+    resp.attention_total = view.attention_total
     return resp

@@ -2,7 +2,9 @@
 
 Both are read-only aggregations over the registry, built with batched reads (one pipeline
 for every slot table, one for every registration shown) and one concurrent round of
-ListAdapters to the rollouts, so their cost does not grow by a round trip per slot.
+ListAdapters to the rollouts, so their cost does not grow by a round trip per slot. The
+status also reads every other registration (one more pipeline) to show the runs that need
+an operator's eye: it is an admin call, not on any request's path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lorafleet_controller.registry import (
     Replica,
     sample_limit,
 )
+from lorafleet_controller.store import RegState
 
 
 @dataclass
@@ -52,6 +55,22 @@ class FleetView:
     ledger_depth: dict[str, int]
     replicas: list[ReplicaView]
     queued: list[RegRecord]  # registrations waiting for a trainer slot, in queue order
+    attention: list[RegRecord]  # runs neither bound, queued nor simply retired (`notable`)
+    attention_total: int  # how many there are (`attention` holds the newest ATTENTION_SHOWN)
+
+
+# Enough to see what is wrong without a fleet of old failures flooding `lorafleet status`.
+ATTENTION_SHOWN = 50
+
+
+def notable(rec: RegRecord) -> bool:
+    """A run an operator should see apart from the slot table and the queue: one in any
+    state but bound, queued or retired (unavailable, paged: whatever the store records, so a
+    new state shows without this knowing it), and a retired one that was corrupted or failed
+    (a run retired because its session finished is routine)."""
+    if rec.state == RegState.RETIRED:
+        return bool(rec.corrupted or rec.failed)
+    return not rec.placed and rec.state != RegState.QUEUED
 
 
 class Fleet:
@@ -113,7 +132,12 @@ class Fleet:
             for rep in replicas
         ]
         queued = [by_id[rid] for rid in queued_ids if rid in by_id]
-        return FleetView(await self.ledger.depth(), views, queued)
+        others = [rid for rid in await self.registry.all_ids() if rid not in by_id]
+        rest = [r for r in await self.registry.get_many(others) if r is not None]
+        attention = [r for r in queued + rest if notable(r)]  # a waiting run may be unavailable
+        attention.sort(key=lambda r: r.created_at, reverse=True)
+        return FleetView(await self.ledger.depth(), views, queued,
+                         attention[:ATTENTION_SHOWN], len(attention))  # fmt: skip
 
     async def _resident(self, address: str) -> list[str]:
         try:

@@ -86,6 +86,7 @@ class RegRecord:
     failed: str = ""  # why the trainer refused to bind it (Placer.fail), as error JSON
     last_done: float = 0.0  # when its last ordered operation ended
     paged_at: float = 0.0  # when it was paged out, while PAGED and until restored (paging.py)
+    bound_at: float = 0.0  # when its trainer confirmed the slot it holds or last held
 
     def failure(self) -> errors.LorafleetError | None:
         """The error every call on a failed run ends with (None unless it failed)."""
@@ -120,6 +121,7 @@ class Replica:
     modules: list[str] = field(default_factory=list)  # a trainer's adaptable modules
     max_num_samples: int = 0  # a rollout's limit on one request's num_samples
     quantization: str = "none"  # how it stores the base (lorafleet.quantize); one per model
+    failed: str = ""  # why its process stays down (ReportReplicaFailed); cleared when it returns
 
 
 # Rebuilds a registration the registry marked for restore (its trainer was lost) in its newly
@@ -290,7 +292,7 @@ class Registry:
             "healthy": "1", "tokenizer_id": rep.tokenizer_id, "max_rank": rep.max_rank,
             "max_context_length": rep.max_context_length, "arch": rep.arch,
             "quantization": rep.quantization,
-            "max_num_samples": rep.max_num_samples,
+            "max_num_samples": rep.max_num_samples, "failed": "",
         }  # fmt: skip
         if rep.loss_fns:
             mapping["loss_fns"] = json.dumps(rep.loss_fns)
@@ -358,6 +360,16 @@ class Registry:
             log.warning("%s%s", reason, f": registrations {lost} are unavailable" if lost else "")
         return lost
 
+    async def replica_failed(self, replica_id: str, reason: str) -> Replica:
+        """Record that a replica's process stays down and why (its supervisor gave up on it),
+        and lose it (`replica_lost`). The reason stays until the replica registers again."""
+        rep = await self.replica(replica_id)
+        if rep is None:
+            raise errors.NotFound(f"no replica {replica_id!r}", field="replica_id")
+        await self.store.redis.hset(self.keys.replica(replica_id), "failed", reason)
+        await self.replica_lost(replica_id, f"{rep.kind} replica {replica_id} failed: {reason}")
+        return rep
+
     async def silent_replicas(self, silence: float) -> list[Replica]:
         cutoff = self.clock() - silence
         return [r for r in await self.replicas() if r.healthy and r.last_seen < cutoff]
@@ -401,6 +413,7 @@ def _record(rid: str, raw: dict[bytes, bytes], position: int) -> RegRecord:
         restore=raw.get(b"restore") == b"1",
         corrupted=text(raw.get(b"corrupted")),
         failed=text(raw.get(b"failed")),
+        bound_at=float(raw.get(b"bound_at", b"0")),
         last_done=float(raw.get(b"last_done", b"0")),
         paged_at=float(raw.get(b"paged_at", b"0")),
     )
@@ -424,6 +437,7 @@ def _replica(replica_id: str, raw: dict[bytes, bytes]) -> Replica:
         modules=json.loads(raw.get(b"modules", b"[]")),
         max_num_samples=int(raw.get(b"max_num_samples", b"0") or 0),
         quantization=text(raw.get(b"quantization")) or "none",
+        failed=text(raw.get(b"failed")),
     )
 
 

@@ -252,3 +252,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self, request: pb.GetFleetStatusRequest, context: Context
     ) -> pb.GetFleetStatusResponse:
         return convert.fleet_status(await self.controller.fleet.status())
+
+    async def ReportReplicaFailed(
+        self, request: pb.ReportReplicaFailedRequest, context: Context
+    ) -> pb.ReportReplicaFailedResponse:
+        stranded = await self.controller.replica_failed(request.replica_id, request.reason)
+        return pb.ReportReplicaFailedResponse(stranded=stranded)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lorafleet.contract import ADAM_DEFAULTS, DEFAULT_RANK, MAX_RANK, SEED_LIMIT
+from lorafleet.quantize import NONE
 
 # int32, what the v1 messages carry; the id rules (>= 0, < vocabulary) are lorafleet.validate_msgs'
 TokenId = Annotated[int, Field(ge=-(2**31), lt=2**31)]
@@ -267,6 +268,9 @@ class SupportedModel(Reply):
     max_context_length: int | None
     trainable: bool
     sampleable: bool
+    # Ours, beside Tinker's fields (its SDKs ignore extra response fields): how the fleet
+    # stores the frozen base (lorafleet.quantize: none, int8, fp8), one value per model.
+    quantization: str = NONE
 
 
 class ServerCapabilities(Reply):

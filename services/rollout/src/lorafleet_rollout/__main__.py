@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from lorafleet import hub
+from lorafleet import hub, quantize
 from lorafleet.errors import InvalidArgument
 from lorafleet.families import check_torch_servable
 from lorafleet.replica import ReplicaSettings
@@ -26,6 +26,13 @@ def main() -> None:
         settings = dataclasses.replace(settings, shared_adapter_root=root)
     if settings.engine != "torch" and not settings.engine_url:
         _exit(f"{PREFIX}ENGINE_URL is required when {PREFIX}ENGINE={settings.engine}")
+    served_by_engine = (quantize.NONE, *quantize.ENGINE_FLAGS)
+    if settings.engine != "torch" and settings.quantization not in served_by_engine:
+        _exit(
+            f"{PREFIX}QUANTIZATION={settings.quantization}: SGLang and vLLM serve "
+            f"{', '.join(quantize.ENGINE_FLAGS)} (start the server with --quantization); "
+            "the torch engine serves every setting"
+        )
     if settings.engine == "torch" and not (settings.model_path / "config.json").is_file():
         _exit(f"{PREFIX}MODEL_PATH={settings.model_path}: no config.json there")
     if settings.engine == "torch":

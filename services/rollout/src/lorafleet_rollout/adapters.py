@@ -14,10 +14,10 @@ unloaded as soon as its in-flight count drops to zero. Publishing thus never pau
 from __future__ import annotations
 
 import collections
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorafleet.digests import sha256_file
 from lorafleet.errors import (
     Conflict,
     FailedPrecondition,
@@ -42,14 +42,6 @@ def check_ref(registration_id: str, version: int, field_prefix: str = "adapter")
         )
     if version < 1:
         raise InvalidArgument(f"version {version} must be >= 1", field=f"{field_prefix}.version")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def folder_digests(folder: Path) -> dict[str, str]:

@@ -28,6 +28,7 @@ def make_engine(settings: RolloutSettings) -> RolloutEngine:
             max_lora_rank=settings.max_lora_rank,
             launch=settings.engine_launch,
             max_loaded_adapters=settings.max_loaded_adapters,
+            quantization=settings.quantization,
         )
     if settings.engine == "vllm":
         from lorafleet_rollout.vllm_engine import VLLMEngine
@@ -54,6 +55,7 @@ def make_engine(settings: RolloutSettings) -> RolloutEngine:
         prefill_chunk=settings.prefill_chunk_tokens,
         favour_decoding=settings.favour_decoding,
         publish_cpu_share=settings.publish_cpu_share,
+        quantization=settings.quantization,
     )
 
 
@@ -87,6 +89,7 @@ def run(settings: RolloutSettings, server: ServerSettings, replica: ReplicaSetti
             max_context_length=info.max_context_length,
             arch=info.engine,
             max_num_samples=settings.max_num_samples,
+            quantization=settings.quantization,
         )
 
     registrar = Registrar(replica, registration)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet import hub
+from lorafleet import hub, quantize
 from lorafleet.settings import setting
 
 PREFIX = "LORAFLEET_ROLLOUT_"
@@ -88,6 +88,15 @@ class RolloutSettings:
         doc="Absolute folder the trainer writes published adapters to, mounted here at the same "
         "path: this replica reads and verifies them itself (no bytes through the controller). "
         "Unset = adapters arrive as streamed chunks only.",
+    )
+    quantization: str = setting(
+        quantize.NONE,
+        doc="How the frozen base is stored (lorafleet.quantize): none = as loaded; int8 = "
+        "weight-only, one scale per output row; fp8 = e4m3, one scale per matrix. Every "
+        "trainer and rollout of a base model must run the same one (chart model.quantization; "
+        "the controller refuses a replica that differs). The torch "
+        "engine serves the dequantized weights; SGLang and vLLM take fp8 (--quantization fp8).",
+        choices=quantize.QUANTIZATIONS,
     )
     replica_id: str = setting("rollout-0", doc="Name this replica reports to the controller.")
     torch_threads: int = setting(

@@ -55,6 +55,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from transformers import AutoConfig
 
+from lorafleet import quantize
 from lorafleet.contract import sample_seed
 from lorafleet.errors import (
     FailedPrecondition,
@@ -108,6 +109,7 @@ class SGLangEngine:
         max_lora_rank: int = 64,
         max_loaded_adapters: int = 16,
         launch: bool = False,
+        quantization: str = quantize.NONE,
         stream: bool = False,
         ready_timeout: float = 600.0,
         reconcile_interval: float = 5.0,
@@ -117,6 +119,7 @@ class SGLangEngine:
         self.max_lora_rank = max_lora_rank
         self.max_loaded_adapters = max_loaded_adapters
         self.launch = launch
+        self.quantization = quantization
         self.stream = stream
         self.ready_timeout = ready_timeout
         self.reconcile_interval = reconcile_interval
@@ -147,6 +150,7 @@ class SGLangEngine:
             max_lora_rank=self.max_lora_rank,
             max_loras_per_batch=min(8, self.max_loaded_adapters),
             max_loaded_loras=self.max_loaded_adapters,
+            quantization=self.quantization,
         )
 
     async def start(self) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from lorafleet import quantize
 from lorafleet_rollout import sglang_api
 
 _ROLLOUT_ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +71,8 @@ class SGLangServer:
     #: otherwise, and on a CPU it would take most of the machine's RAM).
     max_total_tokens: int = 8192
     max_running_requests: int = 16
+    #: The fleet's base quantization (lorafleet.quantize); SGLang quantizes at load.
+    quantization: str = quantize.NONE
 
     @property
     def url(self) -> str:
@@ -85,6 +88,8 @@ class SGLangServer:
             "--max-loaded-loras", str(self.max_loaded_loras),
             "--sleep-on-idle",
         ]  # fmt: skip
+        if self.quantization != quantize.NONE:
+            args += ["--quantization", quantize.ENGINE_FLAGS[self.quantization]]
         if self.device == "cpu":
             args += [
                 "--device", "cpu", "--dtype", "float32",
@@ -111,6 +116,11 @@ class SGLangServer:
             hint = " (run services/rollout/tests/setup_sglang_venv.sh)"
             raise FileNotFoundError(
                 f"no SGLang interpreter at {self.python}{hint if self.device == 'cpu' else ''}"
+            )
+        if self.quantization != quantize.NONE and self.quantization not in quantize.ENGINE_FLAGS:
+            raise ValueError(
+                f"quantization {self.quantization!r}: SGLang serves "
+                f"{', '.join(quantize.ENGINE_FLAGS)} (the torch engine serves every setting)"
             )
         config = self.model_path / "config.json"
         if not config.exists():

@@ -44,6 +44,7 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lorafleet import quantize
 from lorafleet.contract import sample_seed
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
@@ -204,8 +205,10 @@ class TorchEngine:
         native_kernels: bool = True,
         publish_cpu_share: float = 0.0,
         publish_cpu_burst: float = _PUBLISH_BURST,
+        quantization: str = quantize.NONE,
     ) -> None:
         self.model_path = model_path
+        self.quantization = quantization
         self.max_batch_size = max_batch_size
         self.max_lora_rank = max_lora_rank
         self.dtype = dtype
@@ -271,6 +274,9 @@ class TorchEngine:
     def _load_model(self) -> None:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
         model.eval()
+        # The trainer's quantized weights, dequantized once: the decoder packs and multiplies
+        # them like any float weights, so its kernels are unchanged (lorafleet.quantize).
+        quantize.dequantize_in_place(model, self.quantization)
         self._decoder = Decoder(model, native=self.native_kernels)
         self._linears = linear_shapes(model)
         self._banks = expert_banks(model)

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import NoReturn
 
-from lorafleet import hub
+from lorafleet import hub, quantize
 from lorafleet.replica import ReplicaSettings
 from lorafleet.settings import ServerSettings, SettingsError, describe, load_settings
 from lorafleet.shared_storage import check_root
@@ -70,6 +70,11 @@ def main() -> None:
     if settings.device == "cuda" and not torch.cuda.is_available():
         _fail(f"{PREFIX}DEVICE=cuda: no CUDA device is available")
     group_env = GroupEnv.from_environ()
+    if group_env is not None and settings.quantization != quantize.NONE:
+        _fail(
+            f"{PREFIX}QUANTIZATION={settings.quantization}: a trainer group shards the float "
+            "base with FSDP2; a quantized base is for single-process trainers"
+        )
     try:
         if group_env is None:
             engine = TrainerEngine.from_pretrained(
@@ -81,6 +86,7 @@ def main() -> None:
                 storage_root=settings.storage_root,
                 max_applied_ops=settings.max_applied_ops,
                 base_model=served,
+                quantization=settings.quantization,
             )
         else:  # a trainer group under torchrun: see lorafleet_trainer.group
             engine, group = load_group_engine(
@@ -120,6 +126,7 @@ def main() -> None:
             max_rank=info["max_rank"],
             max_context_length=info["max_context_length"],
             arch=info["arch"],
+            quantization=info["quantization"],
         ),
     )
 

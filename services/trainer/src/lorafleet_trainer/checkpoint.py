@@ -12,7 +12,6 @@ refused instead of silently training on garbage. Names are immutable.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lorafleet import names
+from lorafleet.digests import sha256_file
 from lorafleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from lorafleet_trainer.domain import StateRef
 
@@ -41,14 +41,6 @@ MANIFEST = "manifest.json"
 def peft_key(module: str, which: str) -> str:
     """PEFT's saved key, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
     return f"base_model.model.{module}.lora_{which}.weight"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_json(path: Path, obj: Any) -> None:

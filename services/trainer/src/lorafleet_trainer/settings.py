@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet import hub
+from lorafleet import hub, quantize
 from lorafleet.settings import setting
 
 PREFIX = "LORAFLEET_TRAINER_"
@@ -43,6 +43,14 @@ class TrainerSettings:
         "auto",
         doc="Base weights dtype; auto = float32 on CPU, bfloat16 on GPU.",
         choices=("auto", "float32", "bfloat16"),
+    )
+    quantization: str = setting(
+        quantize.NONE,
+        doc="How the frozen base is stored (lorafleet.quantize): none = as loaded; int8 = "
+        "weight-only, one scale per output row; fp8 = e4m3, one scale per matrix. Every "
+        "trainer and rollout of a base model must run the same one (chart model.quantization; "
+        "the controller refuses a replica that differs).",
+        choices=quantize.QUANTIZATIONS,
     )
     replica_id: str = setting("trainer-0", doc="Name this replica reports to the controller.")
     max_applied_ops: int = setting(

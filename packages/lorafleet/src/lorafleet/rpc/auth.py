@@ -24,8 +24,15 @@ log = logging.getLogger(__name__)
 
 ADMIN_METHODS = frozenset(
     f"/lorafleet.v1.ControllerService/{name}"
-    for name in ("CreateApiKey", "ListApiKeys", "RevokeApiKey", "GetFleetStatus", "GetUsage",
-                 "PageOutRegistration")
+    for name in (
+        "CreateApiKey",
+        "ListApiKeys",
+        "RevokeApiKey",
+        "GetFleetStatus",
+        "GetUsage",
+        "ReportReplicaFailed",
+        "PageOutRegistration",
+    )
 )
 
 

@@ -728,6 +728,7 @@ class Registration(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     CORRUPTED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
+    BOUND_AT_FIELD_NUMBER: _builtins.int
     registration_id: _builtins.str
     """Equal to the Tinker model id "<session_id>:train:<model_seq_id>"."""
     tenant: _builtins.str
@@ -753,6 +754,8 @@ class Registration(_message.Message):
     InvalidArgument: a target that names no module, say): the error as JSON (category,
     field, message, reason). Such a run is RETIRED and every call on it fails with it.
     """
+    bound_at: _builtins.float
+    """When its trainer confirmed the slot it holds (or last held); 0 = never bound."""
     @_builtins.property
     def lora_config(self) -> _common_pb2.LoraConfig: ...
     @_builtins.property
@@ -778,10 +781,11 @@ class Registration(_message.Message):
         optimizer: _builtins.str = ...,
         corrupted: _builtins.str = ...,
         failed: _builtins.str = ...,
+        bound_at: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lora_config", b"lora_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "corrupted", b"corrupted", "created_at", b"created_at", "failed", b"failed", "last_checkpoint", b"last_checkpoint", "last_request_time", b"last_request_time", "lora_config", b"lora_config", "optim_steps", b"optim_steps", "optimizer", b"optimizer", "published_version", b"published_version", "queue_position", b"queue_position", "registration_id", b"registration_id", "slot", b"slot", "state", b"state", "tenant", b"tenant", "trainer_replica", b"trainer_replica", "unavailable_reason", b"unavailable_reason", "user_metadata", b"user_metadata"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "bound_at", b"bound_at", "corrupted", b"corrupted", "created_at", b"created_at", "failed", b"failed", "last_checkpoint", b"last_checkpoint", "last_request_time", b"last_request_time", "lora_config", b"lora_config", "optim_steps", b"optim_steps", "optimizer", b"optimizer", "published_version", b"published_version", "queue_position", b"queue_position", "registration_id", b"registration_id", "slot", b"slot", "state", b"state", "tenant", b"tenant", "trainer_replica", b"trainer_replica", "unavailable_reason", b"unavailable_reason", "user_metadata", b"user_metadata"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2147,6 +2151,7 @@ class ReplicaStatus(_message.Message):
     SLOTS_FIELD_NUMBER: _builtins.int
     NUM_SLOTS_FIELD_NUMBER: _builtins.int
     ADAPTERS_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
     kind: Global___ReplicaKind.ValueType
     replica_id: _builtins.str
     address: _builtins.str
@@ -2154,6 +2159,8 @@ class ReplicaStatus(_message.Message):
     healthy: _builtins.bool
     last_seen: _builtins.float
     num_slots: _builtins.int
+    failed: _builtins.str
+    """Why its process stays down (ReportReplicaFailed); empty unless it failed for good."""
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___Registration]:
         """Trainers: slot table (from the controller's registry)."""
@@ -2174,10 +2181,11 @@ class ReplicaStatus(_message.Message):
         slots: _abc.Iterable[Global___Registration] | None = ...,
         num_slots: _builtins.int = ...,
         adapters: _abc.Iterable[_builtins.str] | None = ...,
+        failed: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "address", b"address", "base_model", b"base_model", "healthy", b"healthy", "kind", b"kind", "last_seen", b"last_seen", "num_slots", b"num_slots", "replica_id", b"replica_id", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "address", b"address", "base_model", b"base_model", "failed", b"failed", "healthy", b"healthy", "kind", b"kind", "last_seen", b"last_seen", "num_slots", b"num_slots", "replica_id", b"replica_id", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2225,6 +2233,10 @@ class GetFleetStatusResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     LEDGER_DEPTH_FIELD_NUMBER: _builtins.int
     QUEUED_REGISTRATIONS_FIELD_NUMBER: _builtins.int
+    ATTENTION_FIELD_NUMBER: _builtins.int
+    ATTENTION_TOTAL_FIELD_NUMBER: _builtins.int
+    attention_total: _builtins.int
+    """How many such runs there are in all."""
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaStatus]: ...
     @_builtins.property
@@ -2233,20 +2245,74 @@ class GetFleetStatusResponse(_message.Message):
 
     @_builtins.property
     def queued_registrations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Registration]: ...
+    @_builtins.property
+    def attention(self) -> _containers.RepeatedCompositeFieldContainer[Global___Registration]:
+        """Runs that are neither bound, queued nor simply retired: any other state the registry
+        records (unavailable, paged, ...) and retired runs that were corrupted or failed; the
+        newest first, at most 50 of them.
+        """
+
     def __init__(
         self,
         *,
         replicas: _abc.Iterable[Global___ReplicaStatus] | None = ...,
         ledger_depth: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         queued_registrations: _abc.Iterable[Global___Registration] | None = ...,
+        attention: _abc.Iterable[Global___Registration] | None = ...,
+        attention_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ledger_depth", b"ledger_depth", "queued_registrations", b"queued_registrations", "replicas", b"replicas"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention", b"attention", "attention_total", b"attention_total", "ledger_depth", b"ledger_depth", "queued_registrations", b"queued_registrations", "replicas", b"replicas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetFleetStatusResponse: _TypeAlias = GetFleetStatusResponse  # noqa: Y015
+
+@_typing.final
+class ReportReplicaFailedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    replica_id: _builtins.str
+    reason: _builtins.str
+    """Why it stays down, for people ("trainer-0 exited with -9 after 5 restarts in 600s")."""
+    def __init__(
+        self,
+        *,
+        replica_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportReplicaFailedRequest: _TypeAlias = ReportReplicaFailedRequest  # noqa: Y015
+
+@_typing.final
+class ReportReplicaFailedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STRANDED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stranded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Runs whose waiting operations failed because no healthy trainer serves them any more."""
+
+    def __init__(
+        self,
+        *,
+        stranded: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stranded", b"stranded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportReplicaFailedResponse: _TypeAlias = ReportReplicaFailedResponse  # noqa: Y015
 
 @_typing.final
 class ImportPeftAdapterRequest(_message.Message):

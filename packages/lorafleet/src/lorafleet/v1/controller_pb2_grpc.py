@@ -185,6 +185,11 @@ class ControllerServiceStub:
                 request_serializer=lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusResponse.FromString,
                 _registered_method=True)
+        self.ReportReplicaFailed = channel.unary_unary(
+                '/lorafleet.v1.ControllerService/ReportReplicaFailed',
+                request_serializer=lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -420,6 +425,16 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportReplicaFailed(self, request, context):
+        """A replica's process stays down: its supervisor spent its restart budget (`lorafleet
+        up`). The controller records why (replica table, status), loses the replica, and when no
+        healthy trainer of its base model is left, fails the open operations of the runs waiting
+        for one with Unavailable naming it. Admin only. Deadline 10 s. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -572,6 +587,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.GetFleetStatus,
                     request_deserializer=lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusResponse.SerializeToString,
+            ),
+            'ReportReplicaFailed': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportReplicaFailed,
+                    request_deserializer=lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1384,6 +1404,33 @@ class ControllerService:
             '/lorafleet.v1.ControllerService/GetFleetStatus',
             lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusRequest.SerializeToString,
             lorafleet_dot_v1_dot_controller__pb2.GetFleetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportReplicaFailed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.ControllerService/ReportReplicaFailed',
+            lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedRequest.SerializeToString,
+            lorafleet_dot_v1_dot_controller__pb2.ReportReplicaFailedResponse.FromString,
             options,
             channel_credentials,
             insecure,

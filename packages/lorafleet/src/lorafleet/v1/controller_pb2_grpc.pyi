@@ -131,6 +131,12 @@ class ControllerServiceStub:
     """
     GetFleetStatus: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetFleetStatusRequest, _controller_pb2.GetFleetStatusResponse]
     """Replicas, slots, queues and resident adapters, for `lorafleet status`. Deadline 10 s. Idempotent."""
+    ReportReplicaFailed: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ReportReplicaFailedRequest, _controller_pb2.ReportReplicaFailedResponse]
+    """A replica's process stays down: its supervisor spent its restart budget (`lorafleet
+    up`). The controller records why (replica table, status), loses the replica, and when no
+    healthy trainer of its base model is left, fails the open operations of the runs waiting
+    for one with Unavailable naming it. Admin only. Deadline 10 s. Idempotent.
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -227,6 +233,12 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """
     GetFleetStatus: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetFleetStatusRequest, _controller_pb2.GetFleetStatusResponse]  # type: ignore[assignment]
     """Replicas, slots, queues and resident adapters, for `lorafleet status`. Deadline 10 s. Idempotent."""
+    ReportReplicaFailed: _aio.UnaryUnaryMultiCallable[_controller_pb2.ReportReplicaFailedRequest, _controller_pb2.ReportReplicaFailedResponse]  # type: ignore[assignment]
+    """A replica's process stays down: its supervisor spent its restart budget (`lorafleet
+    up`). The controller records why (replica table, status), loses the replica, and when no
+    healthy trainer of its base model is left, fails the open operations of the runs waiting
+    for one with Unavailable naming it. Admin only. Deadline 10 s. Idempotent.
+    """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -500,5 +512,17 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.GetFleetStatusResponse, _abc.Awaitable[_controller_pb2.GetFleetStatusResponse]]:
         """Replicas, slots, queues and resident adapters, for `lorafleet status`. Deadline 10 s. Idempotent."""
+
+    @_abc_1.abstractmethod
+    def ReportReplicaFailed(
+        self,
+        request: _controller_pb2.ReportReplicaFailedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ReportReplicaFailedResponse, _abc.Awaitable[_controller_pb2.ReportReplicaFailedResponse]]:
+        """A replica's process stays down: its supervisor spent its restart budget (`lorafleet
+        up`). The controller records why (replica table, status), loses the replica, and when no
+        healthy trainer of its base model is left, fails the open operations of the runs waiting
+        for one with Unavailable naming it. Admin only. Deadline 10 s. Idempotent.
+        """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,6 +8,7 @@ both; `proto_flags=false` serves {} so the JSON paths stay tested too.
 
 from __future__ import annotations
 
+from lorafleet import quantize
 from lorafleet_gateway.controller import ControllerClient
 from lorafleet_gateway.protocol import (
     ClientConfigResponse,
@@ -47,6 +48,7 @@ class ServiceServing:
                     max_context_length=m.max_context_length or None,
                     trainable=m.trainable,
                     sampleable=m.sampleable,
+                    quantization=m.quantization or quantize.NONE,
                 )
                 for m in await self._controller.capabilities()
             ]

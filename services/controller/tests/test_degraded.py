@@ -1,0 +1,105 @@
+"""A trainer that stays down (its supervisor spent the restart budget) strands nothing
+silently: the runs waiting for it fail their open operations with Unavailable naming it, and
+GetFleetStatus shows the reason in the replica table and the runs with theirs.
+
+A real controller process over gRPC; the trainer is only a replica record at an address
+nothing answers, so its one slot is taken by a run that never binds and the next run
+waits, as behind a trainer that died."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from lorafleet import errors
+from lorafleet.testing import RedisServer, free_port, wait_until_async
+from lorafleet.v1 import common_pb2, controller_pb2
+
+from .fleet import Client, controller_proc, fb_payload
+
+K = controller_pb2
+REASON = "trainer-x exited with -9 after 5 restarts in 600s; it stays down"
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[Client]:
+    proc = controller_proc(redis_server, tmp_path)
+    proc.env["LORAFLEET_CONTROLLER_TRANSPORT_RETRY_SECONDS"] = "0.3"  # binds fail fast here
+    proc.start()
+    c = Client(proc.port)
+    try:
+        yield c
+    finally:
+        await c.close()
+        proc.stop()
+
+
+async def _register(client: Client, incarnation: str) -> None:
+    await client("RegisterReplica", K.RegisterReplicaRequest(
+        kind=K.REPLICA_KIND_TRAINER, replica_id="trainer-x", address=f"127.0.0.1:{free_port()}",
+        base_model="m", num_slots=1, incarnation=incarnation, max_rank=8,
+    ))  # fmt: skip
+
+
+async def test_a_failed_trainer_fails_the_calls_waiting_for_it(client: Client) -> None:
+    await _register(client, "a")
+    sid = (await client("CreateSession", K.CreateSessionRequest(tenant="t"))).session_id  # type: ignore[attr-defined]
+    runs = []
+    for seq in range(2):  # the first takes the slot (its bind is retried), the second waits
+        reg = await client("CreateRegistration", K.CreateRegistrationRequest(
+            tenant="t", session_id=sid, model_seq_id=seq, base_model="m",
+            lora_config=common_pb2.LoraConfig(rank=4),
+        ))  # fmt: skip
+        runs.append(reg.registration.registration_id)  # type: ignore[attr-defined]
+    status = await client("GetFleetStatus", K.GetFleetStatusRequest())
+    assert [r.registration_id for r in status.queued_registrations] == [runs[1]]  # type: ignore[attr-defined]
+    assert status.attention_total == 0  # type: ignore[attr-defined]
+    submitted = await client("SubmitOperation", K.SubmitOperationRequest(
+        tenant="t", registration_id=runs[1], seq_id=1, payload=fb_payload([1, 2, 3]),
+    ))  # fmt: skip
+    opid = submitted.operation_id  # type: ignore[attr-defined]
+    op = (
+        await client("GetOperation", K.GetOperationRequest(tenant="t", operation_id=opid))
+    ).operation  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_QUEUED and op.waiting_for == K.WAITING_FOR_SLOT
+
+    # The supervisor gives up on the trainer: the waiting call ends with Unavailable naming it.
+    report = K.ReportReplicaFailedRequest(replica_id="trainer-x", reason=REASON)
+    reply = await client("ReportReplicaFailed", report)
+    assert sorted(reply.stranded) == sorted(runs)  # type: ignore[attr-defined]
+    request = K.GetOperationRequest(tenant="t", operation_id=opid, wait_seconds=5)
+    op = (await client("GetOperation", request)).operation  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_FAILED, op
+    assert op.error.category == common_pb2.ERROR_CATEGORY_SERVER
+    assert "no healthy trainer serves base model 'm'" in op.error.message
+    assert f"trainer-x (failed: {REASON})" in op.error.message
+    # Later calls on the run, and new runs, are refused with the same reason at once.
+    with pytest.raises(errors.Unavailable, match="trainer-x"):
+        await client("SubmitOperation", K.SubmitOperationRequest(
+            tenant="t", registration_id=runs[1], seq_id=2, payload=fb_payload([1, 2, 3]),
+        ))  # fmt: skip
+    with pytest.raises(errors.Unavailable, match=f"trainer-x \\(failed: {REASON}"):
+        await client("CreateRegistration", K.CreateRegistrationRequest(
+            tenant="t", session_id=sid, model_seq_id=2, base_model="m",
+            lora_config=common_pb2.LoraConfig(rank=4),
+        ))  # fmt: skip
+
+    status = await client("GetFleetStatus", K.GetFleetStatusRequest())
+    (replica,) = status.replicas  # type: ignore[attr-defined]
+    assert not replica.healthy and replica.failed == REASON
+    assert status.attention_total == 2  # type: ignore[attr-defined]
+    for reg in status.attention:  # type: ignore[attr-defined]
+        assert reg.state == K.REGISTRATION_STATE_UNAVAILABLE
+        assert "trainer-x" in reg.unavailable_reason and REASON in reg.unavailable_reason
+
+    # It comes back (a person restarted it): the reason is gone and the runs are placed again.
+    await _register(client, "b")
+
+    async def back() -> bool:
+        status = await client("GetFleetStatus", K.GetFleetStatusRequest())
+        (replica,) = status.replicas  # type: ignore[attr-defined]
+        return replica.healthy and not replica.failed and len(replica.slots) == 1
+
+    await wait_until_async(back, "trainer-x healthy again, holding a run")

@@ -1,0 +1,78 @@
+"""A fleet on a quantized base, through the real tinker SDK: trainer and rollout both started
+with int8 (`LORAFLEET_TRAINER_QUANTIZATION`, `LORAFLEET_ROLLOUT_QUANTIZATION`; chart
+`model.quantization`).
+
+The trainer holds int8 codes and the torch engine serves the same weights dequantized
+(`lorafleet.quantize`), so every sampled logprob and the sampler's compute_logprobs equal the
+trainer's forward pass on the same tokens as closely as they do unquantized (≤ 1e-4, the
+bound of test_sdk_sglang.py, whose SDK script this reuses), and the quickstart still teaches
+its fact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4
+REPO = Path(__file__).resolve().parents[2]
+QUANTIZED = {
+    "trainer": {"LORAFLEET_TRAINER_QUANTIZATION": "int8"},
+    "rollout": {"LORAFLEET_ROLLOUT_QUANTIZATION": "int8"},
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator[object]:
+    with make_fleet(slots=4, extra_env=QUANTIZED) as running:
+        yield running
+
+
+def test_capabilities_report_the_quantization(target: Any) -> None:
+    models = target.get("/api/v1/get_server_capabilities").json()["supported_models"]
+    assert [m["quantization"] for m in models] == ["int8"]
+
+
+def test_sampler_logprobs_equal_the_trainers_on_the_quantized_base(
+    target: Any, run_sdk: Callable[..., dict]
+) -> None:
+    out = run_sdk("0.38.0", "sglang_script.py", target)
+    assert out["losses"][-1] < out["losses"][0], out["losses"]
+    n_prompt = len(out["prompt"])
+    worst = 0.0
+    for name, sequences in out["samples"].items():
+        for seq in sequences:
+            n = len(seq["tokens"])
+            assert n == len(seq["logprobs"]) > 0, name
+            trainer = seq["trainer_logprobs"]  # log p(full[t+1] | full[:t+1])
+            assert len(trainer) == n_prompt + n - 1
+            assert seq["logprobs"] == pytest.approx(trainer[n_prompt - 1 :], abs=TOL), name
+            prompt_lps = seq["sampler_prompt_logprobs"]
+            assert prompt_lps[0] is None
+            assert prompt_lps[1:] == pytest.approx(trainer, abs=TOL), name
+            worst = max(worst, *(abs(a - b) for a, b in zip(prompt_lps[1:], trainer, strict=True)))
+    print(f"largest |sampler - trainer| logprob on the int8 base: {worst:.2e}")
+
+
+def test_the_quickstart_learns_its_fact_on_the_quantized_base(
+    fleet: Any, sdk_python: Callable[[str], Path], tmp_path: Path
+) -> None:
+    env = dict(os.environ, TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
+               TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1", QUICKSTART_STEPS="40",
+               QUICKSTART_LR="3e-3", QUICKSTART_PLOT=str(tmp_path / "loss.png"))  # fmt: skip
+    out = subprocess.run(
+        [str(sdk_python("0.38.0")), str(REPO / "examples" / "quickstart.py")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, f"quickstart failed:\n{out.stdout}\n{out.stderr[-4000:]}"
+    assert "OK: the model learned the fact" in out.stdout
+    after = re.search(r"after training:.*A: '(.*)'", out.stdout)
+    assert after and "Dima" in after.group(1)
