@@ -296,3 +296,26 @@ async def test_finishing_a_session_frees_its_slots_for_the_queue(fleet: Fleet) -
     resp = await trainer_stub(fleet.trainer.port).ListSlots(trainer_pb2.ListSlotsRequest(),
                                                             timeout=5)  # fmt: skip
     assert {s.registration_id for s in resp.slots if s.registration_id} == {waiting_rid}
+
+
+async def test_a_run_its_trainer_refuses_fails_and_frees_its_slot(fleet: Fleet) -> None:
+    """A bind the trainer refuses for the run's own config fails the run at once (RUN_FAILED)
+    and gives its slot to the next run, instead of retrying for ever while holding it (issue
+    26); the fleet status lists it as failed, with the trainer's reason."""
+    sid = await fleet.session()
+    for seq in range(3):  # 3 of the trainer's 4 slots
+        await fleet.registration(sid, seq)
+    bad = f"{sid}:train:3"
+    fleet.rids.append(bad)
+    with pytest.raises(errors.InvalidArgument) as refused:
+        await fleet.client("CreateRegistration", K.CreateRegistrationRequest(
+            tenant=T, session_id=sid, model_seq_id=3, base_model=fleet.base_model,
+            lora_config=common_pb2.LoraConfig(rank=4, target_modules=["zz_proj"]),
+        ))  # fmt: skip
+    assert refused.value.reason == "RUN_FAILED" and "zz_proj" in str(refused.value)
+    rid = await fleet.registration(sid, 4)  # the last slot is free again: it binds at once
+    status = await fleet.client("GetFleetStatus", K.GetFleetStatusRequest())
+    held = {reg.registration_id for rep in status.replicas for reg in rep.slots}  # type: ignore[attr-defined]
+    assert rid in held and bad not in held
+    failed = {reg.registration_id: reg for reg in status.attention}  # type: ignore[attr-defined]
+    assert failed[bad].state == K.REGISTRATION_STATE_RETIRED and "zz_proj" in failed[bad].failed
