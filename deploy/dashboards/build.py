@@ -159,11 +159,16 @@ def fleet_overview() -> dict:
     )
 
 
+PAGE_OUT = "lorafleet_registry_page_out_seconds_bucket"
+PAGE_IN = "lorafleet_registry_page_in_seconds_bucket"
+
+
 def training() -> dict:
     return dashboard(
         "lorafleet-training",
         "lorafleet / Training",
-        "Trainer replicas: slot use, throughput, step latency, non-finite vetoes, state I/O.",
+        "Trainer replicas: slot use, throughput, step latency, non-finite vetoes, state I/O, "
+        "paging.",
         [
             Panel(
                 "Trainer slots by state",
@@ -220,6 +225,28 @@ def training() -> dict:
                     )
                 ],
                 "s",
+            ),
+            Panel(
+                "Paging: runs paged out and in per second",
+                [
+                    (rate(PAGE_OUT, selector='{le="+Inf"}'), "paged out"),
+                    (rate(PAGE_IN, selector='{le="+Inf"}'), "paged in"),
+                ],
+                "short",
+                description="Idle runs paged out of their slot for waiting ones, and paged runs "
+                "restored on their next operation (controller paging.py).",
+            ),
+            Panel(
+                "Paging: page-out and page-in p50/p99",
+                [
+                    (quantile(0.5, PAGE_OUT), "page-out p50"),
+                    (quantile(0.99, PAGE_OUT), "page-out p99"),
+                    (quantile(0.5, PAGE_IN), "page-in p50"),
+                    (quantile(0.99, PAGE_IN), "page-in p99"),
+                ],
+                "s",
+                description="Page-out: the slot's snapshot until the slot is free. Page-in: "
+                "the restore into a new slot (bind, load, replay), not the wait for one.",
             ),
         ],
     )
