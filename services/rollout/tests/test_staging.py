@@ -8,12 +8,12 @@ import pytest
 from rollout_helpers import file_digests
 
 from lorafleet.errors import InvalidArgument
+from lorafleet.staging import ChunkedUpload
 from lorafleet_rollout.adapters import folder_digests, verify_digests
-from lorafleet_rollout.staging import AdapterUpload
 
 
-def stage(root: Path, files: dict[str, bytes], chunk: int = 5) -> AdapterUpload:
-    upload = AdapterUpload(root, max_bytes=1 << 20)
+def stage(root: Path, files: dict[str, bytes], chunk: int = 5) -> ChunkedUpload:
+    upload = ChunkedUpload(root, max_bytes=1 << 20)
     for name, data in files.items():
         for offset in range(0, len(data), chunk):
             upload.write(name, offset, data[offset : offset + chunk], "")

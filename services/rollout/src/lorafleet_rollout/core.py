@@ -19,6 +19,7 @@ from pathlib import Path
 
 from lorafleet import validate_msgs
 from lorafleet.errors import InvalidArgument, LorafleetError, NotFound, ResourceExhausted
+from lorafleet.staging import MAX_ADAPTER_BYTES
 from lorafleet_rollout import metrics
 from lorafleet_rollout.adapters import (
     AdapterRegistry,
@@ -43,7 +44,7 @@ class Limits:
     max_queued_requests: int = 256
     max_num_samples: int = 16
     versions_per_registration: int = 2
-    max_adapter_bytes: int = 1 << 30
+    max_adapter_bytes: int = MAX_ADAPTER_BYTES
 
 
 class RolloutCore:

@@ -17,11 +17,11 @@ import grpc
 from lorafleet import contract
 from lorafleet.errors import FailedPrecondition, InvalidArgument
 from lorafleet.shared_storage import FileRef
+from lorafleet.staging import ChunkedUpload
 from lorafleet.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from lorafleet_rollout import metrics
 from lorafleet_rollout.core import RolloutCore
 from lorafleet_rollout.shared_read import stage_refs
-from lorafleet_rollout.staging import AdapterUpload
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SampleResult, SamplingSpec
 
 _STOP = {"stop": common_pb2.STOP_REASON_STOP, "length": common_pb2.STOP_REASON_LENGTH}
@@ -62,7 +62,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> rollout_pb2.LoadAdapterResponse:
         header: rollout_pb2.AdapterHeader | None = None
-        upload = AdapterUpload(self.core.adapter_dir, self.core.limits.max_adapter_bytes)
+        upload = ChunkedUpload(self.core.adapter_dir, self.core.limits.max_adapter_bytes)
         try:
             async for message in request_iterator:
                 if message.HasField("header"):
@@ -98,7 +98,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             upload.discard()
         return rollout_pb2.LoadAdapterResponse(adapter_id=engine_id, already_loaded=already)
 
-    async def _read_shared(self, header: rollout_pb2.AdapterHeader, upload: AdapterUpload) -> None:
+    async def _read_shared(self, header: rollout_pb2.AdapterHeader, upload: ChunkedUpload) -> None:
         """Published by reference: no chunks came; read the files from shared storage."""
         if self.shared_root is None:
             raise FailedPrecondition(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lorafleet import hub, quantize
 from lorafleet.settings import setting
+from lorafleet.staging import MAX_ADAPTER_BYTES
 
 PREFIX = "LORAFLEET_ROLLOUT_"
 
@@ -77,7 +78,7 @@ class RolloutSettings:
     )  # fmt: skip
     max_lora_rank: int = setting(64, doc="Largest LoRA rank accepted.", min=1, max=4096)
     max_adapter_bytes: int = setting(
-        1 << 30, doc="Largest adapter upload (all files).", min=1024, max=1 << 40
+        MAX_ADAPTER_BYTES, doc="Largest adapter upload (all files).", min=1024, max=1 << 40
     )
     adapter_dir: Path = setting(
         Path(".cache/rollout-adapters"),

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from lorafleet.errors import InvalidArgument
 from lorafleet.shared_storage import FileRef, resolve
-from lorafleet_rollout.staging import AdapterUpload
+from lorafleet.staging import ChunkedUpload
 
 _BLOCK = 1 << 20
 
 
-def stage_refs(upload: AdapterUpload, root: Path, refs: dict[str, FileRef]) -> None:
+def stage_refs(upload: ChunkedUpload, root: Path, refs: dict[str, FileRef]) -> None:
     for name, ref in sorted(refs.items()):
         field = f"header.file_refs[{name}]"
         if not ref.sha256:

@@ -110,7 +110,12 @@ def main() -> None:
         serving = GroupEngine(engine, group, settings.group_keepalive_seconds, exit_lost)
     snapshots = Snapshotter(serving, settings.snapshot_every_steps, settings.snapshot_every_seconds)
     servicer = TrainerServicer(
-        serving, settings.replica_id, snapshots, shared_root, model_path=settings.model_path
+        serving,
+        settings.replica_id,
+        snapshots,
+        shared_root,
+        model_path=settings.model_path,
+        max_adapter_bytes=settings.max_adapter_bytes,
     )
     info = serving.info()
     registrar = Registrar(

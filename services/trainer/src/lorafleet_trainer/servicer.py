@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from lorafleet import names, shared_storage
+from lorafleet import shared_storage
 from lorafleet.errors import FailedPrecondition, InvalidArgument, LorafleetError
 from lorafleet.rpc.errors import error_info
+from lorafleet.staging import MAX_ADAPTER_BYTES, ChunkedUpload
 from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
-from lorafleet.validate_msgs import Limits
 from lorafleet_trainer import convert
 from lorafleet_trainer.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lorafleet_trainer.domain import ForwardBackwardItem
@@ -48,8 +48,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         snapshots: Snapshotter | None = None,
         shared_root: Path | None = None,
         model_path: Path | None = None,
+        max_adapter_bytes: int = MAX_ADAPTER_BYTES,
     ) -> None:
         self.engine = engine
+        self.max_adapter_bytes = max_adapter_bytes  # cap of one ImportAdapter stream
         self.replica_id = replica_id
         self.snapshots = snapshots
         self.shared_root = shared_root
@@ -119,8 +121,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         positions = []
         for i, it in enumerate(request.items):
             try:
-                limits = Limits(self.engine.vocab_size, self.engine.max_length)
-                inp = convert.fb_input_from_proto(it.input, limits)
+                inp = convert.fb_input_from_proto(it.input)
             except LorafleetError as exc:
                 results[i] = exc
                 continue
@@ -280,12 +281,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         request_iterator: AsyncIterator[trainer_pb2.ImportAdapterChunk],
         context: grpc.aio.ServicerContext,
     ) -> trainer_pb2.ImportAdapterResponse:
-        folder = Path(tempfile.mkdtemp(prefix="lorafleet-import-"))
+        """The two PEFT files, staged through lorafleet.staging's walls (plain names, the
+        size cap, in-order chunks, each file's SHA-256) before the engine reads them."""
+        upload = ChunkedUpload(
+            Path(tempfile.gettempdir()), self.max_adapter_bytes, names=ADAPTER_FILES
+        )
         try:
             header = None
-            sizes: dict[str, int] = {}
-            hashes: dict[str, Any] = {}
-            done: set[str] = set()
             async for part in request_iterator:
                 if part.HasField("header"):
                     if header is not None:
@@ -297,40 +299,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 if header is None:
                     raise InvalidArgument("the first message must be the header", field="header")
                 c = part.chunk
-                if c.path not in ADAPTER_FILES:
-                    raise InvalidArgument(
-                        f"expected one of {', '.join(ADAPTER_FILES)}", field="chunk.path"
-                    )
-                if c.path in done or c.offset != sizes.get(c.path, 0):
-                    raise InvalidArgument(
-                        f"chunk of {c.path} at offset {c.offset} is out of order",
-                        field="chunk.offset",
-                    )
-                target = names.resolve_under(folder, c.path, field="chunk.path")
-                with target.open("ab") as f:
-                    f.write(c.data)
-                sizes[c.path] = c.offset + len(c.data)
-                hashes.setdefault(c.path, hashlib.sha256()).update(c.data)
-                if c.sha256:
-                    if hashes[c.path].hexdigest() != c.sha256:
-                        raise InvalidArgument(
-                            f"{c.path} does not match its SHA-256", field="chunk.sha256"
-                        )
-                    done.add(c.path)
+                upload.write(c.path, c.offset, c.data, c.sha256)
             if header is None:
                 raise InvalidArgument("the stream carried no header", field="header")
-            missing = [n for n in ADAPTER_FILES if n not in done]
-            if missing:
-                raise InvalidArgument(
-                    f"{missing[0]} is missing or has no final SHA-256", field="chunk"
-                )
+            upload.require_complete(ADAPTER_FILES)
             await self._run(
                 self.engine.import_adapter,
                 header.operation_id,
                 header.slot,
                 header.registration_id,
-                folder,
+                upload.folder,
             )
             return trainer_pb2.ImportAdapterResponse()
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            await asyncio.to_thread(upload.discard)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lorafleet import hub, quantize
 from lorafleet.settings import setting
+from lorafleet.staging import MAX_ADAPTER_BYTES
 
 PREFIX = "LORAFLEET_TRAINER_"
 
@@ -35,6 +36,12 @@ class TrainerSettings:
         doc="Absolute folder the controller and every rollout mount at the same path: a "
         "publish writes the adapter there and rollouts read it by reference (no bytes through "
         "the controller). Unset = adapters stream through the controller.",
+    )
+    max_adapter_bytes: int = setting(
+        MAX_ADAPTER_BYTES,
+        doc="Largest adapter an import may stream in (all files).",
+        min=1024,
+        max=1 << 40,
     )
     device: str = setting(
         "auto", doc="Torch device; auto = cuda when present.", choices=("auto", "cpu", "cuda")
