@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import redis.asyncio as aioredis
 import torch
 from safetensors.torch import load_file
 
-from lorafleet.testing import start_redis
+from lorafleet import errors
+from lorafleet.testing import start_redis, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller.store.keys import Keys
 from lorafleet_trainer.checkpoint import ADAPTER_WEIGHTS, OPTIMIZER_FILE, TRAINER_STATE
@@ -210,6 +212,56 @@ async def test_more_runs_than_slots_all_finish_each_as_it_would_alone(procs) -> 
             for key, tensor in expected["tensors"].items():  # type: ignore[attr-defined]
                 torch.testing.assert_close(got["tensors"][key], tensor, rtol=1e-3, atol=1e-5)  # type: ignore[index]
             await alone.delete()
+    finally:
+        await r.aclose()
+        await client.close()
+
+
+async def test_a_controller_sigkilled_mid_page_out_loses_nothing_and_applies_nothing_twice(
+    procs,
+) -> None:
+    root, redis_server, controller, trainer = procs
+    client = Client(controller.port)
+    r = aioredis.from_url(redis_server.url)  # type: ignore[attr-defined]
+    try:
+        reference, paged = await start_runs(client, [5, 5])
+        await reference.steps(range(2))
+        await paged.steps(range(2))
+        # The trainer stalls in the page-out's SaveState; the controller dies meanwhile.
+        trainer.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        stalled = asyncio.ensure_future(paged.page_out())
+        await wait_until_async(lambda: r.sismember(KEYS.paging, paged.rid), "the page-out began")
+        assert await r.hget(KEYS.reg(paged.rid), "state") == b"paging"
+        # An operation submitted meanwhile waits (a paging run is claimed by nobody).
+        paged.seq += 1
+        queued = await client(
+            "SubmitOperation",
+            K.SubmitOperationRequest(tenant=T, registration_id=paged.rid, seq_id=paged.seq,
+                                     payload=fb_payload(tokens(paged.seed, 2))),
+        )  # fmt: skip
+        controller.kill()
+        trainer.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+        with pytest.raises(errors.LorafleetError):  # its controller died under it
+            await stalled
+        await client.close()
+        controller.start()
+        client = Client(controller.port)
+        paged.client = reference.client = client
+        # The new controller's sweep gives the interrupted page-out up: the run is READY again
+        # with its state intact on the trainer, and the waiting operation runs once.
+        op = await wait_done(client, T, queued.operation_id)  # type: ignore[attr-defined]
+        assert op.state == K.OPERATION_STATE_SUCCEEDED  # type: ignore[attr-defined]
+        assert not await r.smembers(KEYS.paging)
+        assert "a page-out of" in controller.log.read_text()
+        await paged.op(optim_payload())
+        await reference.op(fb_payload(tokens(reference.seed, 2)))
+        await reference.op(optim_payload())
+        same(await paged.state(root), await reference.state(root))
+        # And a page-out now completes, its run paged in exactly on its next step.
+        assert (await paged.page_out()).state == K.REGISTRATION_STATE_PAGED  # type: ignore[attr-defined]
+        await paged.steps(range(3, 5))
+        await reference.steps(range(3, 5))
+        same(await paged.state(root), await reference.state(root))
     finally:
         await r.aclose()
         await client.close()
