@@ -24,11 +24,6 @@ OWNERS = {
     Path("packages/lorafleet/src/lorafleet/contract.py"),
     Path("packages/lorafleet/src/lorafleet/validate_msgs.py"),
 }
-# Known restatements still to remove, each with what remains: the trainer's prepare_input
-# (losses.py) still checks group_tokens and an empty batch for in-process callers of the
-# engine that bypass the wire (its gRPC path runs validate_msgs first). A file here must
-# still have findings (test below), so it leaves this set once it is fixed.
-PENDING = {Path("services/trainer/src/lorafleet_trainer/losses.py")}
 ID_PARTS = (contract.TINKER_SCHEME, contract.RunId.SEP, contract.SamplerId.SEP)
 DEFAULTED = {"alpha": "contract.effective_alpha", "lora_plus_ratio": "contract.b_lr_ratio"}
 RETIRED_NAMES = {"a_only_decay": "a_only_weight_decay"}
@@ -128,6 +123,38 @@ def limit_bound(node: ast.AST) -> str | None:
     return None
 
 
+# Options whose ranges the contract owns (OPTION_RULES, ADAM_RULES). A managed job's
+# learning rate is its own rule (> 0: a job that cannot move is refused), not Adam's >= 0.
+RANGED = (set(contract.OPTION_RULES) | set(contract.ADAM_RULES)) - {"learning_rate"}
+
+
+def option_range(node: ast.AST) -> str | None:
+    """{"alpha": _number(float, lambda v: v > 0, "> 0")}: an option's range restated."""
+    if isinstance(node, ast.Dict):
+        for key, value in zip(node.keys, node.values, strict=True):
+            if (
+                isinstance(key, ast.Constant)
+                and key.value in RANGED
+                and any(isinstance(n, ast.Lambda) for n in ast.walk(value))
+            ):
+                return f"restates the range of {key.value}: use contract.OPTION_RULES/ADAM_RULES"
+    return None
+
+
+def seed_bound(node: ast.AST) -> str | None:
+    """`seed < 2**64`: the uint64 seed range restated."""
+    if isinstance(node, ast.Compare):
+        for side in (node.left, *node.comparators):
+            if (
+                isinstance(side, ast.BinOp)
+                and isinstance(side.op, ast.Pow)
+                and isinstance(side.right, ast.Constant)
+                and side.right.value in (63, 64)
+            ):
+                return "bounds a seed by 2**64: use contract.check_seed / SEED_LIMIT"
+    return None
+
+
 def suffix_rule(node: ast.AST) -> str | None:
     """m.endswith("." + pattern): PEFT's module-name rule restated."""
     if (
@@ -173,17 +200,46 @@ MESSAGE_FIELDS = {
 }
 
 
+# A datum's fields, as a field name built for one datum ends (f"{where}.tokens").
+DATUM_FIELDS = (".tokens", ".context", ".loss_fn_inputs")
+
+
 def message_rule(node: ast.AST) -> str | None:
-    """InvalidArgument(..., field="params.top_k"): a v1 message's check restated."""
-    if isinstance(node, ast.Call):
-        for kw in node.keywords:
-            value = kw.value
-            if (
-                kw.arg == "field"
-                and isinstance(value, ast.Constant)
-                and value.value in MESSAGE_FIELDS
-            ):
-                return f"checks {value.value!r}: use lorafleet.validate_msgs"
+    """InvalidArgument(..., field="params.top_k") or field=f"data[{j}].tokens": a v1
+    message's check restated."""
+    if not isinstance(node, ast.Call):
+        return None
+    for kw in node.keywords:
+        value = kw.value
+        if kw.arg != "field":
+            continue
+        if isinstance(value, ast.Constant) and value.value in MESSAGE_FIELDS:
+            return f"checks {value.value!r}: use lorafleet.validate_msgs"
+        if isinstance(value, ast.JoinedStr):
+            text = "".join(v.value for v in value.values if isinstance(v, ast.Constant))
+            # A v1 datum has no chunks: a field naming them decodes the SDK's ModelInput.
+            if any(part in text for part in DATUM_FIELDS) and ".chunks[" not in text:
+                return f"checks a datum's {text!r}: use lorafleet.validate_msgs"
+    return None
+
+
+# A token id checked against the vocabulary (`t >= vocab_size`, `0 <= t < vocab_size`), a
+# length against the context (`n > max_context_length`): the message validator's rules.
+BOUNDS = {
+    "vocab_size": (ast.Lt, ast.GtE),
+    "max_context_length": (ast.Gt, ast.LtE),
+    "max_length": (ast.Gt, ast.LtE),
+}
+
+
+def message_bound(node: ast.AST) -> str | None:
+    """`tok >= vocab_size`, `n + len(context) > max_length`: validate_msgs' bounds restated."""
+    if not isinstance(node, ast.Compare):
+        return None
+    for op, right in zip(node.ops, node.comparators, strict=True):
+        ops = BOUNDS.get(_name(right))
+        if ops and isinstance(op, ops):
+            return f"bounds a value by {_name(right)}: use lorafleet.validate_msgs"
     return None
 
 
@@ -194,9 +250,12 @@ CHECKS: tuple[Check, ...] = (
     loss_list,
     adam_constant,
     limit_bound,
+    option_range,
+    seed_bound,
     suffix_rule,
     retired_name,
     message_rule,
+    message_bound,
 )
 
 
@@ -204,7 +263,7 @@ def _sources() -> Iterator[Path]:
     for root in ROOTS:
         for path in sorted((REPO / root).glob("*/src/**/*.py")):
             rel = path.relative_to(REPO)
-            if rel in OWNERS | PENDING or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            if rel in OWNERS or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
                 continue
             yield rel
 
@@ -234,18 +293,25 @@ def test_the_scan_finds_each_shape() -> None:
         loss_list: 'LOSSES = ("ppo", "cispo")',
         adam_constant: "AdamParams(beta1=0.9)",
         limit_bound: "num_samples: Annotated[int, Field(ge=1, le=1024)] = 1",
+        option_range: 'PARSERS = {"alpha": _number(float, lambda v: v > 0, "> 0")}',
+        seed_bound: "if not 0 <= spec.seed < 2**64: pass",
         suffix_rule: 'm.endswith("." + pattern)',
         retired_name: 'options["a_only_decay"]',
         message_rule: 'raise InvalidArgument("bad", field="params.top_k")',
+        message_bound: "bad = next((t for t in ids if not 0 <= t < vocab_size), None)",
     }
     assert set(shapes) == set(CHECKS)
     for check, line in shapes.items():
         assert any(check(node) for node in ast.walk(ast.parse(line))), (check.__name__, line)
     assert any(limit_bound(n) for n in ast.walk(ast.parse("ok = 1 <= lora.rank <= 1024")))
     assert not findings('msg = f"not tinker://<run>/weights/<name>: {path}"', "probe")
-
-
-def test_pending_restatements_are_still_there() -> None:
-    """A file leaves PENDING once fixed, so the scan covers it again."""
-    for rel in PENDING:
-        assert findings((REPO / rel).read_text(), str(rel)), f"{rel} is clean: drop it from PENDING"
+    # The shapes the trainer's prepare_input had before it called the shared validator.
+    for line in (
+        'raise InvalidArgument("empty", field=f"{field}.tokens")',
+        'raise InvalidArgument("bad", field=f"data[{j}].loss_fn_inputs.{key}")',
+        "if n + len(datum.context) > max_length: pass",
+        "bad = bool(((targets < 0) | (targets >= vocab_size)).any())",
+    ):
+        assert findings(line, "probe"), line
+    assert not findings("if tokenizer_size > vocab_size: pass", "probe")
+    assert not findings('raise InvalidArgument("", field=f"{f}.chunks[{j}].tokens")', "probe")

@@ -2,9 +2,10 @@
 same bad input naming the same field, because both run `lorafleet.validate_msgs`.
 
 Forward/backward: the gateway's conversion of a JSON body (what answers the 400) against the
-trainer's conversion of the same v1 message with a real engine's vocabulary and context
-length. Samples: a real fleet's /asample 400 against a real RolloutCore on the same tiny
-model with the same num_samples limit.
+trainer's path for the same v1 message (its gRPC conversion, then the engine's
+prepare_input with a real engine's vocabulary and context length). Samples: a real fleet's
+/asample 400 against a real RolloutCore on the same tiny model with the same num_samples
+limit.
 """
 
 from __future__ import annotations
@@ -55,6 +56,30 @@ FB_CASES: list[tuple[str, list[int], dict[str, dict], str]] = [
         {"target_tokens": TARGETS, "logprobs": WEIGHTS},
         "data[0].loss_fn_inputs.advantages",
     ),
+    # Shapes past the leading dimension: one value per position, top-K targets only for
+    # cross_entropy, weights shaped like the targets (the trainer's rules before issue 23).
+    (
+        "importance_sampling",
+        [3, 4],
+        {"target_tokens": TARGETS, "logprobs": WEIGHTS, "advantages": {**WEIGHTS, "shape": [2, 1]}},
+        "data[0].loss_fn_inputs.advantages",
+    ),
+    (
+        "ppo",
+        [3, 4],
+        {
+            "target_tokens": {**TARGETS, "data": [1, 2, 1, 2], "shape": [2, 2]},
+            "logprobs": WEIGHTS,
+            "advantages": WEIGHTS,
+        },
+        "data[0].loss_fn_inputs.target_tokens",
+    ),
+    (
+        "cross_entropy",
+        [3, 4],
+        {"target_tokens": {**TARGETS, "data": [1, 2, 1, 2], "shape": [2, 2]}, "weights": WEIGHTS},
+        "data[0].loss_fn_inputs.weights",
+    ),
 ]
 
 
@@ -89,6 +114,7 @@ def test_forward_backward_same_field_at_gateway_and_trainer(
     trainer_limits: Any, loss_fn: str, tokens: list[int], inputs: dict[str, dict], field: str
 ) -> None:
     trainer_convert = pytest.importorskip("lorafleet_trainer.convert")
+    losses = pytest.importorskip("lorafleet_trainer.losses")
     body = protocol.ForwardBackwardInput.model_validate(
         {
             "loss_fn": loss_fn,
@@ -111,7 +137,7 @@ def test_forward_backward_same_field_at_gateway_and_trainer(
         ],
     )
     with pytest.raises(InvalidArgument) as at_trainer:
-        trainer_convert.fb_input_from_proto(message, trainer_limits)
+        losses.prepare_input(trainer_convert.fb_input_from_proto(message), trainer_limits)
     assert at_trainer.value.field == field, at_trainer.value
 
 

@@ -59,11 +59,11 @@ def trained(make_engine, h):
 
 
 BAD_ITEMS = [
-    (ForwardBackwardInput([ce([1, 300])], "cross_entropy"), "data[0].tokens"),
-    (ForwardBackwardInput([ce([1, -1])], "cross_entropy"), "data[0].tokens"),
+    (ForwardBackwardInput([ce([1, 300])], "cross_entropy"), "data[0].tokens[1]"),
+    (ForwardBackwardInput([ce([1, -1])], "cross_entropy"), "data[0].tokens[1]"),
     (
         ForwardBackwardInput([ce([1, 2], targets=[1, 256])], "cross_entropy"),
-        "data[0].loss_fn_inputs.target_tokens",
+        "data[0].loss_fn_inputs.target_tokens[1]",
     ),
     (
         ForwardBackwardInput([ce([1, 2], targets=[1, 2, 3], weights=[1.0, 1, 1])], "cross_entropy"),
@@ -101,6 +101,17 @@ BAD_ITEMS = [
     (ForwardBackwardInput([], "cross_entropy"), "data"),
     (ForwardBackwardInput([ce([])], "cross_entropy"), "data[0].tokens"),
     (ForwardBackwardInput([ce([1] * 300)], "cross_entropy"), "data[0].tokens"),
+    (
+        ForwardBackwardInput(
+            [Datum([1, 2], {"target_tokens": torch.ones(2, dtype=torch.bfloat16)})],
+            "cross_entropy",
+        ),
+        "data[0].loss_fn_inputs.target_tokens.dtype",
+    ),
+    (
+        ForwardBackwardInput([ce([1, 2])], "cross_entropy", group_tokens=-1),
+        "group_tokens",
+    ),
 ]
 
 

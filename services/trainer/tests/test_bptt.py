@@ -110,7 +110,7 @@ def test_window_context_bad_input_changes_nothing(make_engine, h) -> None:
     before = h.snapshot(engine)
     t = {"target_tokens": torch.tensor([1, 2]), "weights": torch.ones(2)}
     for datum, field in (
-        (Datum([1, 2], t, context=[3, VOCAB]), "data[0].context"),
+        (Datum([1, 2], t, context=[3, VOCAB]), "data[0].context[1]"),
         (Datum([1, 2], t, context=[3] * 255), "data[0].tokens"),  # 257 > 256 positions
     ):
         inp = ForwardBackwardInput([datum], "cross_entropy")

@@ -26,12 +26,14 @@ from lorafleet.errors import InvalidArgument, LorafleetError
 @dataclass(frozen=True)
 class LossSpec:
     """A built-in loss: the `loss_fn_inputs` it needs, those it may take, and its config keys
-    with their defaults (tinker-api.md §7.3)."""
+    with their defaults (tinker-api.md §7.3). `topk_targets`: its targets may be top-K,
+    (N, K), with weights of the same shape; every other input is one value per position."""
 
     name: str
     required: tuple[str, ...]
     optional: tuple[str, ...] = ()
     config: Mapping[str, float] = field(default_factory=dict)
+    topk_targets: bool = False
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -48,7 +50,7 @@ LOSSES: Mapping[str, LossSpec] = {
     spec.name: spec
     for spec in (
         # Omitted weights are ones of the target's shape, as the hosted service fills them.
-        LossSpec("cross_entropy", ("target_tokens",), ("weights",)),
+        LossSpec("cross_entropy", ("target_tokens",), ("weights",), topk_targets=True),
         LossSpec("importance_sampling", _RL_INPUTS),
         LossSpec("ppo", _RL_INPUTS, config=_CLIP),
         LossSpec("cispo", _RL_INPUTS, config=_CLIP),
@@ -196,14 +198,25 @@ def _flag(key: str, raw: str) -> bool:
     return low in ("true", "1")
 
 
-_OPTION_PARSERS = {
-    "alpha": lambda k, v: _number(k, v, lambda x: x > 0, "> 0"),
-    "dropout": lambda k, v: _number(k, v, lambda x: 0 <= x < 1, "in [0, 1)"),
+# A LoRA option's value as a user gives it (user_metadata, a managed job's parameters) →
+# (predicate, rule text). The wire's LoraConfig reads 0 as "unset" (LORA_RULES below).
+OPTION_RULES: Mapping[str, tuple[Callable[[float], bool], str]] = {
+    "alpha": (lambda x: x > 0, "> 0"),
+    "dropout": (lambda x: 0 <= x < 1, "in [0, 1)"),
+    "lora_plus_ratio": (lambda x: x > 0, "> 0"),
+    "max_grad_norm_default": (lambda x: x >= 0, ">= 0"),
+}
+
+
+def _ranged(rule: tuple[Callable[[float], bool], str]) -> Callable[[str, str], float]:
+    return lambda key, raw: _number(key, raw, *rule)
+
+
+_OPTION_PARSERS: Mapping[str, Callable[[str, str], object]] = {
+    **{name: _ranged(rule) for name, rule in OPTION_RULES.items()},
     "target_modules": _modules,
     "exclude_modules": _modules,
-    "lora_plus_ratio": lambda k, v: _number(k, v, lambda x: x > 0, "> 0"),
     "a_only_weight_decay": _flag,
-    "max_grad_norm_default": lambda k, v: _number(k, v, lambda x: x >= 0, ">= 0"),
 }
 LORA_OPTION_KEYS = tuple(METADATA_PREFIX + name for name in _OPTION_PARSERS)
 
@@ -280,6 +293,8 @@ class LoraConfigLike(Protocol):
     def lora_plus_ratio(self) -> float: ...
     @property
     def max_grad_norm_default(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
 
 
 # LoraConfig field → (predicate, rule text) as it travels: alpha and lora_plus_ratio 0 mean
@@ -296,6 +311,7 @@ def check_lora_config(config: LoraConfigLike, max_rank: int, field: str = "lora_
     """The validator of a v1 `LoraConfig` (CreateRegistration, BindSlot): the gateway calls it
     to answer 400, the trainer before it binds. `max_rank` comes from capabilities."""
     check_rank(config.rank, max_rank, f"{field}.rank")
+    check_seed(config.seed, f"{field}.seed")
     for name, (ok, rule) in LORA_RULES.items():
         value = float(getattr(config, name))
         if not math.isfinite(value) or not ok(value):

@@ -18,9 +18,9 @@ acting service always knows all of them. Torch-free on purpose: the gateway impo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,21 +49,58 @@ def _check_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
             raise InvalidArgument(f"token {tok} is outside {where}", field=f"{field}[{i}]")
 
 
-def _array(t: common_pb2.Tensor, field: str) -> np.ndarray:
+def proto_array(t: common_pb2.Tensor, field: str) -> np.ndarray:
+    """A v1 wire tensor as numpy, its layout checked (bfloat16 widened to float32, so its
+    values are checked as numbers, not as the raw uint16 bits it travels as)."""
     dims = check_layout(t.dtype, t.shape, len(t.data), field)
-    return np.frombuffer(t.data, dtype=WIRE_DTYPES[t.dtype].numpy_le).reshape(dims)
+    arr = np.frombuffer(t.data, dtype=WIRE_DTYPES[t.dtype].numpy_le).reshape(dims)
+    if t.dtype == common_pb2.DTYPE_BFLOAT16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr
+
+
+class DatumLike(Protocol):
+    """The fields of a v1 `Datum` (or the trainer's domain Datum) the validator reads."""
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def context(self) -> Sequence[int]: ...
+    @property
+    def loss_fn_inputs(self) -> Mapping[str, Any]: ...
+
+
+class ForwardBackwardLike(Protocol):
+    """A v1 `ForwardBackwardInput`, or the trainer's domain one (torch tensors)."""
+
+    @property
+    def loss_fn(self) -> str: ...
+    @property
+    def loss_fn_config(self) -> Mapping[str, float]: ...
+    @property
+    def group_tokens(self) -> int: ...
+    @property
+    def data(self) -> Sequence[DatumLike]: ...
 
 
 def check_forward_backward(
-    fb: common_pb2.ForwardBackwardInput, limits: Limits, prefix: str = ""
+    fb: ForwardBackwardLike,
+    limits: Limits,
+    prefix: str = "",
+    as_array: Callable[[Any, str], np.ndarray] = proto_array,
 ) -> None:
     """Raise InvalidArgument naming the first bad field of a forward(_backward) input.
     `prefix` is where the message sits in the caller's request (the gateway's JSON bodies
-    nest it, e.g. `forward_input.`); the names after it are the v1 message's."""
+    nest it, e.g. `forward_input.`); the names after it are the v1 message's. `as_array`
+    reads one loss input as numpy: wire tensors by default, the trainer's torch tensors
+    when it checks an input that did not come over the wire."""
     spec = contract.loss_spec(fb.loss_fn, f"{prefix}loss_fn")
     contract.loss_config(fb.loss_fn, dict(fb.loss_fn_config), f"{prefix}loss_fn_config")
-    if fb.group_tokens < 0:
-        raise InvalidArgument(f"{fb.group_tokens} must be >= 0", field=f"{prefix}group_tokens")
+    group = fb.group_tokens
+    if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+        raise InvalidArgument(
+            f"{group!r} must be an integer >= 0 (0 = plain sum)", field=f"{prefix}group_tokens"
+        )
     if not fb.data:
         raise InvalidArgument("at least one datum is required", field=f"{prefix}data")
     for i, datum in enumerate(fb.data):
@@ -79,25 +116,50 @@ def check_forward_backward(
             )
         _check_ids(datum.tokens, limits.vocab_size, f"{where}.tokens")
         _check_ids(datum.context, limits.vocab_size, f"{where}.context")
-        for name in spec.required:
-            if name not in datum.loss_fn_inputs:
-                raise InvalidArgument(
-                    f"{fb.loss_fn} needs it", field=f"{where}.loss_fn_inputs.{name}"
-                )
-        for name, tensor in datum.loss_fn_inputs.items():
-            field = f"{where}.loss_fn_inputs.{name}"
-            arr = _array(tensor, field)
-            if arr.ndim == 0 or arr.shape[0] != n:
-                raise InvalidArgument(
-                    f"leading dimension of shape {list(arr.shape)} != {n} input tokens",
-                    field=field,
-                )
-            if name in contract.INT_INPUTS:
-                if arr.dtype.kind not in "iu":
-                    raise InvalidArgument("must be an integer tensor", field=f"{field}.dtype")
-                _check_ids(arr.reshape(-1).tolist(), limits.vocab_size, field)
-            elif arr.size and not np.isfinite(arr.astype(np.float64)).all():
-                raise InvalidArgument("contains a non-finite value", field=field)
+        _check_inputs(spec, datum.loss_fn_inputs, n, limits, f"{where}.loss_fn_inputs", as_array)
+
+
+def _check_inputs(
+    spec: contract.LossSpec,
+    given: Mapping[str, Any],
+    n: int,
+    limits: Limits,
+    where: str,
+    as_array: Callable[[Any, str], np.ndarray],
+) -> None:
+    """One datum's loss inputs: each required one present, target ids in the vocabulary,
+    (N,) per input token (targets (N, K) for a top-K loss, weights shaped like the
+    targets), numbers finite."""
+    for name in spec.required:
+        if name not in given:
+            raise InvalidArgument(f"{spec.name} needs it", field=f"{where}.{name}")
+    arrays = {name: as_array(tensor, f"{where}.{name}") for name, tensor in given.items()}
+    targets = arrays["target_tokens"]
+    for name, arr in arrays.items():
+        field = f"{where}.{name}"
+        if arr.ndim == 0 or arr.shape[0] != n:
+            raise InvalidArgument(
+                f"leading dimension of shape {list(arr.shape)} != {n} input tokens", field=field
+            )
+        if name in contract.INT_INPUTS:
+            if arr.dtype.kind not in "iu":
+                raise InvalidArgument("must be an integer tensor", field=f"{field}.dtype")
+            _check_ids(arr.reshape(-1).tolist(), limits.vocab_size, field)
+        elif arr.size and not np.isfinite(arr.astype(np.float64)).all():
+            raise InvalidArgument("contains a non-finite value", field=field)
+        if name not in spec.inputs:
+            continue  # a key no built-in loss reads (the SDK's own extras): ignored
+        want = (
+            ((n,), (n, arr.shape[-1])) if name == "target_tokens" and spec.topk_targets
+            else (targets.shape,) if name == "weights"
+            else ((n,),)
+        )  # fmt: skip
+        if arr.shape not in want or not arr.size:
+            shapes = " or ".join(str(list(w)) for w in want)
+            raise InvalidArgument(
+                f"shape {list(arr.shape)} must be {shapes} (one entry per input token)",
+                field=field,
+            )
 
 
 class SamplingParamsLike(Protocol):

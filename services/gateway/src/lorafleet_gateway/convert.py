@@ -158,13 +158,13 @@ def array_from_proto(t: tpb.Tensor, field: str) -> np.ndarray:
 def tokens_from_json(model_input: protocol.ModelInput, field: str) -> list[int]:
     tokens: list[int] = []
     for j, chunk in enumerate(model_input.chunks):
-        where = f"{field}.chunks[{j}]"
         if chunk.type != "encoded_text":
             raise InvalidArgument(
-                f"chunk type {chunk.type!r} is not supported (text only)", field=f"{where}.type"
+                f"chunk type {chunk.type!r} is not supported (text only)",
+                field=f"{field}.chunks[{j}].type",
             )
         if chunk.tokens is None:
-            raise InvalidArgument("missing", field=f"{where}.tokens")
+            raise InvalidArgument("missing", field=f"{field}.chunks[{j}].tokens")
         tokens.extend(chunk.tokens)
     if not tokens:
         raise InvalidArgument("needs at least one token", field=field)

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from lorafleet.errors import InvalidArgument
-from lorafleet.tensors import WIRE_DTYPES
+from lorafleet.tensors import WIRE_DTYPES, check_layout
 from lorafleet.v1 import common_pb2, trainer_pb2
-from lorafleet.validate_msgs import Limits, check_forward_backward
 from lorafleet_trainer import domain
 
 # The wire dtype table is lorafleet.tensors'; torch shares its dtype names.
@@ -20,21 +16,12 @@ _FROM_TORCH = {v: common_pb2.DType.ValueType(k) for k, v in _TO_TORCH.items()}
 
 
 def tensor_from_proto(t: common_pb2.Tensor, field: str) -> torch.Tensor:
-    dtype = _TO_TORCH.get(t.dtype)
-    if dtype is None:
-        raise InvalidArgument(f"unsupported dtype {t.dtype}", field=f"{field}.dtype")
-    shape = [int(s) for s in t.shape] or [len(t.data) // dtype.itemsize]
-    if any(s < 0 for s in shape):
-        raise InvalidArgument("negative dimension", field=f"{field}.shape")
-    expected = math.prod(shape) * dtype.itemsize
-    if len(t.data) != expected:
-        raise InvalidArgument(
-            f"{len(t.data)} bytes do not match shape {shape} of {dtype} ({expected} bytes)",
-            field=f"{field}.data",
-        )
-    if expected == 0:
-        return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(shape)
+    """The tensor, its layout checked by the wire table's one rule (`lorafleet.tensors`)."""
+    dims = check_layout(t.dtype, t.shape, len(t.data), field)
+    dtype = _TO_TORCH[t.dtype]
+    if not t.data:
+        return torch.zeros(dims, dtype=dtype)
+    return torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(dims)
 
 
 def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
@@ -92,12 +79,10 @@ def slot_to_proto(info: domain.SlotInfo) -> trainer_pb2.SlotInfo:
     return msg
 
 
-def fb_input_from_proto(
-    inp: common_pb2.ForwardBackwardInput, limits: Limits
-) -> domain.ForwardBackwardInput:
-    """The domain input, after the contract's one check of the message with this trainer's
-    vocabulary and context length (the gateway ran the same check against capabilities)."""
-    check_forward_backward(inp, limits)
+def fb_input_from_proto(inp: common_pb2.ForwardBackwardInput) -> domain.ForwardBackwardInput:
+    """The domain input, decoded only: the engine checks it with the contract's one
+    validator of the message against its vocabulary and context length (`prepare_input`),
+    as the gateway does against capabilities."""
     data = [
         domain.Datum(
             tokens=list(d.tokens),

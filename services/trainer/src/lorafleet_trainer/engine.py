@@ -22,6 +22,7 @@ from torch import nn
 from lorafleet import contract, names, quantize
 from lorafleet.contract import LOSS_NAMES, OPTIMIZERS
 from lorafleet.errors import FailedPrecondition, Internal, InvalidArgument, LorafleetError
+from lorafleet.validate_msgs import Limits
 from lorafleet_trainer import bptt, checkpoint, metrics
 from lorafleet_trainer.domain import (
     AdamParams,
@@ -92,6 +93,8 @@ class TrainerEngine:
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
+        # What the contract's validator checks every forward_backward input against.
+        self.limits = Limits(self.vocab_size, self.max_length)
         self.arch = str(getattr(config, "model_type", ""))
         self.device = next(model.parameters()).device
         self.incarnation = uuid.uuid4().hex
@@ -146,8 +149,6 @@ class TrainerEngine:
 
     def _validate_spec(self, spec: LoraSpec) -> tuple[str, ...]:
         contract.check_lora_config(spec, self.max_rank)
-        if not 0 <= spec.seed < 2**64:
-            raise InvalidArgument("must be in [0, 2**64)", field="lora_config.seed")
         return resolve_targets(spec, self.sites)
 
     def bind(self, slot: int, registration_id: str, spec: LoraSpec) -> SlotInfo:
@@ -249,7 +250,7 @@ class TrainerEngine:
                         duplicates.append((i, first_of[key]))
                         continue
                     first_of[key] = i
-                cfg, data = prepare_input(item.input, self.vocab_size, self.max_length)
+                cfg, data = prepare_input(item.input, self.limits)
                 plans.append(_Plan(i, binding, item.slot, cfg, data, backward))
             except LorafleetError as exc:
                 results[i] = exc

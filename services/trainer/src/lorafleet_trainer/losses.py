@@ -1,4 +1,4 @@
-"""Tinker's loss functions: validation of their inputs, and their per-token terms.
+"""Tinker's loss functions: their inputs (checked by the contract's one validator), their terms.
 
 Every loss is computed as one term per target token; a datum's loss is the plain sum of its
 terms, and the terms themselves are returned as the datum's `elementwise_loss` output (next
@@ -35,21 +35,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lorafleet.contract import (
     DEFAULT_CLIP_HIGH,
     DEFAULT_CLIP_LOW,
     DEFAULT_DRO_BETA,
-    INT_INPUTS,
     loss_config,
     loss_spec,
 )
-from lorafleet.errors import InvalidArgument
+from lorafleet.validate_msgs import Limits, check_forward_backward
 from lorafleet_trainer.domain import ForwardBackwardInput
-
-# Losses whose targets may be top-K (N, K); every other input is one value per position.
-TOPK_LOSSES = ("cross_entropy",)
 
 
 @dataclass
@@ -80,12 +77,6 @@ class LossConfig:
 def parse_loss_config(inp: ForwardBackwardInput) -> LossConfig:
     """The call's loss and its config, defaults filled in from the contract."""
     cfg = loss_config(inp.loss_fn, inp.loss_fn_config)
-    if isinstance(inp.group_tokens, bool) or not isinstance(inp.group_tokens, int):
-        raise InvalidArgument(f"must be an integer, got {inp.group_tokens!r}", field="group_tokens")
-    if inp.group_tokens < 0:
-        raise InvalidArgument(
-            f"must be >= 0 (0 = plain sum), got {inp.group_tokens}", field="group_tokens"
-        )
     return LossConfig(
         inp.loss_fn,
         clip_low=cfg.get("clip_low_threshold", DEFAULT_CLIP_LOW),
@@ -95,92 +86,35 @@ def parse_loss_config(inp: ForwardBackwardInput) -> LossConfig:
     )
 
 
-def _tensor(
-    t: torch.Tensor,
-    key: str,
-    field: str,
-    *,
-    shape: tuple[int, ...] | None,
-) -> torch.Tensor:
-    integer = key in INT_INPUTS
-    if integer and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-        raise InvalidArgument(f"must be an integer tensor, got {t.dtype}", field=f"{field}.{key}")
-    if shape is not None and tuple(t.shape) != shape:
-        raise InvalidArgument(
-            f"shape {list(t.shape)} must be {list(shape)} (one entry per input token)",
-            field=f"{field}.{key}",
-        )
-    if integer:
-        return t.to(torch.int64)
-    t = t.to(torch.float32)
-    if not bool(torch.isfinite(t).all()):
-        raise InvalidArgument("contains a non-finite value", field=f"{field}.{key}")
-    return t
-
-
-def _check_ids(ids: list[int], vocab_size: int, field: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(
-            f"token id {bad} is outside the vocabulary [0, {vocab_size})", field=field
-        )
+def _numpy(t: torch.Tensor, field: str) -> np.ndarray:
+    """A loss input as the shared validator reads it (numpy has no bfloat16: widened)."""
+    t = t.detach().cpu()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def prepare_input(
-    inp: ForwardBackwardInput, vocab_size: int, max_length: int
+    inp: ForwardBackwardInput, limits: Limits
 ) -> tuple[LossConfig, list[PreparedDatum]]:
-    """Validate one forward_backward input completely; raises InvalidArgument, mutates nothing."""
+    """Validate one forward_backward input completely with the contract's one validator of
+    the message (`lorafleet.validate_msgs`, the gateway's too) against this trainer's
+    vocabulary and context length, then convert it; mutates nothing."""
+    check_forward_backward(inp, limits, as_array=_numpy)
     cfg = parse_loss_config(inp)
     spec = loss_spec(inp.loss_fn)
-    if not inp.data:
-        raise InvalidArgument("at least one datum is required", field="data")
     prepared = []
-    for j, datum in enumerate(inp.data):
-        field = f"data[{j}]"
-        n = len(datum.tokens)
-        if n == 0:
-            raise InvalidArgument("must not be empty", field=f"{field}.tokens")
-        if n + len(datum.context) > max_length:
-            raise InvalidArgument(
-                f"{n} tokens after {len(datum.context)} of context exceed the context length"
-                f" {max_length}",
-                field=f"{field}.tokens",
-            )
-        _check_ids(datum.tokens, vocab_size, f"{field}.tokens")
-        _check_ids(datum.context, vocab_size, f"{field}.context")
-        fin = f"{field}.loss_fn_inputs"
+    for datum in inp.data:
         given = datum.loss_fn_inputs
-        missing = next((k for k in spec.required if k not in given), None)
-        if missing is not None:
-            raise InvalidArgument("required for this loss", field=f"{fin}.{missing}")
-        targets = _tensor(given["target_tokens"], "target_tokens", fin, shape=None)
-        topk = inp.loss_fn in TOPK_LOSSES
-        if (
-            targets.dim() not in ((1, 2) if topk else (1,))
-            or targets.shape[0] != n
-            or targets.numel() == 0
-        ):
-            want = "(N,) or (N, K)" if topk else "(N,)"
-            raise InvalidArgument(
-                f"shape {list(targets.shape)} must be {want} with N = {n} input tokens",
-                field=f"{fin}.target_tokens",
-            )
-        if bool(((targets < 0) | (targets >= vocab_size)).any()):
-            raise InvalidArgument(
-                f"a target id is outside the vocabulary [0, {vocab_size})",
-                field=f"{fin}.target_tokens",
-            )
+        targets = given["target_tokens"].to(torch.int64)
         d = PreparedDatum(
             list(datum.tokens), targets, context=list(datum.context), window=datum.window
         )
-        per_target = tuple(targets.shape)
         values = {
-            key: _tensor(given[key], key, fin, shape=per_target if key == "weights" else (n,))
+            key: given[key].to(torch.float32)
             for key in spec.inputs
             if key != "target_tokens" and key in given
         }
         if inp.loss_fn == "cross_entropy":
-            d.weights = values.get("weights", torch.ones(per_target, dtype=torch.float32))
+            d.weights = values.get("weights", torch.ones(targets.shape, dtype=torch.float32))
         else:
             d.sampling_logprobs = values["logprobs"]
             d.advantages = values["advantages"]
