@@ -139,6 +139,13 @@ async def phase(
     return seconds, states
 
 
+async def heartbeat(c: Controller, session: str) -> None:
+    """The SDK's session heartbeat (every 10 s): a silent session is finished."""
+    while True:
+        await c("SessionHeartbeat", K.SessionHeartbeatRequest(tenant=TENANT, session_id=session))
+        await asyncio.sleep(10)
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -170,6 +177,7 @@ async def bench(args: argparse.Namespace, port: int, storage: Path) -> dict[str,
         base = next((m.name for m in caps.models if m.trainable), "")
         await asyncio.sleep(0.2)
     session = (await c("CreateSession", K.CreateSessionRequest(tenant=TENANT))).session_id
+    beat = asyncio.ensure_future(heartbeat(c, session))
     seeds = list(range(1, args.clients + 1))
     steps, think = args.steps, args.think
     paged_s, paged = await phase(c, session, base, seeds, 0, steps, think, storage)
@@ -182,6 +190,7 @@ async def bench(args: argparse.Namespace, port: int, storage: Path) -> dict[str,
     alone = {}  # pauses change no result: the references run without them
     for i, seed in enumerate(seeds):
         alone.update((await phase(c, session, base, [seed], 2000 + i, steps, 0, storage))[1])
+    beat.cancel()
     return {"paged_s": round(paged_s, 2), "rounds_s": round(rounds_s, 2),
             "paged_over_rounds": round(paged_s / rounds_s, 3),
             "max_abs_diff_paged_vs_alone": max_diff(paged, alone),
