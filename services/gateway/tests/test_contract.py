@@ -125,6 +125,10 @@ def test_every_route_documents_its_response() -> None:
     for path, methods in schema["paths"].items():
         for method, operation in methods.items():
             content = operation["responses"].get("200", {}).get("content", {})
-            if not content or not all(media.get("schema") for media in content.values()):
+            # a schema of a title alone is what FastAPI writes for `-> Any`: no model
+            if not content or not all(
+                set(media.get("schema", {})) - {"title", "description"}
+                for media in content.values()
+            ):
                 undocumented.append(f"{method.upper()} {path}")
     assert len(schema["paths"]) > 30 and not undocumented, undocumented

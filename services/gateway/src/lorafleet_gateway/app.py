@@ -34,7 +34,6 @@ from lorafleet_gateway.routers import (
     weights,
 )
 from lorafleet_gateway.serving import Serving
-from lorafleet_gateway.serving.jobs import JobsServing
 from lorafleet_gateway.settings import GatewaySettings
 from lorafleet_gateway.signing import Signer
 
@@ -75,11 +74,9 @@ def build_app(settings: GatewaySettings, download_secret: bytes) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         controller = ControllerClient(settings.controller_address, settings.rpc_timeout_seconds)
         app.state.serving = Serving.build(controller, settings, Signer(download_secret))
-        app.state.jobs = JobsServing(settings.controller_address, settings.rpc_timeout_seconds)
         try:
             yield
         finally:
-            await app.state.jobs.close()
             await controller.close()
 
     app = FastAPI(

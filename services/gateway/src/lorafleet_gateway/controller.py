@@ -1,4 +1,5 @@
-"""`ControllerClient`: the gateway's only dependency, one typed method per ControllerService RPC.
+"""`ControllerClient`: the gateway's only dependency, one typed method per ControllerService RPC
+(and `JobsClient`, its `jobs`, one per JobService RPC: the controller serves both).
 
 Every call carries the deadline controller.proto documents for that RPC and turns a failed
 RPC back into the domain exception the controller raised (field and message preserved), so
@@ -18,7 +19,7 @@ import grpc
 
 from lorafleet.rpc.channel import make_channel
 from lorafleet.rpc.errors import from_rpc_error
-from lorafleet.v1 import common_pb2, controller_pb2_grpc
+from lorafleet.v1 import common_pb2, controller_pb2_grpc, jobs_pb2, jobs_pb2_grpc
 from lorafleet.v1 import controller_pb2 as cpb
 
 SERVICE = "lorafleet.v1.ControllerService"
@@ -48,6 +49,10 @@ IDEMPOTENT = tuple(
         "GetCapabilities",
     )
 )
+JOBS_SERVICE = "lorafleet.v1.JobService"
+JOBS_IDEMPOTENT = tuple(
+    f"/{JOBS_SERVICE}/{name}" for name in ("GetJob", "ListJobs", "CancelJob", "ResetDefaultRun")
+)
 CAPABILITIES_TTL = 5.0
 # Deadlines controller.proto documents, in seconds (short RPCs use the configured default).
 CREATE_REGISTRATION_DEADLINE = 30.0
@@ -55,23 +60,20 @@ DELETE_DEADLINE = 30.0
 CREATE_SAMPLER_DEADLINE = 60.0
 DOWNLOAD_DEADLINE = 300.0
 IMPORT_DEADLINE = 600.0
+CREATE_JOB_DEADLINE = 60.0
+RESET_RUN_DEADLINE = 30.0
 POLL_MARGIN = 5.0
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
-class ControllerClient:
-    """Async ControllerService client: `await client.get_session(request)`."""
+class _Client:
+    """A typed stub's calls: the longer of the default timeout and the RPC's deadline, and a
+    failed RPC raised as the domain exception the controller raised."""
 
-    def __init__(self, address: str, default_timeout: float) -> None:
-        self._channel = make_channel(address, idempotent_methods=IDEMPOTENT)
-        self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
+    def __init__(self, default_timeout: float) -> None:
         self._timeout = default_timeout
-        self._capabilities: tuple[list[cpb.BaseModelInfo], float] | None = None
-
-    async def close(self) -> None:
-        await self._channel.close()
 
     async def _call(
         self,
@@ -83,6 +85,48 @@ class ControllerClient:
             return await method(request, timeout=max(self._timeout, deadline))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
+
+
+class JobsClient(_Client):
+    """Async JobService client on the controller's channel: `await client.jobs.get_job(...)`."""
+
+    def __init__(self, channel: grpc.aio.Channel, default_timeout: float) -> None:
+        super().__init__(default_timeout)
+        self._stub = jobs_pb2_grpc.JobServiceStub(channel)
+
+    async def create_job(self, request: jobs_pb2.CreateJobRequest) -> jobs_pb2.CreateJobResponse:
+        return await self._call(self._stub.CreateJob, request, CREATE_JOB_DEADLINE)
+
+    async def get_job(self, request: jobs_pb2.GetJobRequest) -> jobs_pb2.GetJobResponse:
+        """Long-polls inside the controller for up to `request.wait_seconds`."""
+        deadline = request.wait_seconds + POLL_MARGIN
+        return await self._call(self._stub.GetJob, request, deadline)
+
+    async def list_jobs(self, request: jobs_pb2.ListJobsRequest) -> jobs_pb2.ListJobsResponse:
+        return await self._call(self._stub.ListJobs, request)
+
+    async def cancel_job(self, request: jobs_pb2.CancelJobRequest) -> jobs_pb2.CancelJobResponse:
+        return await self._call(self._stub.CancelJob, request)
+
+    async def reset_default_run(
+        self, request: jobs_pb2.ResetDefaultRunRequest
+    ) -> jobs_pb2.ResetDefaultRunResponse:
+        return await self._call(self._stub.ResetDefaultRun, request, RESET_RUN_DEADLINE)
+
+
+class ControllerClient(_Client):
+    """Async ControllerService client: `await client.get_session(request)`; `jobs` is the
+    JobService client on the same channel."""
+
+    def __init__(self, address: str, default_timeout: float) -> None:
+        super().__init__(default_timeout)
+        self._channel = make_channel(address, idempotent_methods=IDEMPOTENT + JOBS_IDEMPOTENT)
+        self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
+        self.jobs = JobsClient(self._channel, default_timeout)
+        self._capabilities: tuple[list[cpb.BaseModelInfo], float] | None = None
+
+    async def close(self) -> None:
+        await self._channel.close()
 
     # --- tenancy and sessions ---------------------------------------------------------------
     async def authenticate(self, request: cpb.AuthenticateRequest) -> cpb.AuthenticateResponse:

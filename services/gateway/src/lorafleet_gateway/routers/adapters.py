@@ -4,13 +4,11 @@ the Tinker API has no such route."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from lorafleet_gateway.deps import Areas, Tenant
-from lorafleet_gateway.serving.adapters import AdapterServing
+from lorafleet_gateway.lora_protocol import ImportedAdapter
 
 router = APIRouter(prefix="/v1/lora", tags=["adapters"])
 IMPORT = f"{router.prefix}/adapters/import"  # a data route: adapter files are large bodies
@@ -26,6 +24,5 @@ class ImportAdapterBody(BaseModel):
 
 
 @router.post("/adapters/import")
-async def import_adapter(body: ImportAdapterBody, tenant: Tenant, areas: Areas) -> Any:
-    serving = AdapterServing(areas.controller)
-    return await serving.import_peft(tenant, body.name, body.base_model, body.files)
+async def import_adapter(body: ImportAdapterBody, tenant: Tenant, areas: Areas) -> ImportedAdapter:
+    return await areas.adapters.import_peft(tenant, body.name, body.base_model, body.files)

@@ -9,13 +9,13 @@ multipart), so the serving layer parses them; parameters come from the query str
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from lorafleet_gateway.deps import Tenant
-from lorafleet_gateway.serving.jobs import JobsServing
+from lorafleet_gateway import lora_protocol as lp
+from lorafleet_gateway.deps import Areas, Tenant
 
 router = APIRouter(prefix="/v1/lora", tags=["jobs"])
 TRAIN_ROUTES = ("train-qa", "train-file-qa", "train", "train-file", "save")
@@ -23,23 +23,22 @@ TRAIN_ROUTES = ("train-qa", "train-file-qa", "train", "train-file", "save")
 DATA_ROUTES = frozenset(f"{router.prefix}/{r}" for r in TRAIN_ROUTES)
 
 
-def _jobs(request: Request) -> JobsServing:
-    jobs: JobsServing = request.app.state.jobs
-    return jobs
-
-
-Jobs = Annotated[JobsServing, Depends(_jobs)]
-
-
 def _train_route(route: str) -> None:
-    async def handler(request: Request, tenant: Tenant, jobs: Jobs) -> Any:
-        return await jobs.create(tenant, route, dict(request.query_params), await request.body(),
-                                 request.headers.get("content-type", ""))  # fmt: skip
+    async def handler(request: Request, tenant: Tenant, areas: Areas) -> lp.Job:
+        return await areas.jobs.create(
+            tenant,
+            route,
+            dict(request.query_params),
+            await request.body(),
+            request.headers.get("content-type", ""),
+        )
 
     handler.__name__ = route.replace("-", "_")
-    router.post(f"/{route}", summary=f"juno's /{route}: create a job (waits unless wait=false)")(
-        handler
-    )
+    router.post(
+        f"/{route}",
+        summary=f"juno's /{route}: create a job (waits unless wait=false)",
+        response_model_exclude_unset=True,
+    )(handler)
 
 
 for _route in TRAIN_ROUTES:
@@ -47,28 +46,28 @@ for _route in TRAIN_ROUTES:
 
 
 @router.post("/reset")
-async def reset(tenant: Tenant, jobs: Jobs) -> Any:
-    return await jobs.reset(tenant)
+async def reset(tenant: Tenant, areas: Areas) -> lp.ResetRun:
+    return await areas.jobs.reset(tenant)
 
 
-@router.get("/jobs")
+@router.get("/jobs", response_model_exclude_unset=True)
 async def list_jobs(
     tenant: Tenant,
-    jobs: Jobs,
+    areas: Areas,
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, lt=2**31),
-) -> Any:
-    return await jobs.list(tenant, limit, offset)
+) -> lp.JobList:
+    return await areas.jobs.list(tenant, limit, offset)
 
 
-@router.get("/jobs/{job_id}")
-async def get_job(job_id: str, tenant: Tenant, jobs: Jobs) -> Any:
-    return await jobs.get(tenant, job_id)
+@router.get("/jobs/{job_id}", response_model_exclude_unset=True)
+async def get_job(job_id: str, tenant: Tenant, areas: Areas) -> lp.Job:
+    return await areas.jobs.get(tenant, job_id)
 
 
-@router.post("/jobs/{job_id}/cancel")
-async def cancel_job(job_id: str, tenant: Tenant, jobs: Jobs) -> Any:
-    return await jobs.cancel(tenant, job_id)
+@router.post("/jobs/{job_id}/cancel", response_model_exclude_unset=True)
+async def cancel_job(job_id: str, tenant: Tenant, areas: Areas) -> lp.Job:
+    return await areas.jobs.cancel(tenant, job_id)
 
 
 @router.get(
@@ -76,8 +75,8 @@ async def cancel_job(job_id: str, tenant: Tenant, jobs: Jobs) -> Any:
     response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}},
 )
-async def job_events(job_id: str, tenant: Tenant, jobs: Jobs) -> StreamingResponse:
-    events = jobs.events(tenant, job_id)
+async def job_events(job_id: str, tenant: Tenant, areas: Areas) -> StreamingResponse:
+    events = areas.jobs.events(tenant, job_id)
     first = await anext(events)  # an unknown job is a 404 here, before the stream starts
 
     async def stream() -> Any:

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lorafleet_gateway.controller import ControllerClient
+from lorafleet_gateway.serving.adapters import AdapterServing
 from lorafleet_gateway.serving.checkpoints import CheckpointServing
 from lorafleet_gateway.serving.common import Ledger
 from lorafleet_gateway.serving.futures import FutureServing
+from lorafleet_gateway.serving.jobs import JobsServing
 from lorafleet_gateway.serving.sampling import SamplingServing
 from lorafleet_gateway.serving.service import ServiceServing
 from lorafleet_gateway.serving.sessions import SessionServing
@@ -36,6 +38,8 @@ class Serving:
     sampling: SamplingServing
     futures: FutureServing
     checkpoints: CheckpointServing
+    jobs: JobsServing
+    adapters: AdapterServing
 
     @classmethod
     def build(
@@ -52,4 +56,6 @@ class Serving:
             sampling=SamplingServing(controller),
             futures=FutureServing(controller, settings),
             checkpoints=CheckpointServing(controller, settings, signer),
+            jobs=JobsServing(controller.jobs),
+            adapters=AdapterServing(controller),
         )

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any
 
 from lorafleet import errors
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway.controller import ControllerClient
+from lorafleet_gateway.lora_protocol import ImportedAdapter, ImportedLoraConfig
 
 
 class AdapterServing:
@@ -22,7 +22,7 @@ class AdapterServing:
 
     async def import_peft(
         self, tenant: str, name: str, base_model: str, files: dict[str, str]
-    ) -> dict[str, Any]:
+    ) -> ImportedAdapter:
         raw = {}
         for filename, data in files.items():
             try:
@@ -33,13 +33,15 @@ class AdapterServing:
             cpb.ImportPeftAdapterRequest(tenant=tenant, name=name, base_model=base_model, files=raw)
         )
         lora = reply.lora_config
-        return {
-            "path": reply.path,
-            "training_run_id": reply.training_run_id,
-            "base_model": reply.base_model,
-            "lora_config": {
-                "rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                "target_modules": list(lora.target_modules),
-                "exclude_modules": list(lora.exclude_modules),
-            },
-        }  # fmt: skip
+        return ImportedAdapter(
+            path=reply.path,
+            training_run_id=reply.training_run_id,
+            base_model=reply.base_model,
+            lora_config=ImportedLoraConfig(
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                exclude_modules=list(lora.exclude_modules),
+            ),
+        )

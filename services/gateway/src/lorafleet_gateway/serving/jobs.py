@@ -1,4 +1,4 @@
-"""Managed training jobs over REST (juno's paths under /v1/lora): requests → JobService.
+"""Managed training jobs over REST (juno's paths under /v1/lora): requests → JobsClient.
 
 Juno's clients send a bare JSON array of `{"Q": ..., "A": ...}` with only an API key, so a
 request may name nothing but its data: parameters ride in the query string (or a JSON object
@@ -8,8 +8,9 @@ multipart with a `file` part, parsed with the standard library's MIME parser) an
 parameter is checked by the controller, the one owner of their rules; nothing here trains
 or writes before the controller has accepted the whole request.
 
-Responses use juno's camelCase names (`pairCount`, `finalTrainLoss`, ...), with the result's
-fields at the top level of a finished job, as juno's synchronous answer has them.
+Responses are `lora_protocol` models with juno's camelCase names (`pairCount`,
+`finalTrainLoss`, ...), with the result's fields at the top level of a finished job, as
+juno's synchronous answer has them.
 """
 
 from __future__ import annotations
@@ -20,17 +21,11 @@ from email import policy
 from email.parser import BytesParser
 from typing import Any
 
-import grpc
-
 from lorafleet import errors
-from lorafleet.rpc.channel import make_channel
-from lorafleet.rpc.errors import from_rpc_error
-from lorafleet.v1 import jobs_pb2, jobs_pb2_grpc
+from lorafleet.v1 import jobs_pb2
+from lorafleet_gateway import lora_protocol as lp
+from lorafleet_gateway.controller import JobsClient
 
-SERVICE = "lorafleet.v1.JobService"
-IDEMPOTENT = tuple(f"/{SERVICE}/{m}" for m in ("GetJob", "ListJobs", "CancelJob",
-                                                "ResetDefaultRun"))  # fmt: skip
-CREATE_DEADLINE = 60.0
 WAIT_SECONDS = 25.0  # one long poll; a synchronous call keeps polling until the job ends
 RESERVED = ("wait", "run", "base_model")  # query names that are not job parameters
 STATES = {v: k.removeprefix("JOB_STATE_").lower() for k, v in jobs_pb2.JobState.items()}
@@ -199,8 +194,9 @@ def _fields(msg: Any) -> dict[str, Any]:
     return out
 
 
-def job_view(job: jobs_pb2.Job) -> dict[str, Any]:
-    """A job as JSON; a finished job carries its result's fields at the top level."""
+def job_view(job: jobs_pb2.Job) -> lp.Job:
+    """A job as JSON; a finished job carries its result's fields at the top level (only
+    the fields given are set, so unset ones stay out of the answer)."""
     view: dict[str, Any] = {
         "jobId": job.job_id,
         "runId": job.registration_id,
@@ -231,7 +227,16 @@ def job_view(job: jobs_pb2.Job) -> dict[str, Any]:
             view["checkpoint"] = job.result.checkpoint
         else:
             view.update({k: v for k, v in _fields(job.result).items() if k not in drop})
-    return view
+    return lp.Job.model_validate(view)
+
+
+def _event(name: str, data: lp.Camel | dict[str, Any]) -> str:
+    body = (
+        data.model_dump_json(by_alias=True, exclude_unset=True)
+        if isinstance(data, lp.Camel)
+        else json.dumps(data)
+    )
+    return f"event: {name}\ndata: {body}\n\n"
 
 
 def _flag(raw: str, field: str) -> bool:
@@ -242,7 +247,7 @@ def _flag(raw: str, field: str) -> bool:
 
 
 class JobsServing:
-    """JobService client and the flows of the /v1/lora routes."""
+    """The flows of the /v1/lora job routes over the typed JobService client."""
 
     KIND_OF_ROUTE: Mapping[str, jobs_pb2.JobKind.ValueType] = {
         "train-qa": jobs_pb2.JOB_KIND_QA,
@@ -252,23 +257,12 @@ class JobsServing:
         "save": jobs_pb2.JOB_KIND_SAVE,
     }
 
-    def __init__(self, address: str, timeout: float) -> None:
-        self._channel = make_channel(address, idempotent_methods=IDEMPOTENT)
-        self._stub = jobs_pb2_grpc.JobServiceStub(self._channel)
-        self._timeout = timeout
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def _call(self, method: Any, request: Any, deadline: float = 0.0) -> Any:
-        try:
-            return await method(request, timeout=max(self._timeout, deadline))
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+    def __init__(self, jobs: JobsClient) -> None:
+        self._jobs = jobs
 
     async def create(
         self, tenant: str, route: str, query: Mapping[str, str], body: bytes, content_type: str
-    ) -> dict[str, Any]:
+    ) -> lp.Job:
         """Create the job; wait for its end unless `wait=false`."""
         req, extra = parse_body(route, body, content_type)
         named = {**extra, **query}
@@ -278,53 +272,61 @@ class JobsServing:
         req.registration_id = named.pop("run", "")
         req.base_model = named.pop("base_model", "")
         req.params.update(named)
-        job = (await self._call(self._stub.CreateJob, req, CREATE_DEADLINE)).job
+        job = (await self._jobs.create_job(req)).job
         while wait and job.state not in FINISHED:
             job = await self._get(tenant, job.job_id, job.version)
         return job_view(job)
 
-    async def _get(self, tenant: str, job_id: str, after: int = 0, wait: float = 0.0) -> Any:
-        wait = wait or (WAIT_SECONDS if after else 0.0)
-        req = jobs_pb2.GetJobRequest(tenant=tenant, job_id=job_id, after_version=after,
-                                     wait_seconds=wait)  # fmt: skip
-        return (await self._call(self._stub.GetJob, req, wait + 5.0)).job
+    async def _get(self, tenant: str, job_id: str, after: int = 0) -> jobs_pb2.Job:
+        wait = WAIT_SECONDS if after else 0.0
+        req = jobs_pb2.GetJobRequest(
+            tenant=tenant, job_id=job_id, after_version=after, wait_seconds=wait
+        )
+        return (await self._jobs.get_job(req)).job
 
-    async def get(self, tenant: str, job_id: str) -> dict[str, Any]:
+    async def get(self, tenant: str, job_id: str) -> lp.Job:
         return job_view(await self._get(tenant, job_id))
 
-    async def list(self, tenant: str, limit: int, offset: int) -> dict[str, Any]:
+    async def list(self, tenant: str, limit: int, offset: int) -> lp.JobList:
         req = jobs_pb2.ListJobsRequest(tenant=tenant, limit=limit, offset=offset)
-        reply = await self._call(self._stub.ListJobs, req)
-        return {"jobs": [job_view(j) for j in reply.jobs], "total": reply.total}
+        reply = await self._jobs.list_jobs(req)
+        return lp.JobList(jobs=[job_view(j) for j in reply.jobs], total=reply.total)
 
-    async def cancel(self, tenant: str, job_id: str) -> dict[str, Any]:
+    async def cancel(self, tenant: str, job_id: str) -> lp.Job:
         req = jobs_pb2.CancelJobRequest(tenant=tenant, job_id=job_id)
-        return job_view((await self._call(self._stub.CancelJob, req)).job)
+        return job_view((await self._jobs.cancel_job(req)).job)
 
-    async def reset(self, tenant: str) -> dict[str, Any]:
-        reply = await self._call(self._stub.ResetDefaultRun,
-                                 jobs_pb2.ResetDefaultRunRequest(tenant=tenant))  # fmt: skip
-        return {"reset": bool(reply.registration_id), "runId": reply.registration_id or None}
+    async def reset(self, tenant: str) -> lp.ResetRun:
+        req = jobs_pb2.ResetDefaultRunRequest(tenant=tenant)
+        reply = await self._jobs.reset_default_run(req)
+        return lp.ResetRun(reset=bool(reply.registration_id), run_id=reply.registration_id or None)
 
     async def events(self, tenant: str, job_id: str) -> AsyncIterator[str]:
         """Server-sent events: `step` per optimizer update (pass, step, loss, lr), `pass` per
         full pass (train and validation loss), then `end` with the job."""
         job = await self._get(tenant, job_id)
-        yield f"event: job\ndata: {json.dumps(job_view(job))}\n\n"
+        yield _event("job", job_view(job))
         steps = passes = 0
         while True:
             for point in job.curve[steps:]:
-                data = {"pass": point.pass_number, "step": point.update, "loss": point.loss,
+                step = {"pass": point.pass_number, "step": point.update, "loss": point.loss,
                         "lr": point.learning_rate}  # fmt: skip
-                yield f"event: step\ndata: {json.dumps(data)}\n\n"
+                yield _event("step", step)
             for summary in job.history[passes:]:
-                data = {"pass": summary.pass_number, "trainLoss": summary.train_loss,
-                        "validationLoss": summary.validation_loss
-                        if summary.HasField("validation_loss") else None}  # fmt: skip
-                yield f"event: pass\ndata: {json.dumps(data)}\n\n"
+                validation = (
+                    summary.validation_loss if summary.HasField("validation_loss") else None
+                )
+                yield _event(
+                    "pass",
+                    {
+                        "pass": summary.pass_number,
+                        "trainLoss": summary.train_loss,
+                        "validationLoss": validation,
+                    },
+                )
             steps, passes = len(job.curve), len(job.history)
             if job.state in FINISHED:
-                yield f"event: end\ndata: {json.dumps(job_view(job))}\n\n"
+                yield _event("end", job_view(job))
                 return
             version = job.version
             job = await self._get(tenant, job_id, version)
