@@ -209,6 +209,11 @@ class Pager:
         if self.settings.page_idle_seconds <= 0:
             return
         for base in sorted({r.base_model for r in await self.registry.replicas(TRAINER)}):
+            if not await self.registry.queued(base):
+                continue
+            # Free slots first (a page-in whose fill was lost with its controller, a run
+            # under its cap again); then page idle runs out for the rest.
+            await self.placer.fill(base)
             victims = await self._victims(base)
             if victims:
                 await asyncio.gather(*(self.page_out(rid, idle=True) for rid in victims))
