@@ -4,8 +4,9 @@
 before it writes anything, then records the job and queues it on its run. The leader runs
 one worker per run with unfinished jobs, one job at a time (they share the run's seq_ids).
 A job starts at the run's next seq_id (stored in its cursor) and submits every operation
-through `Controller.submit_operation`, exactly as the gateway does for an SDK client, then
-waits on the ledger for its result.
+through the controller's `submit_operation` (named by `jobs.host.JobHost`, so nothing here
+imports the controller), exactly as the gateway does for an SDK client, then waits on the
+ledger for its result.
 
 Durability: the cursor is written at every pass boundary (`loop.Cursor`), and results are
 acknowledged only after the cursor that no longer needs them is durable. A controller that
@@ -24,18 +25,16 @@ import struct
 import time
 import uuid
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller.jobs import data, loop, params, tokenizer, units
+from lorafleet_controller.jobs.host import JobHost
 from lorafleet_controller.jobs.params import JobKind, JobParams
 from lorafleet_controller.jobs.records import JobRecord, JobState, Records
 from lorafleet_controller.registry import TRAINER, RegRecord
 from lorafleet_controller.store import OpState, RegState
-
-if TYPE_CHECKING:
-    from lorafleet_controller.controller import Controller
 
 log = logging.getLogger(__name__)
 pb = controller_pb2
@@ -88,7 +87,7 @@ class LedgerExecutor:
 
     def __init__(self, runner: JobRunner, rec: JobRecord, seq: int) -> None:
         self.runner = runner
-        self.controller = runner.controller
+        self.host = runner.host
         self.rec = rec
         self.seq = seq
         self.unacked: list[str] = []
@@ -104,7 +103,7 @@ class LedgerExecutor:
         while True:
             await self._check_cancel()
             try:
-                adm = await self.controller.submit_operation(req)
+                adm = await self.host.submit_operation(req)
                 break
             except errors.ResourceExhausted as exc:  # backpressure: nothing was admitted
                 await asyncio.sleep(min(exc.retry_after or 1.0, WAIT_SECONDS))
@@ -115,7 +114,7 @@ class LedgerExecutor:
     async def _result(self, opid: str) -> pb.OperationResult:
         """Wait for an operation of the job; its result, or the failure it ended with."""
         while True:
-            op = await self.controller.ledger.wait(self.rec.tenant, opid, WAIT_SECONDS)
+            op = await self.host.ledger.wait(self.rec.tenant, opid, WAIT_SECONDS)
             await self._heartbeat()
             if op.terminal:
                 break
@@ -155,7 +154,7 @@ class LedgerExecutor:
         self._beat = now
         session = contract.RunId.parse(self.rec.registration_id).session_id
         with contextlib.suppress(errors.LorafleetError):
-            await self.controller.tenancy.heartbeat(self.rec.tenant, session)
+            await self.host.tenancy.heartbeat(self.rec.tenant, session)
 
     async def forward_backward(
         self, chunks: Sequence[units.Chunk], group_tokens: int, forward_only: bool
@@ -206,7 +205,7 @@ class LedgerExecutor:
         """Release results the durable cursor no longer needs."""
         for opid in self.unacked:
             with contextlib.suppress(errors.LorafleetError):
-                await self.controller.ledger.ack(self.rec.tenant, opid)
+                await self.host.ledger.ack(self.rec.tenant, opid)
         self.unacked = []
 
     async def report(self, point: dict[str, Any]) -> None:
@@ -217,9 +216,9 @@ class LedgerExecutor:
 class JobRunner:
     """Creates, runs, resumes and cancels jobs; `resume`/`stop` follow the leadership."""
 
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
-        self.records = Records(controller.store, controller.notifier)
+    def __init__(self, host: JobHost) -> None:
+        self.host = host
+        self.records = Records(host.store, host.notifier)
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._tenant_locks: dict[str, asyncio.Lock] = {}
         # base model -> ((replica id, incarnation) it came from, its tokenizer)
@@ -250,7 +249,7 @@ class JobRunner:
             data.check_documents(documents)
         reg: RegRecord | None = None
         if rid:
-            reg = await self.controller.registry.get(tenant, rid)
+            reg = await self.host.registry.get(tenant, rid)
             if reg.state == RegState.RETIRED:
                 raise errors.FailedPrecondition(
                     f"run {rid} was retired", field="registration_id", reason="RETIRED"
@@ -266,7 +265,7 @@ class JobRunner:
                 self._check_shape(reg.registration_id, reg.lora, p, raw)
             elif resumed := (await self.records.default_run(tenant)).get("checkpoint", ""):
                 # the default run gave its slot back; the next one resumes this state
-                ckpt = await self.controller.catalog.get(tenant, resumed)
+                ckpt = await self.host.catalog.get(tenant, resumed)
                 self._check_shape(resumed, ckpt.lora, p, raw)
         base = reg.base_model if reg is not None else await self._default_base(base_model)
         await self._check_adapter(base, p)
@@ -296,7 +295,7 @@ class JobRunner:
             rid = (await self.records.default_run(tenant)).get("rid", "")
             if rid:
                 with contextlib.suppress(errors.NotFound):
-                    await self.controller.delete_registration(tenant, rid)
+                    await self.host.delete_registration(tenant, rid)
             await self.records.clear_default_run(tenant)
             return rid
 
@@ -325,7 +324,7 @@ class JobRunner:
     async def _check_adapter(self, base_model: str, p: JobParams) -> None:
         """Rank and targets against what the base model's trainers report (capabilities), so
         a typo fails the request now instead of the run at bind time."""
-        trainers = await self.controller.registry.replicas(TRAINER, base_model)
+        trainers = await self.host.registry.replicas(TRAINER, base_model)
         contract.check_rank(p.rank, max((r.max_rank for r in trainers), default=0), "rank")
         modules = sorted({m for r in trainers for m in r.modules})
         if modules:  # none reported yet: the trainer checks at bind
@@ -335,11 +334,11 @@ class JobRunner:
         rid = (await self.records.default_run(tenant)).get("rid", "")
         if not rid:
             return None
-        reg = await self.controller.registry.get_any(rid)
+        reg = await self.host.registry.get_any(rid)
         return None if reg is None or reg.state == RegState.RETIRED else reg
 
     async def _default_base(self, requested: str) -> str:
-        served = sorted({r.base_model for r in await self.controller.registry.replicas(TRAINER)})
+        served = sorted({r.base_model for r in await self.host.registry.replicas(TRAINER)})
         if requested:
             if requested not in served:
                 raise errors.InvalidArgument(
@@ -358,7 +357,7 @@ class JobRunner:
         """The base model's tokenizer, streamed from a trainer that serves the model (kept
         while that trainer process lives), and the model's positions (the fewest any of its
         trainers has): the controller itself loads nothing by name."""
-        trainers = sorted((r for r in await self.controller.registry.replicas(TRAINER, base_model)
+        trainers = sorted((r for r in await self.host.registry.replicas(TRAINER, base_model)
                            if r.healthy), key=lambda r: r.replica_id)  # fmt: skip
         if not trainers:
             raise errors.Unavailable(f"no trainer of {base_model!r} is up", field="base_model")
@@ -366,7 +365,7 @@ class JobRunner:
         source = (rep.replica_id, rep.incarnation)
         known = self._codecs.get(base_model)
         if known is None or known[0] != source:
-            files = await self.controller.pool.trainer(rep.address).export_tokenizer()
+            files = await self.host.pool.trainer(rep.address).export_tokenizer()
             known = source, await asyncio.to_thread(tokenizer.from_files, files)
             self._codecs[base_model] = known
         return known[1], min(r.max_context_length for r in trainers)
@@ -389,7 +388,7 @@ class JobRunner:
         """The tenant's default run: a fresh adapter of the job's shape, or, when the last
         default run was retired (its session timed out), one resumed from its final state."""
         previous = await self.records.default_run(tenant)
-        session = await self.controller.tenancy.create_session(
+        session = await self.host.tenancy.create_session(
             tenant, [JOBS_TAG], {}, "", "", "managed training jobs"
         )
         lora = common_pb2.LoraConfig(
@@ -403,7 +402,7 @@ class JobRunner:
             # (`_release_default`) changes nothing the next job computes
             initial_with_optimizer=True,
         )  # fmt: skip
-        reg, _ = await self.controller.create_registration(req)
+        reg, _ = await self.host.create_registration(req)
         await self.records.set_default_run(tenant, rid=reg.registration_id, checkpoint="")
         return reg
 
@@ -427,7 +426,7 @@ class JobRunner:
                 await task
 
     def _kick(self, rid: str) -> None:
-        if not self._running or not self.controller.leading:
+        if not self._running or not self.host.leading:
             return
         task = self._workers.get(rid)
         if task is None or task.done():
@@ -441,7 +440,7 @@ class JobRunner:
             try:
                 rec = await self.records.get_any(queue[0])
             except errors.NotFound:
-                await self.controller.store.redis.lrem(self.records.keys.run_jobs(rid), 0,
+                await self.host.store.redis.lrem(self.records.keys.run_jobs(rid), 0,
                                                        queue[0])  # fmt: skip
                 continue
             try:
@@ -473,10 +472,10 @@ class JobRunner:
                 return
             if await self.records.run_queue(rec.registration_id):
                 return
-            reg = await self.controller.registry.get(rec.tenant, rec.registration_id)
+            reg = await self.host.registry.get(rec.tenant, rec.registration_id)
             if reg.state != RegState.RETIRED:
                 log.info("run %s: its jobs are done, giving its slot back", reg.registration_id)
-                await self.controller.finish_session(rec.tenant, reg.session_id, "jobs done")
+                await self.host.finish_session(rec.tenant, reg.session_id, "jobs done")
 
     async def _execute(self, rec: JobRecord) -> JobState:
         """Run one job to its end; the state it finished in."""
@@ -488,7 +487,7 @@ class JobRunner:
             await self.records.finish(rec, JobState.CANCELLED)
             return JobState.CANCELLED
         if rec.cursor is None:
-            reg = await self.controller.registry.get_any(rec.registration_id)
+            reg = await self.host.registry.get_any(rec.registration_id)
             if reg is None:
                 raise errors.NotFound(f"no run {rec.registration_id}", field="registration_id")
             cursor = loop.Cursor(seq=reg.max_seq + 1)
