@@ -11,6 +11,7 @@ import pytest
 from lorafleet import contract
 from lorafleet.errors import InvalidArgument
 from lorafleet.v1 import common_pb2 as pb
+from lorafleet.validate_msgs import Limits
 from lorafleet_gateway import convert, protocol
 from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
 
@@ -36,7 +37,7 @@ def datum_json(tokens: list[int], **inputs: dict) -> dict:
 
 def fb_request_from_proto(raw: bytes) -> tuple[str, int, pb.ForwardBackwardInput]:
     model_id, seq_id, convert_input = convert.fb_request_parts_from_proto(raw)
-    return model_id, seq_id, convert_input()
+    return model_id, seq_id, convert_input(Limits())
 
 
 def raises(field: str):

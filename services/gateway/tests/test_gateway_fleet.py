@@ -10,6 +10,7 @@ import json
 import math
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -186,6 +187,42 @@ def _proto_fb(model: dict, seq: int) -> bytes:
         tpb.Tensor(dense=np.ones(4, "<f4").tobytes(), dtype=tpb.DTYPE_FLOAT32, shape=[4])
     )
     return req.SerializeToString()
+
+
+def test_token_ids_and_lengths_are_checked_against_the_model(
+    client: Client, model: dict, tiny_model_dir: Path
+) -> None:
+    """Limits that depend on the deployment come from capabilities (the trainer's vocabulary
+    and positions): a 400 naming the SDK's field, JSON and protobuf alike, changing nothing."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    vocab, positions = config["vocab_size"], config["max_position_embeddings"]
+    before = forward_logprobs(client, model)
+
+    def out_of_vocab() -> httpx.Response | None:
+        body = fb_body(model, next_seq(model))
+        body["forward_input"]["data"][0]["model_input"]["chunks"][0]["tokens"] = [5, vocab, 7, 8]
+        reply = client.post("/forward", body)
+        # Admitted only while the gateway's cached capabilities predate the trainer's report:
+        # the trainer refuses it then (the same validator), and the next seq_id tries again.
+        return reply if reply.status_code == 400 else None
+
+    refused = wait_until(out_of_vocab, "the gateway refuses a token id outside the vocabulary")
+    assert_400(refused, "forward_input.data[0].model_input")
+    assert "position 1" in refused.json()["detail"], refused.json()
+
+    long = fb_body(model, next_seq(model))
+    datum = long["forward_input"]["data"][0]
+    datum["model_input"]["chunks"][0]["tokens"] = [5] * (positions + 1)
+    datum["loss_fn_inputs"] = {"target_tokens": {"data": [6] * (positions + 1), "dtype": "int64"}}
+    assert_400(client.post("/forward", long), "forward_input.data[0].model_input")
+
+    request = tpb.ForwardBackwardRequest.FromString(_proto_fb(model, next_seq(model)))
+    request.data[0].model_input[0].encoded_text.tokens = np.array([5, 6, 7, vocab], "<i4").tobytes()
+    reply = client.post(
+        "/forward_backward", content=request.SerializeToString(), headers={"Content-Type": PROTO}
+    )
+    assert_400(reply, "data[0].model_input")
+    assert forward_logprobs(client, model) == pytest.approx(before, abs=0)
 
 
 def test_proto_zstd_forward_returns_proto_and_json_results(client: Client, model: dict) -> None:

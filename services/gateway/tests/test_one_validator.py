@@ -10,6 +10,7 @@ limit.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 
 from lorafleet.errors import InvalidArgument
 from lorafleet.tensors import BY_NAME
+from lorafleet.testing import wait_until_async
 from lorafleet.v1 import common_pb2 as pb
 from lorafleet_gateway import convert, protocol
 
@@ -50,6 +52,15 @@ FB_CASES: list[tuple[str, list[int], dict[str, dict], str]] = [
         "data[0].loss_fn_inputs.target_tokens[1]",
     ),
     ("cross_entropy", [3, -4], {"target_tokens": TARGETS}, "data[0].tokens[1]"),
+    # Deployment limits (the tiny model's vocabulary, 2048, and positions, 512), which the
+    # gateway takes from capabilities and the trainer from its model.
+    ("cross_entropy", [3, 2048], {"target_tokens": TARGETS}, "data[0].tokens[1]"),
+    (
+        "cross_entropy",
+        [3] * 513,
+        {"target_tokens": {"data": [1] * 513, "dtype": "int64", "shape": [513]}},
+        "data[0].tokens",
+    ),
     (
         "importance_sampling",
         [3, 4],
@@ -81,6 +92,11 @@ FB_CASES: list[tuple[str, list[int], dict[str, dict], str]] = [
         "data[0].loss_fn_inputs.weights",
     ),
 ]
+
+
+def sdk_field(field: str) -> str:
+    """The SDK's name of a v1 field (what the gateway answers): tokens are model_input."""
+    return re.sub(r"\.tokens(\[\d+\])?$", ".model_input", field)
 
 
 def _proto_tensor(t: dict) -> pb.Tensor:
@@ -127,8 +143,8 @@ def test_forward_backward_same_field_at_gateway_and_trainer(
         }
     )
     with pytest.raises(InvalidArgument) as at_gateway:
-        convert.fb_input_from_json(body, "forward_backward_input", False)
-    assert at_gateway.value.field == f"forward_backward_input.{field}", at_gateway.value
+        convert.fb_input_from_json(body, "forward_backward_input", False, trainer_limits)
+    assert at_gateway.value.field == f"forward_backward_input.{sdk_field(field)}", at_gateway.value
 
     message = pb.ForwardBackwardInput(
         loss_fn=loss_fn,
@@ -141,18 +157,46 @@ def test_forward_backward_same_field_at_gateway_and_trainer(
     assert at_trainer.value.field == field, at_trainer.value
 
 
-# (the /asample body's changes, the rollout's SampleRequest fields, the field both refuse)
-SAMPLE_CASES: list[tuple[dict, dict, str]] = [
-    ({"num_samples": LIMIT + 1}, {"num_samples": LIMIT + 1}, "num_samples"),
-    ({"sampling_params": {"max_tokens": 100_000}}, {"max_tokens": 100_000}, "params.max_tokens"),
-    ({"sampling_params": {"temperature": -1.0}}, {"temperature": -1.0}, "params.temperature"),
-    ({"sampling_params": {"top_k": -2}}, {"top_k": -2}, "params.top_k"),
-    ({"sampling_params": {"stop": [""]}}, {"stop_strings": ("",)}, "params.stop_strings[0]"),
-    ({"topk_prompt_logprobs": 2000}, {"topk_prompt_logprobs": 2000}, "topk_prompt_logprobs"),
+# (the /asample body's changes, the rollout's SampleRequest fields, the v1 field the rollout
+# refuses, the SDK's field the gateway's 400 names for the same rule)
+SAMPLE_CASES: list[tuple[dict, dict, str, str]] = [
+    ({"num_samples": LIMIT + 1}, {"num_samples": LIMIT + 1}, "num_samples", "num_samples"),
+    (
+        {"sampling_params": {"max_tokens": 100_000}},
+        {"max_tokens": 100_000},
+        "params.max_tokens",
+        "sampling_params.max_tokens",
+    ),
+    (
+        {"sampling_params": {"temperature": -1.0}},
+        {"temperature": -1.0},
+        "params.temperature",
+        "sampling_params.temperature",
+    ),
+    ({"sampling_params": {"top_k": -2}}, {"top_k": -2}, "params.top_k", "sampling_params.top_k"),
+    (
+        {"sampling_params": {"stop": [""]}},
+        {"stop_strings": ("",)},
+        "params.stop_strings[0]",
+        "sampling_params.stop",
+    ),
+    (
+        {"sampling_params": {"stop": [3, -1]}},
+        {"stop_token_ids": (3, -1)},
+        "params.stop_token_ids[1]",
+        "sampling_params.stop",
+    ),
+    (
+        {"topk_prompt_logprobs": 2000},
+        {"topk_prompt_logprobs": 2000},
+        "topk_prompt_logprobs",
+        "topk_prompt_logprobs",
+    ),
     (
         {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, -1]}]}},
         {"prompt_tokens": (5, -1)},
         "prompt_tokens[1]",
+        "prompt",
     ),
 ]
 
@@ -199,7 +243,7 @@ async def test_sample_same_field_at_gateway_and_rollout(fleet: object, rollout: 
             },
         )
         sampler = created.json()["sampling_session_id"]
-        for seq, (case, fields, field) in enumerate(SAMPLE_CASES, start=1):
+        for seq, (case, fields, field, sdk) in enumerate(SAMPLE_CASES, start=1):
             change = dict(case)
             body: dict[str, Any] = {
                 "sampling_session_id": sampler,
@@ -212,7 +256,7 @@ async def test_sample_same_field_at_gateway_and_rollout(fleet: object, rollout: 
             body.update(change, sampling_params=params)
             refused = await c.post("/asample", json=body)
             assert refused.status_code == 400, refused.text
-            assert refused.json()["field"] == field, refused.json()
+            assert refused.json()["field"] == sdk, refused.json()
 
             spec_fields = {
                 k: v for k, v in fields.items() if k in SamplingSpec.__dataclass_fields__
@@ -227,3 +271,20 @@ async def test_sample_same_field_at_gateway_and_rollout(fleet: object, rollout: 
             with pytest.raises(InvalidArgument) as at_rollout:
                 await rollout.sample("", 0, request)
             assert at_rollout.value.field == field, at_rollout.value
+
+        # The vocabulary (the tiny model's 2048) is the trainers' report in capabilities.
+        seqs = iter(range(len(SAMPLE_CASES) + 1, 10**6))
+
+        async def out_of_vocab() -> httpx.Response | None:
+            prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 2048]}]}
+            body = {"sampling_session_id": sampler, "seq_id": next(seqs), "prompt": prompt}
+            reply = await c.post("/asample", json={**body, "sampling_params": {"max_tokens": 1}})
+            # Admitted only while the gateway's cached capabilities predate the trainer's
+            # report (the rollout refuses it then): the next seq_id tries again.
+            return reply if reply.status_code == 400 else None
+
+        refused = await wait_until_async(out_of_vocab, "/asample refuses a token outside")
+        assert refused.json()["field"] == "prompt", refused.json()
+    with pytest.raises(InvalidArgument) as at_rollout:
+        await rollout.sample("", 0, SampleRequest(None, (5, 2048), SamplingSpec(max_tokens=1)))
+    assert at_rollout.value.field == "prompt_tokens[1]", at_rollout.value

@@ -42,6 +42,10 @@ class Limits:
     max_num_samples: int = 0
 
 
+# Nothing known at this hop: only the rules that need no deployment limit are checked.
+UNKNOWN = Limits()
+
+
 def _check_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
     for i, tok in enumerate(ids):
         if tok < 0 or (vocab_size and tok >= vocab_size):

@@ -552,7 +552,7 @@ class Controller:
         try:
             info = await self.pool.trainer(rep.address).info()
             await self.registry.set_trainer_info(
-                rep.replica_id, list(info.loss_fns), list(info.modules)
+                rep.replica_id, list(info.loss_fns), list(info.modules), info.vocab_size
             )
         except errors.LorafleetError as exc:
             log.warning("GetTrainerInfo on %s failed: %s", rep.replica_id, exc)

@@ -115,7 +115,7 @@ def base_model(view: BaseModelView) -> controller_pb2.BaseModelInfo:
         max_context_length=view.max_context_length, trainable=view.trainable,
         sampleable=view.sampleable, max_rank=view.max_rank, loss_fns=view.loss_fns,
         modules=view.modules, max_num_samples=view.max_num_samples,
-        quantization=view.quantization,
+        quantization=view.quantization, vocab_size=view.vocab_size,
     )  # fmt: skip
 
 

@@ -39,6 +39,7 @@ class BaseModelView:
     max_rank: int = 0
     loss_fns: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)
+    vocab_size: int = 0  # the trainers' (0 = none reported yet)
     max_num_samples: int = 0  # the least of the healthy rollouts' limits (0 = no rollout)
     quantization: str = ""  # its replicas' one setting (registration refuses a second)
 
@@ -98,6 +99,7 @@ class Fleet:
                 info.max_rank = max(info.max_rank, rep.max_rank)
                 info.loss_fns += [loss for loss in rep.loss_fns if loss not in info.loss_fns]
                 info.modules = sorted(set(info.modules) | set(rep.modules))
+                info.vocab_size = max(info.vocab_size, rep.vocab_size)
             elif rep.kind == ROLLOUT:
                 info.sampleable = True
         for info in models.values():

@@ -119,6 +119,7 @@ class Replica:
     arch: str = ""
     loss_fns: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)  # a trainer's adaptable modules
+    vocab_size: int = 0  # a trainer's (GetTrainerInfo); 0 = not reported yet
     max_num_samples: int = 0  # a rollout's limit on one request's num_samples
     quantization: str = "none"  # how it stores the base (lorafleet.quantize); one per model
     failed: str = ""  # why its process stays down (ReportReplicaFailed); cleared when it returns
@@ -305,11 +306,12 @@ class Registry:
         return change
 
     async def set_trainer_info(
-        self, replica_id: str, loss_fns: list[str], modules: list[str]
+        self, replica_id: str, loss_fns: list[str], modules: list[str], vocab_size: int
     ) -> None:
         """What a trainer's GetTrainerInfo adds to its announcement (capabilities)."""
         await self.store.redis.hset(self.keys.replica(replica_id), mapping={
             "loss_fns": json.dumps(loss_fns), "modules": json.dumps(modules),
+            "vocab_size": vocab_size,
         })  # fmt: skip
 
     async def replica(self, replica_id: str) -> Replica | None:
@@ -435,6 +437,7 @@ def _replica(replica_id: str, raw: dict[bytes, bytes]) -> Replica:
         arch=text(raw.get(b"arch")),
         loss_fns=json.loads(raw.get(b"loss_fns", b"[]")),
         modules=json.loads(raw.get(b"modules", b"[]")),
+        vocab_size=int(raw.get(b"vocab_size", b"0") or 0),
         max_num_samples=int(raw.get(b"max_num_samples", b"0") or 0),
         quantization=text(raw.get(b"quantization")) or "none",
         failed=text(raw.get(b"failed")),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -193,9 +194,39 @@ def _datum(tokens: list[int], inputs: Mapping[str, np.ndarray]) -> pb.Datum:
     return datum
 
 
+# The message validator names v1 fields; a client is answered with its SDK's names
+# (tinker-api.md §6-7): a datum's tokens are its `model_input`, a sample's `prompt_tokens`
+# its `prompt`, `params` its `sampling_params`, stop ids and strings its one `stop` field. A
+# token's position moves into the message, as these JSON fields are chunks or one value.
+_SDK_NAMES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"(?P<at>.*data\[\d+\])\.tokens(?:\[(?P<i>\d+)\])?"), r"\g<at>.model_input"),
+    (re.compile(r"prompt_tokens(?:\[(?P<i>\d+)\])?"), "prompt"),
+    (re.compile(r"params\.stop_(?:token_ids|strings)(?:\[(?P<i>\d+)\])?"), "sampling_params.stop"),
+    (re.compile(r"params\.(?P<rest>.+)"), r"sampling_params.\g<rest>"),
+)
+
+
+def sdk_named(check: Callable[[], None]) -> None:
+    """Run one of `lorafleet.validate_msgs`' checks; its refusal names the SDK's field."""
+    try:
+        check()
+    except InvalidArgument as exc:
+        for pattern, name in _SDK_NAMES:
+            if match := pattern.fullmatch(exc.field):
+                at = match.groupdict().get("i")
+                message = f"{exc.message} (position {at})" if at else exc.message
+                raise InvalidArgument(message, field=match.expand(name)) from None
+        raise
+
+
 def fb_input_from_json(
-    body: protocol.ForwardBackwardInput, field: str, forward_only: bool
+    body: protocol.ForwardBackwardInput,
+    field: str,
+    forward_only: bool,
+    limits: validate_msgs.Limits = validate_msgs.UNKNOWN,
 ) -> pb.ForwardBackwardInput:
+    """The v1 message, checked against `limits` (the run's base model's, capabilities';
+    none known: the rules that need them are left to the trainer)."""
     contract.loss_spec(body.loss_fn, f"{field}.loss_fn")
     data = []
     for i, d in enumerate(body.data):
@@ -212,15 +243,15 @@ def fb_input_from_json(
     fb = pb.ForwardBackwardInput(
         data=data, loss_fn=body.loss_fn, loss_fn_config=config, forward_only=forward_only
     )
-    validate_msgs.check_forward_backward(fb, validate_msgs.Limits(), f"{field}.")
+    sdk_named(lambda: validate_msgs.check_forward_backward(fb, limits, f"{field}."))
     return fb
 
 
 def fb_request_parts_from_proto(
     raw: bytes,
-) -> tuple[str, int, Callable[[], pb.ForwardBackwardInput]]:
-    """Parse the envelope (model_id, seq_id) now; convert the payload when called, so a
-    refused payload can still spend its seq_id."""
+) -> tuple[str, int, Callable[[validate_msgs.Limits], pb.ForwardBackwardInput]]:
+    """Parse the envelope (model_id, seq_id) now; convert the payload when called with the
+    run's limits, so a refused payload can still spend its seq_id."""
     request = tpb.ForwardBackwardRequest()
     try:
         request.ParseFromString(raw)
@@ -232,10 +263,12 @@ def fb_request_parts_from_proto(
         raise InvalidArgument("missing", field="model_id")
     if request.seq_id < 0:
         raise InvalidArgument("must be >= 0", field="seq_id")
-    return request.model_id, request.seq_id, lambda: _fb_input_from_proto(request)
+    return request.model_id, request.seq_id, lambda limits: _fb_input_from_proto(request, limits)
 
 
-def _fb_input_from_proto(request: tpb.ForwardBackwardRequest) -> pb.ForwardBackwardInput:
+def _fb_input_from_proto(
+    request: tpb.ForwardBackwardRequest, limits: validate_msgs.Limits
+) -> pb.ForwardBackwardInput:
     contract.loss_spec(request.loss_fn, "loss_fn")
     data = []
     for i, d in enumerate(request.data):
@@ -261,7 +294,7 @@ def _fb_input_from_proto(request: tpb.ForwardBackwardRequest) -> pb.ForwardBackw
     fb = pb.ForwardBackwardInput(
         data=data, loss_fn=request.loss_fn, loss_fn_config=config, forward_only=request.forward_only
     )
-    validate_msgs.check_forward_backward(fb, validate_msgs.Limits())
+    sdk_named(lambda: validate_msgs.check_forward_backward(fb, limits))
     return fb
 
 
@@ -327,9 +360,7 @@ def sampling_params_from_json(params: protocol.SamplingParams) -> pb.SamplingPar
             out.disable_eos_stop = True
         elif isinstance(stop[0], str):
             out.stop_strings.extend(stop)
-        else:
-            if min(stop) < 0:
-                raise InvalidArgument("negative token id", field="sampling_params.stop")
+        else:  # ids are checked with the request (validate_msgs.check_sample)
             out.stop_token_ids.extend(stop)
     return out
 

@@ -1980,6 +1980,7 @@ class BaseModelInfo(_message.Message):
     MODULES_FIELD_NUMBER: _builtins.int
     MAX_NUM_SAMPLES_FIELD_NUMBER: _builtins.int
     QUANTIZATION_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tokenizer_id: _builtins.str
     """What a client loads with AutoTokenizer (HF name, or the local folder)."""
@@ -1993,6 +1994,10 @@ class BaseModelInfo(_message.Message):
     quantization: _builtins.str
     """How its replicas store the frozen base (lorafleet.quantize: "none", "int8", "fp8"); one
     value per model, as the controller refuses a replica that differs.
+    """
+    vocab_size: _builtins.int
+    """Token ids it accepts are < vocab_size, as its trainers report it (GetTrainerInfo); 0 =
+    no trainer has said yet. The gateway checks forward(_backward) inputs against it.
     """
     @_builtins.property
     def loss_fns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -2016,10 +2021,11 @@ class BaseModelInfo(_message.Message):
         modules: _abc.Iterable[_builtins.str] | None = ...,
         max_num_samples: _builtins.int = ...,
         quantization: _builtins.str = ...,
+        vocab_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_num_samples", b"max_num_samples", "max_rank", b"max_rank", "modules", b"modules", "name", b"name", "quantization", b"quantization", "sampleable", b"sampleable", "tokenizer_id", b"tokenizer_id", "trainable", b"trainable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_num_samples", b"max_num_samples", "max_rank", b"max_rank", "modules", b"modules", "name", b"name", "quantization", b"quantization", "sampleable", b"sampleable", "tokenizer_id", b"tokenizer_id", "trainable", b"trainable", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

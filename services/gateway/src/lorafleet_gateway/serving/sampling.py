@@ -76,7 +76,9 @@ class SamplingServing:
         if model is None:
             return validate_msgs.Limits()
         return validate_msgs.Limits(
-            max_context_length=model.max_context_length, max_num_samples=model.max_num_samples
+            vocab_size=model.vocab_size,
+            max_context_length=model.max_context_length,
+            max_num_samples=model.max_num_samples,
         )
 
     async def sample(self, tenant: str, body: SampleRequest) -> UntypedAPIFuture:
@@ -98,7 +100,8 @@ class SamplingServing:
             prompt_logprobs=bool(body.prompt_logprobs),
             topk_prompt_logprobs=body.topk_prompt_logprobs,
         )
-        validate_msgs.check_sample(request, await self._limits(tenant, request.sampler_id))
+        limits = await self._limits(tenant, request.sampler_id)
+        convert.sdk_named(lambda: validate_msgs.check_sample(request, limits))
         reply = await self._controller.submit_sample(request)
         operation = FutureId(FutureKind.OPERATION, reply.operation_id)
         ids = list(reply.sequence_ids) or [

@@ -16,7 +16,7 @@ import json
 import pydantic
 import zstandard
 
-from lorafleet import contract, errors
+from lorafleet import contract, errors, validate_msgs
 from lorafleet.contract import FutureId, FutureKind
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway import convert
@@ -109,9 +109,10 @@ class TrainingServing:
                 "forward_backward_input",
                 False,
             )
+        limits = await self._limits(tenant, model_id)
 
         def payload() -> cpb.OperationPayload:
-            fb = convert_input()
+            fb = convert_input(limits)
             if fb.forward_only:
                 return cpb.OperationPayload(forward=fb)
             return cpb.OperationPayload(forward_backward=fb)
@@ -119,11 +120,31 @@ class TrainingServing:
         return await self._ledger.admit(tenant, model_id, seq_id, payload)
 
     async def forward(self, tenant: str, body: ForwardRequest) -> UntypedAPIFuture:
+        limits = await self._limits(tenant, body.model_id)
+
         def payload() -> cpb.OperationPayload:
-            fb = convert.fb_input_from_json(body.forward_input, "forward_input", True)
+            fb = convert.fb_input_from_json(body.forward_input, "forward_input", True, limits)
             return cpb.OperationPayload(forward=fb)
 
         return await self._ledger.admit(tenant, body.model_id, body.seq_id, payload)
+
+    async def _limits(self, tenant: str, model_id: str) -> validate_msgs.Limits:
+        """What the run's base model accepts (vocabulary, context length), from capabilities,
+        so a token id or a datum the trainer would refuse is a 400 before it is admitted. An
+        unknown run or model gives no limits here; the ledger or the trainer answers it."""
+        request = cpb.GetRegistrationRequest(tenant=tenant, registration_id=model_id)
+        try:
+            base_model = (await self._controller.get_registration(request)).registration.base_model
+        except errors.LorafleetError:
+            return validate_msgs.UNKNOWN
+        model = next(
+            (m for m in await self._controller.capabilities() if m.name == base_model), None
+        )
+        if model is None:
+            return validate_msgs.UNKNOWN
+        return validate_msgs.Limits(
+            vocab_size=model.vocab_size, max_context_length=model.max_context_length
+        )
 
     async def optim_step(self, tenant: str, body: OptimStepRequest) -> UntypedAPIFuture:
         def payload() -> cpb.OperationPayload:
