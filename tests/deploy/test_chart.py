@@ -1470,3 +1470,31 @@ async def test_rendered_tls_wiring_authenticates_real_grpc_peers(render, tmp_pat
         assert await check(probe) == serving
     finally:
         await trainer.stop()
+
+
+def test_model_quantization_reaches_trainer_rollout_and_model_server(chart, render):
+    """model.quantization is one value for the whole model: both services get it (the
+    controller refuses a replica that differs), fp8 becomes the server's own
+    --quantization, and int8, which neither SGLang nor vLLM has, fails rendering with them."""
+    rendered = render()
+    for component, prefix in (("trainer", "LORAFLEET_TRAINER_"), ("rollout", "LORAFLEET_ROLLOUT_")):
+        assert env_of(rendered.container(component))[prefix + "QUANTIZATION"] == "none"
+    assert not any(
+        a.startswith("--quantization") for a in rendered.container("rollout", "sglang")["command"]
+    )
+    fp8 = {"model": {"quantization": "fp8"}}
+    assert "--quantization=fp8" in render(fp8).container("rollout", "sglang")["command"]
+    vllm = deep_merge(load_values("vllm"), fp8)
+    assert "--quantization=fp8" in render(vllm).container("rollout", "vllm")["command"]
+    int8 = {"model": {"quantization": "int8"}, "rollout": {"engine": "torch"}}
+    rendered = render(int8)
+    for component, prefix in (("trainer", "LORAFLEET_TRAINER_"), ("rollout", "LORAFLEET_ROLLOUT_")):
+        assert env_of(rendered.container(component))[prefix + "QUANTIZATION"] == "int8"
+    for engine in ("sglang", "vllm"):
+        with pytest.raises(helm_python.HelmRenderError, match="torch engine only"):
+            chart.render(
+                values={"model": {"quantization": "int8"}, "rollout": {"engine": engine}},
+                name=RELEASE, namespace=NAMESPACE,
+            )  # fmt: skip
+    with pytest.raises(helm_python.HelmValuesError, match="quantization"):
+        chart.render(values={"model": {"quantization": "int4"}}, name=RELEASE, namespace=NAMESPACE)

@@ -59,6 +59,9 @@ loopback, and holds the GPUs; with engine torch the rollout container does.
 {{- $lws := $v.leaderWorkerSet -}}
 {{- $sglang := eq $v.engine "sglang" -}}
 {{- $vllm := eq $v.engine "vllm" -}}
+{{- if and (eq $.Values.model.quantization "int8") (or $sglang $vllm) -}}
+{{- fail "model.quantization int8 is served by the torch engine only: SGLang and vLLM quantize a float checkpoint to fp8, not int8 weight-only (use fp8, or rollout.engine torch)" -}}
+{{- end -}}
 {{- if $sglang -}}
 {{- if gt (int $v.numSlots) (int $s.maxLoadedLoras) -}}
 {{- fail "rollout.numSlots must be <= rollout.sglang.maxLoadedLoras: the SGLang server holds every resident adapter" -}}
@@ -124,6 +127,8 @@ containers:
         value: {{ include "lorafleet.modelPath" $ | quote }}
       - name: LORAFLEET_ROLLOUT_BASE_MODEL_NAME
         value: {{ $.Values.model.name | quote }}
+      - name: LORAFLEET_ROLLOUT_QUANTIZATION
+        value: {{ $.Values.model.quantization | quote }}
       - name: LORAFLEET_ROLLOUT_MAX_LOADED_ADAPTERS
         value: {{ $v.numSlots | quote }}
       # Pushed adapters (the service adds its replica id): on the checkpoint volume, which the
@@ -203,6 +208,10 @@ containers:
       - --enable-deterministic-inference
       {{- end }}
       - --enable-metrics
+      {{- if eq $.Values.model.quantization "fp8" }}
+      # The trainer's "fp8" base: SGLang's online per-matrix e4m3 weights (lorafleet.quantize).
+      - --quantization=fp8
+      {{- end }}
       {{- with $s.extraArgs }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
@@ -256,6 +265,9 @@ containers:
       - --tensor-parallel-size={{ $vl.tpSize }}
       {{- if $vl.gpuMemoryUtilization }}
       - --gpu-memory-utilization={{ $vl.gpuMemoryUtilization }}
+      {{- end }}
+      {{- if eq $.Values.model.quantization "fp8" }}
+      - --quantization=fp8
       {{- end }}
       {{- with $vl.extraArgs }}
       {{- toYaml . | nindent 6 }}

@@ -61,6 +61,8 @@ containers:
         value: {{ include "lorafleet.modelPath" $ | quote }}
       - name: LORAFLEET_TRAINER_BASE_MODEL_NAME
         value: {{ $.Values.model.name | quote }}
+      - name: LORAFLEET_TRAINER_QUANTIZATION
+        value: {{ $.Values.model.quantization | quote }}
       - name: LORAFLEET_TRAINER_NUM_SLOTS
         value: {{ $v.numSlots | quote }}
       - name: LORAFLEET_TRAINER_STORAGE_ROOT
