@@ -103,21 +103,24 @@ def _sdk_create(fleet: object, python: Path, model: str) -> dict:
     return json.loads(lines[-1][len("DEGRADED ") :])
 
 
-def _sdk_waiting(fleet: object, python: Path, model: str, slots: int) -> subprocess.Popen[str]:
-    """A real SDK client blocked on a call that waits for a slot (waiting_sdk_script.py),
-    started and past its "WAITING" line."""
-    env = child_env(TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,  # type: ignore[attr-defined]
-                    SMOKE_BASE_MODEL=model, SLOTS=str(slots))  # fmt: skip
-    script = str(Path(__file__).with_name("waiting_sdk_script.py"))
-    proc = subprocess.Popen([str(python), script], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+def _line(proc: subprocess.Popen[str], prefix: str) -> str:
+    """The client's next line, which must start with `prefix` (its output so far if not)."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    if not line.startswith("WAITING "):
+    if not line.startswith(prefix):
         proc.kill()
         raise AssertionError(line + proc.communicate(timeout=60)[1][-6000:])
-    proc.waiting = line.split()[1:]  # type: ignore[attr-defined]
-    return proc
+    return line[len(prefix) :].strip()
+
+
+def _sdk_client(fleet: object, python: Path, model: str) -> tuple[subprocess.Popen[str], str]:
+    """A real SDK client (waiting_sdk_script.py) that holds a training run, and the run."""
+    env = child_env(TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,  # type: ignore[attr-defined]
+                    SMOKE_BASE_MODEL=model)  # fmt: skip
+    script = str(Path(__file__).with_name("waiting_sdk_script.py"))
+    proc = subprocess.Popen([str(python), script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return proc, _line(proc, "READY ")
 
 
 def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
@@ -154,25 +157,30 @@ def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
         assert fleet.failures["rollout-0"].startswith("rollout-0 exited with -9 after 1 restarts")
         # trainer-0 spent its one restart above: killed again, it stays down too.
         model = _model_name(fleet)  # while a trainer serves it (capabilities list live ones)
-        waiting = _sdk_waiting(fleet, python, model, slots=2)  # 2 runs bound, 1 waits
-        *bound, queued = waiting.waiting  # type: ignore[attr-defined]
+        waiting, run = _sdk_client(fleet, python, model)
         report, _ = render_status(fleet.controller_address, fleet.admin, None)
         holders = {ln.split()[2]: ln.split() for ln in report.splitlines()
                    if ln.startswith("trainer-0 ")}  # fmt: skip
-        for run in bound:  # who holds each slot, and since when ("10:04:15 (3s)")
-            assert holders[run][3] == "local" and holders[run][5].endswith("s)"), report
-        assert f"Waiting for a slot: {queued} (#1)" in report, report
+        # who holds the slot, and since when ("10:04:15 (3s)")
+        assert holders[run][3] == "local" and holders[run][5].endswith("s)"), report
         trainer = fleet.member("trainer-0")
+        os.kill(trainer.proc.pid, signal.SIGSTOP)  # the client's next call waits on it
+        assert waiting.stdin is not None
+        waiting.stdin.write("go\n")
+        waiting.stdin.flush()
+        _line(waiting, "WAITING")
         os.kill(trainer.proc.pid, signal.SIGKILL)
         wait_until(lambda: "trainer-0" in fleet.failures, "supervision gives up on trainer-0")
         failed_at = time.time()
         wait_until(lambda: _trainer_down(fleet), "the controller's replica table: trainer-0 down")
 
-        # The call that waited for a slot ends with Unavailable naming the trainer and why.
+        # The call that waited on it ends with Unavailable naming the trainer and why.
         out, err = waiting.communicate(timeout=300)
         lines = [ln for ln in out.splitlines() if ln.startswith("WAITED ")]
         assert lines, out[-3000:] + err[-6000:]
         waited = json.loads(lines[-1][len("WAITED ") :])
+        print(f"the waiting call failed {waited['at'] - failed_at:.2f}s after supervision "
+              "gave up on trainer-0")  # fmt: skip
         assert waited["type"] == "RequestFailedError", waited
         assert waited["at"] - failed_at < 5, waited
         assert "no healthy trainer serves base model" in waited["message"], waited
@@ -198,8 +206,7 @@ def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
         assert "  trainer-0: trainer-0 exited with -9 after 1 restarts" in report, report
         runs = {ln.split()[0]: ln for ln in report.split("Runs not bound or queued")[1]
                 .splitlines()[3:]}  # fmt: skip
-        for run in [*bound, queued]:
-            assert " UNAVAILABLE " in runs[run] and "trainer-0" in runs[run], report
+        assert " UNAVAILABLE " in runs[run] and "trainer-0" in runs[run], report
         processes = report.split("Trainer slots")[0].splitlines()
         rows = {ln.split()[0]: ln.split() for ln in processes if ln.strip()}
         assert rows["trainer-0"][4] == "FAILED" and rows["rollout-0"][4] == "FAILED", report
