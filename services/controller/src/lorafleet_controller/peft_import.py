@@ -23,16 +23,15 @@ import json
 import struct
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lorafleet import contract, errors, names
 from lorafleet.v1 import common_pb2
-from lorafleet_controller.catalog import TRAINING
-from lorafleet_controller.registry import TRAINER, Replica, base_model_name
+from lorafleet_controller.catalog import TRAINING, Catalog
+from lorafleet_controller.clients import Pool
+from lorafleet_controller.registry import TRAINER, Placer, Registry, Replica, base_model_name
 from lorafleet_controller.store import RegState
-
-if TYPE_CHECKING:
-    from lorafleet_controller.controller import Controller
+from lorafleet_controller.tenancy import Tenancy
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -203,11 +202,24 @@ def check_targets(lora: common_pb2.LoraConfig, modules: list[str]) -> None:
         contract.check_target_names(getattr(lora, key), modules, _field(key))
 
 
+class ImportHost(Protocol):
+    """The controller's parts an import uses, and the one flow (ending its session): the
+    Controller satisfies it structurally, so this module never imports it back."""
+
+    registry: Registry
+    placer: Placer
+    pool: Pool
+    tenancy: Tenancy
+    catalog: Catalog
+
+    async def finish_session(self, tenant: str, session_id: str, reason: str) -> None: ...
+
+
 class Importer:
     """Drives one import through the controller's parts (see the module doc)."""
 
-    def __init__(self, controller: Controller) -> None:
-        self.c = controller
+    def __init__(self, host: ImportHost) -> None:
+        self.c = host
 
     async def run(
         self, tenant: str, name: str, base_model: str, files: dict[str, bytes]
