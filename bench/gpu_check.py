@@ -24,6 +24,11 @@ Each figure is measured side by side in this run:
   lm_head) and an expert (MoE) adapter exported by our trainer; their logprobs against the
   trainer's (float32 on a CPU, bound 1e-4; the bf16 figure on a GPU). A part the machine
   cannot run reports "skipped:"/"refused:" with why instead of failing the check.
+- quantized (issue 22 item 2): the trainer on an int8 and an fp8 base (`lorafleet.quantize`)
+  against the unquantized bf16 engine: base bytes (and against float32), step-time ratio,
+  logprobs against PEFT on the dequantized base (what the sampler serves) and the drift from
+  the unquantized base; then (`gpu_serving.quantized_serving`) SGLang and vLLM started with
+  --quantization fp8 against the fp8 trainer's logprobs.
 
 `--sections serving` (comma-separated) re-runs only some sections.
 """
@@ -42,10 +47,11 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_serving import serving_section
+from gpu_serving import quantized_serving, serving_section
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from lorafleet import quantize
 from lorafleet.testing import free_port
 from lorafleet_trainer.domain import (
     AdamParams,
@@ -55,8 +61,9 @@ from lorafleet_trainer.domain import (
     LoraSpec,
 )
 from lorafleet_trainer.engine import TrainerEngine
+from lorafleet_trainer.quantized import base_nbytes
 
-SECTIONS = ("trainer", "group", "rollout", "serving")
+SECTIONS = ("trainer", "group", "rollout", "serving", "quantized")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 16, 32
 
@@ -199,6 +206,65 @@ def trainer_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
         "achieved_tflops": round(achieved, 1),
         "fraction_of_peak": round(achieved / args.peak_tflops, 3),
     }
+
+
+def quantized_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
+    """Each quantized base against the unquantized one, on the same seeded weights."""
+    config = llama8b_config(args.layers, args.smoke)
+    gen = torch.Generator().manual_seed(1)
+    data = batch(gen, args.rows, args.seq, config.vocab_size)
+    probe = ForwardBackwardInput(data[:1], "cross_entropy", forward_only=True)
+    one = [ForwardBackwardItem("", 0, "r0", ForwardBackwardInput(data, "cross_entropy"))]
+    spec = LoraSpec(rank=RANK, alpha=ALPHA, seed=0)
+    out: dict = {}
+    float_lp, float_s, float_bytes = None, 0.0, 0
+    for kind in (quantize.NONE, quantize.INT8, quantize.FP8):
+        base = build(config, device, dtype)
+        float32_bytes = sum(4 * p.numel() for p in base.parameters())
+        reference = None
+        if kind != quantize.NONE:  # PEFT on the dequantized weights: what a sampler serves
+            reference = copy.deepcopy(base)
+            quantize.dequantize_in_place(reference, kind)
+        engine = TrainerEngine(
+            base, base_model="llama8b-truncated", num_slots=1, max_rank=RANK,
+            storage_root=work / f"q-{kind}", quantization=kind,
+        )  # fmt: skip
+        engine.bind(0, "r0", spec)
+        lp = engine.forward_backward([ForwardBackwardItem("", 0, "r0", probe)])[0].logprobs[0]
+        step = [0]  # fresh operation ids for every timed step
+        seconds = median_seconds(lambda e=engine, c=step: engine_step(e, one, c), args.reps, device)
+        nbytes = base_nbytes(engine.model)
+        if kind == quantize.NONE:
+            float_lp, float_s, float_bytes = lp, seconds, nbytes
+            out[kind] = {"step_s": round(seconds, 4), "base_bytes": nbytes}
+        else:
+            assert reference is not None and float_lp is not None
+            pm = get_peft_model(
+                reference, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS)
+            )
+            with torch.no_grad():
+                ids = torch.tensor([data[0].tokens], device=device)
+                logits = pm(input_ids=ids, use_cache=False).logits.float()
+                theirs = torch.log_softmax(logits, -1)[0].gather(
+                    -1, data[0].loss_fn_inputs["target_tokens"].to(device).view(-1, 1)
+                )
+            out[kind] = {
+                "step_s": round(seconds, 4),
+                "step_time_ratio_vs_unquantized": round(seconds / float_s, 3),
+                "base_bytes": nbytes,
+                "base_bytes_ratio_vs_unquantized": round(nbytes / float_bytes, 4),
+                "base_bytes_ratio_vs_float32": round(nbytes / float32_bytes, 4),
+                "logprob_max_abs_diff_vs_peft_on_dequantized": float(
+                    (lp.to(device) - theirs.view(-1)).abs().max()
+                ),
+                "logprob_max_abs_drift_vs_unquantized": float((lp - float_lp).abs().max()),
+            }
+            del pm, reference
+        del engine, base
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    out["serving"] = asyncio.run(quantized_serving(device, work))
+    return out
 
 
 def group_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
@@ -354,6 +420,10 @@ def main() -> None:
             torch.cuda.empty_cache()  # the servers take their share of what is free
         if "serving" in sections:
             result["serving"] = asyncio.run(serving_section(device, work))
+        if cuda:
+            torch.cuda.empty_cache()
+        if "quantized" in sections:
+            result["quantized"] = quantized_section(args, device, dtype, work)
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result, indent=2))
 

@@ -38,6 +38,7 @@ import httpx
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lorafleet import quantize
 from lorafleet.testing import free_port
 from lorafleet_models.tiny import ensure_model
 from lorafleet_rollout import sglang_server
@@ -86,12 +87,13 @@ def served_model(preset: str, cuda: bool, work: Path) -> Path:
     return out
 
 
-def train(model: Path, device: str, work: Path) -> Trained:
+def train(model: Path, device: str, work: Path, quantization: str = quantize.NONE) -> Trained:
     """Six Adam steps of one adapter with lm_head (and expert banks on MoE), then PEFT export.
-    The trainer runs float32 on the served weights (bf16-exact on a GPU)."""
+    The trainer runs float32 on the served weights (bf16-exact on a GPU), quantized as the
+    fleet's `quantization` says (its base-only logprobs then come from the same weights)."""
     engine = TrainerEngine.from_pretrained(
         model, device=device, dtype="float32", num_slots=1, max_rank=RANK,
-        storage_root=work / f"{model.name}-states",
+        storage_root=work / f"{model.name}-{quantization}-states", quantization=quantization,
     )  # fmt: skip
     engine.bind(0, "reg", TrainerLoraSpec(rank=RANK, alpha=ALPHA, seed=1, train_unembed=True))
     gen = torch.Generator().manual_seed(100)
@@ -104,9 +106,10 @@ def train(model: Path, device: str, work: Path) -> Trained:
         if isinstance(out, Exception):
             raise out
         engine.optim_step(f"opt{step}", 0, "reg", AdamParams(learning_rate=2e-2))
-    folder = work / f"{model.name}-reg@1"
+    folder = work / f"{model.name}-{quantization}-reg@1"
     engine.export_adapter(0, "reg", folder)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    quantize.dequantize_in_place(base, quantization)
 
     def logprobs(adapter: str | None, tokens: list[int]) -> torch.Tensor:
         """log p(tokens[t] | tokens[:t]) for t >= 1: the adapter's through the trainer's own
@@ -170,7 +173,13 @@ def server_python(package: str, cpu_python: Path, setup: str, cuda: bool) -> Pat
     return f"skipped: {package} is not importable ({'; '.join(why)})"
 
 
-async def sglang_part(model: Path, trained: Callable[[], Trained], cuda: bool, work: Path) -> dict:
+async def sglang_part(
+    model: Path,
+    trained: Callable[[], Trained],
+    cuda: bool,
+    work: Path,
+    quantization: str = quantize.NONE,
+) -> dict:
     python = server_python(
         "sglang", sglang_server.DEFAULT_PYTHON, "services/rollout/tests/setup_sglang_venv.sh", cuda
     )
@@ -178,14 +187,14 @@ async def sglang_part(model: Path, trained: Callable[[], Trained], cuda: bool, w
         return {"result": python}
     server = sglang_server.SGLangServer(
         model, free_port(), python=python, device="cuda" if cuda else "cpu",
-        max_lora_rank=RANK, max_loras_per_batch=2, max_loaded_loras=4,
+        max_lora_rank=RANK, max_loras_per_batch=2, max_loaded_loras=4, quantization=quantization,
     )  # fmt: skip
     try:
         server.check()
     except ValueError as exc:  # the CPU profile refuses MoE models
         return {"result": f"refused: {exc}"}
     adapter = trained()
-    log = work / f"sglang-{model.name}.log"
+    log = work / f"sglang-{model.name}-{quantization}.log"
     started = time.monotonic()
     proc = server.start(log)
     try:
@@ -203,7 +212,13 @@ async def sglang_part(model: Path, trained: Callable[[], Trained], cuda: bool, w
         sglang_server.stop(proc)
 
 
-async def vllm_part(model: Path, trained: Callable[[], Trained], cuda: bool, work: Path) -> dict:
+async def vllm_part(
+    model: Path,
+    trained: Callable[[], Trained],
+    cuda: bool,
+    work: Path,
+    quantization: str = quantize.NONE,
+) -> dict:
     import sampling_vllm
 
     python = server_python(
@@ -212,13 +227,14 @@ async def vllm_part(model: Path, trained: Callable[[], Trained], cuda: bool, wor
     if isinstance(python, str):
         return {"result": python}
     adapter = trained()
-    log = work / f"vllm-{model.name}.log"
+    log = work / f"vllm-{model.name}-{quantization}.log"
     dtype = "bfloat16" if cuda else "float32"
     started = time.monotonic()
     context = AutoConfig.from_pretrained(model).max_position_embeddings
     server = sampling_vllm.vllm_server(
-        model, 2, True, log, python=python, dtype=dtype, max_model_len=context
-    )
+        model, 2, True, log, python=python, dtype=dtype, max_model_len=context,
+        quantization=quantization,
+    )  # fmt: skip
     with server as (url, proc):
         engine = VLLMEngine(url, model, max_lora_rank=RANK, ready_timeout=600)
         try:
@@ -254,6 +270,28 @@ async def serving_section(device: str, work: Path) -> dict:
         else:
             out["vllm_dense"] = await vllm_part(model, trained, cuda, work)
     return out
+
+
+async def quantized_serving(device: str, work: Path) -> dict:
+    """The fleet's fp8 base on the dense model: the trainer on `lorafleet.quantize`'s fp8
+    weights against SGLang and vLLM started with their own --quantization fp8 (per-matrix
+    e4m3 weights, as ours; on GPUs with fp8 GEMMs they quantize activations too, which the
+    trainer does not, so the difference is reported, not bounded). GPU only: the engines'
+    fp8 kernels are CUDA kernels."""
+    if device != "cuda":
+        return {"result": "skipped: SGLang's and vLLM's fp8 paths need a GPU"}
+    model = served_model("tiny", True, work)
+    cache: list[Trained] = []
+
+    def trained() -> Trained:
+        if not cache:
+            cache.append(train(model, device, work, quantize.FP8))
+        return cache[0]
+
+    return {
+        "sglang_dense_fp8": await sglang_part(model, trained, True, work, quantize.FP8),
+        "vllm_dense_fp8": await vllm_part(model, trained, True, work, quantize.FP8),
+    }
 
 
 def _tail(log: Path, lines: int = 12) -> list[str]:

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from lorafleet import quantize
 from lorafleet.errors import LorafleetError
 from lorafleet.testing import child_env, free_port, stop_process
 from lorafleet_rollout.torch_engine import TorchEngine
@@ -109,8 +110,10 @@ def vllm_server(
     python: Path = VLLM_PYTHON,
     dtype: str = "float32",
     max_model_len: int = 2048,
+    quantization: str = "none",
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """The vLLM server, from `python` (gpu_check.py: a GPU image's own), serving `dtype`;
+    """The vLLM server, from `python` (gpu_check.py: a GPU image's own), serving `dtype`
+    (quantized at load as the fleet's `quantization` says: lorafleet.quantize.ENGINE_FLAGS);
     yields its URL and process."""
     port = free_port()
     env = child_env(
@@ -125,6 +128,8 @@ def vllm_server(
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
         "--dtype", dtype, "--max-num-seqs", "256",
     ]  # fmt: skip
+    if quantization != quantize.NONE:
+        command += ["--quantization", quantize.ENGINE_FLAGS[quantization]]
     if lora:
         command += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "8"]
         command += ["--max-cpu-loras", "8"]
