@@ -20,7 +20,10 @@ without the bucket: what the bucket costs a single tenant. A refused submission 
 is retried after its Retry-After, as the SDK does. `--rounds` repeats all five back to back
 (p99s on a shared, loaded machine swing with the load). Prints JSON: per round, A's step
 p50/p99 alone and under each flood and how much of each was admitted; the p99 ratios over A
-alone per round and their median (target <= 2).
+alone per round and their median (target <= 2). Each configuration also reports how long this
+process and Redis waited for a CPU per second they ran (Linux schedstat; `cpu_wait_per_run`):
+near 0 on an idle machine; well above 1, the machine's other load, not the scheduler, sets
+A's latency, and the ratios measure that load.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, Store, text
 
 FORWARD, FORWARD_BACKWARD = 1, 2
+
+
+def cpu_times(pid: int | str) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a process's main thread
+    (Linux schedstat; zeros elsewhere)."""
+    try:
+        on, wait, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+    except OSError:
+        return 0.0, 0.0
+    return int(on) / 1e9, int(wait) / 1e9
 
 
 def pct(values: list[float], q: float) -> float:
@@ -172,9 +185,19 @@ def main() -> None:
         try:
             # Rounds run every configuration back to back, so a burst of load from the rest
             # of the machine lands on one round's ratios, not on one configuration.
+            pids: dict[str, int | str] = {"bench": "self", "redis": server.proc.pid}
             for r in range(args.rounds):
-                rounds.append({name: asyncio.run(run(args, server.url, f"{name}{r}:", *cfg))
-                               for name, cfg in configs.items()})  # fmt: skip
+                results: dict[str, Any] = {}
+                for name, cfg in configs.items():
+                    before = {who: cpu_times(pid) for who, pid in pids.items()}
+                    results[name] = asyncio.run(run(args, server.url, f"{name}{r}:", *cfg))
+                    after = {who: cpu_times(pid) for who, pid in pids.items()}
+                    results[name]["cpu_wait_per_run"] = {
+                        who: round((after[who][1] - before[who][1])
+                                   / max(after[who][0] - before[who][0], 1e-9), 2)
+                        for who in pids
+                    }  # fmt: skip
+                rounds.append(results)
         finally:
             server.stop()
     out["rounds"] = rounds
@@ -188,6 +211,10 @@ def main() -> None:
         for name in ("fifo", "fair_no_bucket", "fair"):
             out[f"{q}_ratio_{name}_over_alone"] = ratio(f"flooded_{name}", "alone", q)
         out[f"{q}_ratio_alone_bucket_over_no_bucket"] = ratio("alone", "alone_no_bucket", q)
+    out["cpu_wait_per_run_flooded_fair"] = {
+        who: statistics.median(x["flooded_fair"]["cpu_wait_per_run"][who] for x in rounds)
+        for who in ("bench", "redis")
+    }  # median over rounds
     out["target_ratio"] = 2.0
     out["loadavg_1m"] = {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)}
     print(json.dumps(out, indent=2))
