@@ -6,6 +6,7 @@ import itertools
 import math
 
 import numpy as np
+import pydantic
 import pytest
 
 from lorafleet import contract
@@ -13,6 +14,7 @@ from lorafleet.errors import InvalidArgument
 from lorafleet.v1 import common_pb2 as pb
 from lorafleet.validate_msgs import Limits
 from lorafleet_gateway import convert, protocol
+from lorafleet_gateway.errors import sent_field
 from lorafleet_gateway.tinker_proto import tinker_public_pb2 as tpb
 
 
@@ -144,6 +146,58 @@ def test_proto_sparse_csr() -> None:
     t.sparse_csr.crow_indices = np.array([0, 1, 2], "<i8").tobytes()
     t.sparse_csr.col_indices = np.array([3, 0], "<i8").tobytes()
     assert convert.array_from_proto(t, "t").tolist() == [[0, 0, 0, 5], [6, 0, 0, 0]]
+
+
+def test_proto_sparse_csr_refusals_name_the_proto_fields() -> None:
+    """The SDK's protobuf names its CSR parts sparse_csr.crow_indices/col_indices, not the
+    JSON's sparse_crow_indices/sparse_col_indices."""
+    t = tpb.Tensor(dtype=tpb.DTYPE_INT64, shape=[2, 4])
+    t.sparse_csr.values = np.array([5, 6], "<i8").tobytes()
+    t.sparse_csr.crow_indices = np.array([0, 1], "<i8").tobytes()
+    t.sparse_csr.col_indices = np.array([3, 0], "<i8").tobytes()
+    with raises("t.sparse_csr.crow_indices"):
+        convert.array_from_proto(t, "t")
+    t.sparse_csr.crow_indices = np.array([0, 1, 2], "<i8").tobytes()
+    t.sparse_csr.col_indices = np.array([3, 4], "<i8").tobytes()
+    with raises("t.sparse_csr.col_indices"):
+        convert.array_from_proto(t, "t")
+
+
+@pytest.mark.parametrize(
+    ("v1", "sdk", "position"),
+    [
+        ("forward_input.data[2].tokens[7]", "forward_input.data[2].model_input", "7"),
+        ("data[0].tokens", "data[0].model_input", None),
+        ("prompt_tokens[3]", "prompt", "3"),
+        ("params.stop_token_ids[1]", "sampling_params.stop", "1"),
+        ("params.stop_strings[0]", "sampling_params.stop", "0"),
+        ("params.top_p", "sampling_params.top_p", None),
+        ("data[0].loss_fn_inputs.weights", "data[0].loss_fn_inputs.weights", None),
+        ("num_samples", "num_samples", None),
+    ],
+)
+def test_validator_refusals_name_the_sdk_fields(v1: str, sdk: str, position: str | None) -> None:
+    def check() -> None:
+        raise InvalidArgument("bad", field=v1)
+
+    with raises(sdk) as info:
+        convert.sdk_named(check)
+    assert (f"(position {position})" in info.value.message) == (position is not None)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": {"chunks": []}, "sampling_params": {"stop": [1.5]}}, "sampling_params.stop"),
+        ({"prompt": {"chunks": []}, "sampling_params": {"stop": {"a": 1}}}, "sampling_params.stop"),
+        ({"prompt": {"chunks": [{"tokens": [2**40]}]}}, "prompt.chunks[0].tokens[0]"),
+        ({"sampling_params": {}}, "prompt"),
+    ],
+)
+def test_schema_refusals_name_the_json_field_not_the_union_member(body: dict, field: str) -> None:
+    with pytest.raises(pydantic.ValidationError) as info:
+        protocol.SampleRequest.model_validate(body)
+    assert sent_field(info.value.errors()[0], body) == field
 
 
 # --- data ---------------------------------------------------------------------------------

@@ -222,6 +222,16 @@ def test_token_ids_and_lengths_are_checked_against_the_model(
         "/forward_backward", content=request.SerializeToString(), headers={"Content-Type": PROTO}
     )
     assert_400(reply, "data[0].model_input")
+
+    # A schema refusal names the field as the JSON has it, not pydantic's union member
+    # ("...weights.data[0].int"), through FastAPI's parser and the gateway's own alike.
+    typo = fb_body(model, next_seq(model))
+    typo["forward_input"]["data"][0]["loss_fn_inputs"]["weights"]["data"] = ["x"] * 4
+    weights = "data[0].loss_fn_inputs.weights.data[0]"
+    assert_400(client.post("/forward", typo), f"forward_input.{weights}")
+    typo["forward_backward_input"] = typo.pop("forward_input")
+    typo["seq_id"] = next_seq(model)
+    assert_400(client.post("/forward_backward", typo), f"forward_backward_input.{weights}")
     assert forward_logprobs(client, model) == pytest.approx(before, abs=0)
 
 

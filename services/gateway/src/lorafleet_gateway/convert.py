@@ -66,9 +66,16 @@ def _shape(shape: Sequence[int] | None, count: int, field: str) -> tuple[int, ..
 
 
 def _densify(
-    values: np.ndarray, crow: np.ndarray, col: np.ndarray, shape: Sequence[int] | None, field: str
+    values: np.ndarray,
+    crow: np.ndarray,
+    col: np.ndarray,
+    shape: Sequence[int] | None,
+    field: str,
+    names: tuple[str, str] = ("sparse_crow_indices", "sparse_col_indices"),
 ) -> np.ndarray:
-    """Sparse CSR (values, crow_indices, col_indices) → the dense 2-D array, checked."""
+    """Sparse CSR (values, crow_indices, col_indices) → the dense 2-D array, checked. `names`
+    are the row-pointer and column fields as the body names them (JSON's by default)."""
+    crow_field, col_field = (f"{field}.{name}" for name in names)
     if not shape or len(shape) != 2:
         raise InvalidArgument("sparse CSR tensors need a 2-D shape", field=f"{field}.shape")
     rows, cols = int(shape[0]), int(shape[1])
@@ -77,22 +84,20 @@ def _densify(
     if len(crow) != rows + 1:
         raise InvalidArgument(
             f"expected {rows + 1} row pointers, got {len(crow)}",
-            field=f"{field}.sparse_crow_indices",
+            field=crow_field,
         )
     if crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != len(values):
         raise InvalidArgument(
             "row pointers must start at 0, never decrease and end at nnz",
-            field=f"{field}.sparse_crow_indices",
+            field=crow_field,
         )
     if len(col) != len(values):
         raise InvalidArgument(
             f"{len(col)} column indices for {len(values)} values",
-            field=f"{field}.sparse_col_indices",
+            field=col_field,
         )
     if len(col) and (col.min() < 0 or col.max() >= cols):
-        raise InvalidArgument(
-            f"column index out of range [0, {cols})", field=f"{field}.sparse_col_indices"
-        )
+        raise InvalidArgument(f"column index out of range [0, {cols})", field=col_field)
     dense = np.zeros((rows, cols), dtype=values.dtype)
     dense[np.repeat(np.arange(rows), np.diff(crow)), col] = values
     return dense
@@ -143,7 +148,8 @@ def array_from_proto(t: tpb.Tensor, field: str) -> np.ndarray:
         values = _frombuffer(t.sparse_csr.values, le, f"{field}.sparse_csr.values")
         crow = _frombuffer(t.sparse_csr.crow_indices, "<i8", f"{field}.sparse_csr.crow_indices")
         col = _frombuffer(t.sparse_csr.col_indices, "<i8", f"{field}.sparse_csr.col_indices")
-        arr = _densify(values, crow, col, list(t.shape), field)
+        names = ("sparse_csr.crow_indices", "sparse_csr.col_indices")
+        arr = _densify(values, crow, col, list(t.shape), field, names)
     else:
         values = _frombuffer(t.dense, le, f"{field}.dense")
         arr = values.reshape(_shape(list(t.shape), values.size, field))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -79,12 +80,36 @@ def dotted(loc: Sequence[object]) -> str:
     return out
 
 
+def sent_field(error: Mapping[str, Any], body: object) -> str:
+    """A pydantic error's place in `body` (its loc is relative to it), named as the client's
+    JSON names it. Pydantic puts the union member it tried into loc ("str", "list[int]",
+    "int": `sampling_params.stop.str`), which is no field the client sent, so a part the
+    body does not have is dropped, unless it is the missing field itself."""
+    loc = list(error.get("loc", ()))
+    missing = error.get("type") == "missing"
+    node, kept = body, []
+    for i, part in enumerate(loc):
+        sent = (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        )
+        if sent:
+            node = node[part]  # type: ignore[index]
+        elif not (missing and i == len(loc) - 1):
+            continue
+        kept.append(part)
+    return dotted(kept) or "body"
+
+
 def validation_error(exc: RequestValidationError) -> errors.InvalidArgument:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":  # loc is ("body", <character offset>)
         where = first.get("loc", ("body", "?"))[-1]
         return errors.InvalidArgument(f"malformed JSON at character {where}", field="body")
-    field = dotted(first.get("loc", ())) or "body"
+    loc = tuple(first.get("loc", ()))
+    if loc[:1] == ("body",):
+        field = sent_field({**first, "loc": loc[1:]}, exc.body)
+    else:  # a query or path parameter
+        field = dotted(loc) or "body"
     return errors.InvalidArgument(str(first.get("msg", "invalid")), field=field)
 
 

@@ -21,7 +21,7 @@ from lorafleet.contract import FutureId, FutureKind
 from lorafleet.v1 import controller_pb2 as cpb
 from lorafleet_gateway import convert
 from lorafleet_gateway.controller import ControllerClient
-from lorafleet_gateway.errors import PayloadTooLarge, dotted
+from lorafleet_gateway.errors import PayloadTooLarge, sent_field
 from lorafleet_gateway.protocol import (
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -167,11 +167,11 @@ class TrainingServing:
             return ForwardBackwardRequest.model_validate_json(raw)
         except pydantic.ValidationError as exc:
             first = exc.errors()[0]
-            error = errors.InvalidArgument(first["msg"], field=dotted(first["loc"]) or "body")
         try:
             named = json.loads(raw)
         except (ValueError, RecursionError):  # not JSON, or nested too deep to parse
             named = None
+        error = errors.InvalidArgument(first["msg"], field=sent_field(first, named))
         await self._ledger.spend_named(tenant, named, error)
         raise error
 
