@@ -86,14 +86,15 @@ def _since(ts: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ts)) + f" ({_ago(ts).removesuffix(' ago')})"
 
 
-def _state(reg: controller_pb2.Registration) -> str:
+def run_state(reg: controller_pb2.Registration) -> str:
     """The state's proto name, whatever it is (a state added later shows as it is named),
     marked when a retired run was corrupted or failed."""
     name = controller_pb2.RegistrationState.Name(reg.state).removeprefix("REGISTRATION_STATE_")
     return name + ("/corrupted" if reg.corrupted else "/failed" if reg.failed else "")
 
 
-def _reason(reg: controller_pb2.Registration) -> str:
+def run_reason(reg: controller_pb2.Registration) -> str:
+    """Why it is shown: what its lost trainer took, the trainer's refusal, or why it waits."""
     if reg.corrupted:
         return reg.corrupted
     if reg.failed:
@@ -167,7 +168,7 @@ def render_status(
     if status.attention_total:
         shown = len(status.attention)
         more = f", the newest {shown}" if shown < status.attention_total else ""
-        rows = [[reg.registration_id, reg.tenant, _state(reg), _reason(reg)]
+        rows = [[reg.registration_id, reg.tenant, run_state(reg), run_reason(reg)]
                 for reg in status.attention]  # fmt: skip
         out += ["", f"Runs not bound or queued ({status.attention_total}{more})",
                 _table(["run", "tenant", "state", "reason"], rows)]  # fmt: skip
