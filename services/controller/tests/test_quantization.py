@@ -6,30 +6,39 @@ A real controller process over gRPC; the replicas are records at addresses nothi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from lorafleet import errors
-from lorafleet.testing import RedisServer, free_port
+from lorafleet.replica import Registrar, ReplicaSettings
+from lorafleet.testing import RedisServer, free_port, wait_until_async
 from lorafleet.v1 import controller_pb2
 
-from .fleet import Client, controller_proc
+from .fleet import Client, Proc, controller_proc
 
 K = controller_pb2
 
 
 @pytest.fixture
-async def client(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[Client]:
+def controller(redis_server: RedisServer, tmp_path: Path) -> Iterator[Proc]:
     proc = controller_proc(redis_server, tmp_path)
     proc.start()
-    c = Client(proc.port)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def client(controller: Proc) -> AsyncIterator[Client]:
+    c = Client(controller.port)
     try:
         yield c
     finally:
         await c.close()
-        proc.stop()
 
 
 async def _register(client: Client, kind: int, name: str, base: str, quantization: str) -> None:
@@ -68,3 +77,30 @@ async def test_an_unknown_quantization_is_invalid(client: Client) -> None:
     with pytest.raises(errors.InvalidArgument) as bad:
         await _register(client, K.REPLICA_KIND_TRAINER, "trainer-0", "m", "int4")
     assert bad.value.field == "quantization"
+
+
+async def test_a_refused_replica_logs_why_and_keeps_trying(
+    controller: Proc, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica's heartbeat is its registration: refused, it logs the controller's reason
+    (not just "cannot register") and keeps retrying, never recorded meanwhile."""
+    await _register(client, K.REPLICA_KIND_TRAINER, "trainer-0", "m", "int8")
+    request = K.RegisterReplicaRequest(
+        kind=K.REPLICA_KIND_ROLLOUT, replica_id="rollout-0", address=f"127.0.0.1:{free_port()}",
+        base_model="m", incarnation="a", quantization="none",
+    )  # fmt: skip
+    settings = ReplicaSettings(
+        controller_address=f"127.0.0.1:{controller.port}", register_interval_seconds=0.5
+    )
+    registrar = Registrar(settings, lambda: request)
+    with caplog.at_level(logging.WARNING, logger="lorafleet.replica"):
+        registrar.start()
+        try:
+            await wait_until_async(
+                lambda: "serves it with 'int8'" in caplog.text, "the refusal in the log"
+            )
+            status = await client("GetFleetStatus", K.GetFleetStatusRequest())
+            assert [r.replica_id for r in status.replicas] == ["trainer-0"]  # type: ignore[attr-defined]
+        finally:
+            await registrar.stop()
+    assert "rollout-0" in caplog.text

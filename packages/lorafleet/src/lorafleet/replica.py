@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from lorafleet.rpc.channel import make_channel
 from lorafleet.settings import setting
@@ -75,11 +75,16 @@ class Registrar:
                 await self._task
             self._task = None
 
-    def _outage(self, state: object) -> None:
+    def _outage(self, state: RetryCallState) -> None:
         if not self._failing:
+            # The controller's answer, when it gave one: a refusal (this replica's quantization
+            # differs from its model's, say) is then read in this replica's own log.
+            error = state.outcome.exception() if state.outcome is not None else None
+            why = error.details() if isinstance(error, grpc.aio.AioRpcError) else None
             log.warning(
-                "cannot register with the controller at %s; retrying",
+                "cannot register with the controller at %s (%s); retrying",
                 self.settings.controller_address,
+                why or "unreachable",
             )
         self._failing = True
 
