@@ -49,6 +49,11 @@ ADMIN_CALLS: dict[str, Callable[[controller_pb2_grpc.ControllerServiceStub], obj
     "GetFleetStatus": lambda stub: stub.GetFleetStatus(
         controller_pb2.GetFleetStatusRequest(), timeout=10
     ),
+    # A service that could declare a trainer failed could strand every run waiting on it.
+    "ReportReplicaFailed": lambda stub: stub.ReportReplicaFailed(
+        controller_pb2.ReportReplicaFailedRequest(replica_id="trainer-0", reason="forged"),
+        timeout=10,
+    ),
 }
 
 
@@ -107,7 +112,8 @@ def test_service_certificates_cannot_call_admin_rpcs(shared_fleet: object) -> No
         stub = controller_pb2_grpc.ControllerServiceStub(ch)
         listed = stub.ListApiKeys(controller_pb2.ListApiKeysRequest(tenant="victim"), timeout=10)
         assert list(listed.keys) == []  # nothing was minted by the refused calls
-        assert stub.GetFleetStatus(controller_pb2.GetFleetStatusRequest(), timeout=10).replicas
+        status = stub.GetFleetStatus(controller_pb2.GetFleetStatusRequest(), timeout=10)
+        assert status.replicas and not any(r.failed for r in status.replicas)  # not forged
 
 
 def test_keys_and_certificates_are_owner_only(shared_fleet: object) -> None:
