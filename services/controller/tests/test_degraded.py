@@ -1,6 +1,7 @@
 """A trainer that stays down (its supervisor spent the restart budget) strands nothing
-silently: the runs waiting for it fail their open operations with Unavailable naming it, and
-GetFleetStatus shows the reason in the replica table and the runs with theirs.
+silently: the runs waiting for it fail their open operations with Unavailable naming it (a
+paged run whose call comes later too, by the next sweep), and GetFleetStatus shows the reason
+in the replica table and the runs with theirs.
 
 A real controller process over gRPC; the trainer is only a replica record at an address
 nothing answers, so its one slot is taken by a run that never binds and the next run
@@ -12,10 +13,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
 from lorafleet import errors
 from lorafleet.testing import RedisServer, free_port, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import RegState, Store
 
 from .fleet import Client, controller_proc, fb_payload
 
@@ -43,7 +47,9 @@ async def _register(client: Client, incarnation: str) -> None:
     ))  # fmt: skip
 
 
-async def test_a_failed_trainer_fails_the_calls_waiting_for_it(client: Client) -> None:
+async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
+    client: Client, redis_server: RedisServer
+) -> None:
     await _register(client, "a")
     sid = (await client("CreateSession", K.CreateSessionRequest(tenant="t"))).session_id  # type: ignore[attr-defined]
     runs = []
@@ -93,6 +99,21 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(client: Client) -
     for reg in status.attention:  # type: ignore[attr-defined]
         assert reg.state == K.REGISTRATION_STATE_UNAVAILABLE
         assert "trainer-x" in reg.unavailable_reason and REASON in reg.unavailable_reason
+
+    # A paged run whose next call comes after the failure (made here by hand: paging needs a
+    # trainer) queues for a slot, and the sweep fails that call too.
+    redis = aioredis.from_url(redis_server.url)
+    keys = Store(redis, ControllerSettings().key_prefix).keys
+    await redis.hset(keys.reg(runs[1]), "state", RegState.PAGED.value)
+    await redis.zrem(keys.regq("m"), runs[1])
+    await redis.aclose()
+    submitted = await client("SubmitOperation", K.SubmitOperationRequest(
+        tenant="t", registration_id=runs[1], seq_id=2, payload=fb_payload([1, 2, 3]),
+    ))  # fmt: skip
+    opid = submitted.operation_id  # type: ignore[attr-defined]
+    request = K.GetOperationRequest(tenant="t", operation_id=opid, wait_seconds=5)
+    op = (await client("GetOperation", request)).operation  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_FAILED and "trainer-x (failed:" in op.error.message, op
 
     # It comes back (a person restarted it): the reason is gone and the runs are placed again.
     await _register(client, "b")

@@ -223,6 +223,9 @@ class Controller:
         for rid in await self.registry.binding_ids():
             await self.placer.finish_binding(rid)
         await self.pager.sweep()
+        for base in sorted({r.base_model for r in await self.registry.replicas(TRAINER)
+                            if r.failed}):  # fmt: skip
+            await self.strand(base)  # a run that started waiting since (a paged run's call)
         timeout = self.settings.session_timeout_seconds
         if timeout and now - self._sessions_heard_since >= timeout:
             for tenant, session_id in await self.tenancy.silent_sessions(timeout):
@@ -252,6 +255,8 @@ class Controller:
         """Fail the open operations of every run waiting for a trainer of `base_model` when
         none is healthy and one is known to have failed for good, with an Unavailable that
         names it, so waiting callers hear it now instead of polling a queue that will not move.
+        The sweep calls it again while that lasts: a paged run's next call queues it for a
+        slot after the failure, and it must not wait either.
 
         The runs stay (UNAVAILABLE, with the same reason: later calls are refused with it) and
         are placed, or rebuilt by replay, if a trainer of the model registers again. A trainer
@@ -262,7 +267,12 @@ class Controller:
         if any(t.healthy for t in trainers) or not any(t.failed for t in trainers):
             return []
         error = self._no_healthy_trainer(base_model, trainers)
-        stranded = await self.registry.queued(base_model)
+        waiting = await self.registry.get_many(await self.registry.queued(base_model))
+        stranded = [  # the sweep repeats this: a run already told, with nothing open, is done
+            r.registration_id for r in waiting if r is not None and (
+                r.state != RegState.UNAVAILABLE or r.pending
+                or r.unavailable_reason != error.message)
+        ]  # fmt: skip
         for rid in stranded:
             await self.ledger.fence(rid, RegState.UNAVAILABLE, error, error.message)
         if stranded:
