@@ -149,3 +149,32 @@ def peft_logprobs() -> Callable[[Path, Path, list[int]], list[float]]:
 def download_adapter() -> Callable[[Target, str, str, Path], set[str]]:
     """download_adapter(target, run_id, checkpoint_id, dest) → the tar's member names."""
     return _download_adapter
+
+
+def _sampler_matches_trainer(out: dict, tol: float) -> float:
+    """Check sglang_script.py's report: every sampled logprob and the sampler's
+    compute_logprobs of prompt + sample equal the trainer's forward logprobs of the same
+    tokens within `tol`. Returns the largest difference seen."""
+    n_prompt = len(out["prompt"])
+    worst = 0.0
+    for name, sequences in out["samples"].items():
+        assert len(sequences) == 2, name
+        for seq in sequences:
+            n = len(seq["tokens"])
+            assert n == len(seq["logprobs"]) > 0, name
+            trainer = seq["trainer_logprobs"]  # log p(full[t+1] | full[:t+1])
+            assert len(trainer) == n_prompt + n - 1
+            assert seq["logprobs"] == pytest.approx(trainer[n_prompt - 1 :], abs=tol), name
+            prompt_lps = seq["sampler_prompt_logprobs"]
+            assert prompt_lps[0] is None
+            assert prompt_lps[1:] == pytest.approx(trainer, abs=tol), name
+            got, want = [*seq["logprobs"], *prompt_lps[1:]], [*trainer[n_prompt - 1 :], *trainer]
+            pairs = zip(got, want, strict=True)
+            worst = max(worst, *(abs(a - b) for a, b in pairs))
+    return worst
+
+
+@pytest.fixture(scope="session")
+def sampler_matches_trainer() -> Callable[[dict, float], float]:
+    """sampler_matches_trainer(sglang_script.py's report, tol) → the largest difference."""
+    return _sampler_matches_trainer

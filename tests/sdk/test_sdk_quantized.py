@@ -42,23 +42,13 @@ def test_capabilities_report_the_quantization(target: Any) -> None:
 
 
 def test_sampler_logprobs_equal_the_trainers_on_the_quantized_base(
-    target: Any, run_sdk: Callable[..., dict]
+    target: Any,
+    run_sdk: Callable[..., dict],
+    sampler_matches_trainer: Callable[[dict, float], float],
 ) -> None:
     out = run_sdk("0.38.0", "sglang_script.py", target)
     assert out["losses"][-1] < out["losses"][0], out["losses"]
-    n_prompt = len(out["prompt"])
-    worst = 0.0
-    for name, sequences in out["samples"].items():
-        for seq in sequences:
-            n = len(seq["tokens"])
-            assert n == len(seq["logprobs"]) > 0, name
-            trainer = seq["trainer_logprobs"]  # log p(full[t+1] | full[:t+1])
-            assert len(trainer) == n_prompt + n - 1
-            assert seq["logprobs"] == pytest.approx(trainer[n_prompt - 1 :], abs=TOL), name
-            prompt_lps = seq["sampler_prompt_logprobs"]
-            assert prompt_lps[0] is None
-            assert prompt_lps[1:] == pytest.approx(trainer, abs=TOL), name
-            worst = max(worst, *(abs(a - b) for a, b in zip(prompt_lps[1:], trainer, strict=True)))
+    worst = sampler_matches_trainer(out, TOL)
     print(f"largest |sampler - trainer| logprob on the int8 base: {worst:.2e}")
 
 

@@ -28,25 +28,17 @@ def fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator
 
 
 def test_sdk_samples_through_sglang_with_the_trainers_logprobs(
-    fleet: Any, target: Any, run_sdk: Callable[..., dict]
+    fleet: Any,
+    target: Any,
+    run_sdk: Callable[..., dict],
+    sampler_matches_trainer: Callable[[dict, float], float],
 ) -> None:
     out = run_sdk("0.38.0", "sglang_script.py", target)
     served = fleet.member("sglang-0").log.read_text()  # the samples really came from SGLang
     assert '"POST /load_lora_adapter HTTP/1.1" 200' in served
     assert '"POST /generate HTTP/1.1" 200' in served
     assert out["losses"][-1] < out["losses"][0], out["losses"]
-    n_prompt = len(out["prompt"])
-    for name, sequences in out["samples"].items():
-        assert len(sequences) == 2, name
-        for seq in sequences:
-            n = len(seq["tokens"])
-            assert n == len(seq["logprobs"]) > 0, name
-            trainer = seq["trainer_logprobs"]  # log p(full[t+1] | full[:t+1])
-            assert len(trainer) == n_prompt + n - 1
-            assert seq["logprobs"] == pytest.approx(trainer[n_prompt - 1 :], abs=TOL), name
-            prompt_lps = seq["sampler_prompt_logprobs"]
-            assert prompt_lps[0] is None
-            assert prompt_lps[1:] == pytest.approx(trainer, abs=TOL), name
+    sampler_matches_trainer(out, TOL)
     assert out["samples"]["greedy"][0]["tokens"] == out["samples"]["greedy"][1]["tokens"]
 
 
