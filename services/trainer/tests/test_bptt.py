@@ -9,6 +9,9 @@ context's keys/values, and no gradient flows into them".
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 import torch
 
 from lorafleet.errors import InvalidArgument
@@ -299,3 +302,50 @@ def test_carried_keys_values_keep_the_weights_they_were_computed_with(make_engin
     assert engine.optim_step("step2", 0, "r0", AdamParams(learning_rate=0.05)).applied
     engine.save_state("save", 0, "r0", "end", include_optimizer=False)
     assert engine.slots.bindings[0].carried is None
+
+
+def test_a_document_past_the_positions_trains_at_linear_cost_equal_to_the_reference(
+    make_engine, h
+) -> None:
+    """Issue 23's long document at the test model's scale: 4.7x its 256 positions in
+    32-token windows, built by the managed jobs' own window rule (a context that would not
+    fit shifts to keep positions / 16 tokens), one call per window with token-mean over the
+    document. Each token's forward runs once but for the shifts' kept tokens (<= 1.1 per
+    document token, counted by the engine), and every window's logprobs and the gradient
+    equal a PEFT pass over each window's whole context computed afresh, within 1e-5."""
+    units = pytest.importorskip("lorafleet_controller.jobs.units")
+    positions, chunk = 256, 32
+    engine = make_engine()
+    assert engine.max_length == positions
+    gen = torch.Generator().manual_seed(27)
+    doc = torch.randint(0, VOCAB, (1200,), generator=gen).tolist()
+    data = [
+        Datum(
+            list(c.tokens),
+            {
+                "target_tokens": torch.tensor(c.targets, dtype=torch.int64),
+                "weights": torch.randn(len(c.tokens), generator=gen),
+            },
+            context=list(c.context),
+            window=True,
+        )
+        for c in units.windows(doc, chunk, positions)
+    ]
+    assert max(len(d.context) + len(d.tokens) for d in data) <= positions
+    shifts = sum(1 for a, b in itertools.pairwise(data) if len(b.context) < len(a.context))
+    assert shifts >= 4, shifts
+    engine.bind(0, "r0", SPECS[0])
+    h.perturb(engine, 0, seed=28)
+    results = one_by_one(engine, 0, data, group=len(doc) - 1)
+    # forward_tokens counts every token the model computed: the window's and the context's
+    # it could not take from the carried keys/values (a shift's kept tokens).
+    recomputed = sum(r.metrics["context_tokens_computed:sum"] for r in results)
+    computed = sum(r.metrics["forward_tokens:sum"] for r in results)
+    assert computed == len(doc) - 1 + recomputed
+    assert recomputed == 16 * shifts  # positions / 16 per shift, nothing else again
+    assert computed / len(doc) <= 1.1, computed
+    ref_lp, ref_grads = reference(h, engine, 0, data)
+    for got, want in zip(results, ref_lp, strict=True):
+        assert (got.logprobs[0] - want).abs().max().item() <= TOL
+    mean = {k: g / (len(doc) - 1) for k, g in ref_grads.items()}
+    assert max_diff(h.slot_grads(engine, 0), mean) <= TOL
