@@ -1,13 +1,13 @@
 """Paging: more concurrent clients than trainer slots, against rounds that fit the slots.
 
     .venv/bin/python bench/paging.py [--clients 40] [--slots 8] [--steps 10] [--think 0.5]
-        [--page-idle 0.25]
+        [--page-idle 0.25] [--sdk]
 
 Real processes: redis-server, the controller and one tiny-model trainer with `--slots` slots.
 Each client owns one training run (its own LoRA seed and data) and does `--steps` steps
 (forward_backward, then optim_step at the SDK's default AdamParams, each awaited as the SDK
-does), pausing `--think` seconds
-after each step as a client that samples between steps does. Three phases, side by side:
+does), pausing `--think` seconds after each step as a client that samples between steps does.
+Three phases, side by side:
 
 - `paged`: every client at once; the runs beyond the slots wait, and the controller pages idle
   runs out for them (LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS = `--page-idle`) and back in on
@@ -17,10 +17,15 @@ after each step as a client that samples between steps does. Three phases, side 
 - `alone`: each run by itself (no pauses: they change no result), the reference every run
   of the other phases must equal.
 
+`--sdk` runs the same phases through the real SDK (tinker 0.38.0 from .venvs, one thread per
+client, tests/e2e/paging_sdk_script.py) against a whole fleet, gateway included, and compares
+the logprobs and losses the SDK returned.
+
 Prints JSON: each phase's wall time, the paged/rounds time ratio, the page-out and page-in
 durations the controller logged (p50/p99, count), and the largest difference of any run's
-weights and Adam moments from its run alone (a step that shared its forward/backward pass
-with other runs' rows may differ in the last bits; the step counts must be equal).
+weights and Adam moments (`--sdk`: logprobs and losses) from its run alone (a step that
+shared its forward/backward pass with other runs' rows may differ in the last bits; the step
+counts must be equal).
 """
 
 from __future__ import annotations
@@ -204,6 +209,72 @@ async def bench(args: argparse.Namespace, port: int, storage: Path) -> dict[str,
             "diff_paged_vs_rounds": max_diff(paged, rounds)}  # fmt: skip
 
 
+def flat(values: Any) -> list[float]:
+    if isinstance(values, list):
+        return [x for v in values for x in flat(v)]
+    return [float(values)] if values is not None else []
+
+
+def sdk_diff(got: dict[str, Any], alone: dict[str, Any]) -> float:
+    """The largest difference of any logprob or loss the SDK returned from the run alone."""
+    worst = 0.0
+    for seed, ref in alone.items():
+        a, b = flat(got[seed]), flat(ref)
+        if len(a) != len(b):
+            raise AssertionError(f"seed {seed}: {len(a)} values, {len(b)} alone")
+        worst = max([worst, *(abs(x - y) for x, y in zip(a, b, strict=True))])
+    return worst
+
+
+def sdk_bench(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """The same phases through the real SDK (tinker 0.38.0) and the whole fleet (gateway
+    included): tests/e2e/paging_sdk_script.py runs the clients, one thread each."""
+    import httpx
+
+    from lorafleet_cli.fleet import Fleet, FleetConfig
+
+    python = REPO / ".venvs" / "tinker-0.38.0" / "bin" / "python"
+    script = REPO / "tests" / "e2e" / "paging_sdk_script.py"
+    env = {"controller": {"LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS": str(args.page_idle),
+                          "LORAFLEET_CONTROLLER_SWEEP_INTERVAL_SECONDS": "0.1"}}  # fmt: skip
+    seeds = list(range(1, args.clients + 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        config = FleetConfig(model_path=model, run_dir=Path(tmp), slots=args.slots,
+                             extra_env=env)  # fmt: skip
+        with Fleet(config) as fleet:
+            caps = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",
+                             headers={"X-API-Key": fleet.api_key}, timeout=60).json()  # fmt: skip
+
+            def sdk(group: list[int], mode: str) -> dict[str, Any]:
+                proc = subprocess.run([str(python), str(script)], env=child_env(
+                    TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
+                    SMOKE_BASE_MODEL=caps["supported_models"][0]["model_name"],
+                    PAGING_SEEDS=",".join(map(str, group)), PAGING_STEPS=str(args.steps),
+                    PAGING_PAUSE=str(args.think), PAGING_MODE=mode,
+                ), capture_output=True, text=True, check=False)  # fmt: skip
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if proc.returncode or not lines:
+                    raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-4000:])
+                out = json.loads(lines[-1][len("RESULT ") :])
+                if out["errors"]:
+                    raise RuntimeError(out["errors"])
+                return out
+
+            paged = sdk(seeds, "together")
+            rounds = [sdk(seeds[r : r + args.slots], "together")
+                      for r in range(0, args.clients, args.slots)]  # fmt: skip
+            alone = sdk(seeds, "alone")["alone"]
+            log = (config.run_dir / "logs" / "controller.log").read_text()
+    rounds_s = sum(r["shared_s"] for r in rounds)
+    rounds_shared = {k: v for r in rounds for k, v in r["shared"].items()}
+    return {"paged_s": round(paged["shared_s"], 2), "rounds_s": round(rounds_s, 2),
+            "paged_over_rounds": round(paged["shared_s"] / rounds_s, 3),
+            "max_abs_diff_paged_vs_alone": sdk_diff(paged["shared"], alone),
+            "max_abs_diff_rounds_vs_alone": sdk_diff(rounds_shared, alone),
+            "page_out": durations(log, "paged out"),
+            "page_in": durations(log, "paged in")}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=40)
@@ -211,9 +282,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--think", type=float, default=0.5)
     p.add_argument("--page-idle", type=float, default=0.25)
+    p.add_argument("--sdk", action="store_true", help="through the real SDK and the gateway")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = ensure_model("tiny", REPO / ".cache" / "models")
+    if args.sdk:
+        print(json.dumps({"config": vars(args), **sdk_bench(args, model)}, indent=2))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         redis = start_redis(root / "redis")

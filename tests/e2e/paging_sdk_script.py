@@ -1,11 +1,13 @@
 """Real SDK clients, more than the fleet has trainer slots, each pausing between steps.
 
-Run by tests/e2e/test_paging_sdk.py with a tinker venv's python (TINKER_BASE_URL,
-TINKER_API_KEY, SMOKE_BASE_MODEL, PAGING_CLIENTS, PAGING_STEPS, PAGING_PAUSE set). First every
-client trains at once, one thread each (its own run, seed and data), pausing PAGING_PAUSE
-seconds after each step as a client that samples does; then each run again alone, without
-pauses. Prints one line "RESULT <json>": per seed, both runs' forward_backward logprobs and
-loss per step and a last forward's logprobs (the final weights), as the SDK returned them.
+Run by tests/e2e/test_paging_sdk.py and bench/paging.py --sdk with a tinker venv's python
+(TINKER_BASE_URL, TINKER_API_KEY, SMOKE_BASE_MODEL, PAGING_SEEDS, PAGING_STEPS, PAGING_PAUSE,
+PAGING_MODE set). `together` (or `both`): one client per seed trains at once, one thread each
+(its own run and data), pausing PAGING_PAUSE seconds after each step as a client that samples
+does. `alone` (or `both`): each seed's run again by itself, without pauses. Prints one line
+"RESULT <json>": per seed, each phase's forward_backward logprobs and loss per step and a last
+forward's logprobs (the final weights), as the SDK returned them, and the together phase's
+wall time.
 """
 
 import json
@@ -45,8 +47,9 @@ def train(sc: "tinker.ServiceClient", seed: int, steps: int, pause: float) -> li
 
 
 def main() -> None:
-    clients = int(os.environ["PAGING_CLIENTS"])
+    seeds = [int(s) for s in os.environ["PAGING_SEEDS"].split(",")]
     steps, pause = int(os.environ["PAGING_STEPS"]), float(os.environ["PAGING_PAUSE"])
+    mode = os.environ["PAGING_MODE"]
     sc = tinker.ServiceClient()
     shared: dict[int, list[object]] = {}
     errors: list[str] = []
@@ -57,14 +60,15 @@ def main() -> None:
         except Exception as exc:  # what the SDK raised is what a user sees
             errors.append(f"{seed}: {type(exc).__name__}: {exc}")
 
-    threads = [threading.Thread(target=client, args=(s,)) for s in range(1, clients + 1)]
     start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    if mode in ("together", "both"):
+        threads = [threading.Thread(target=client, args=(s,)) for s in seeds]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     shared_s = time.monotonic() - start
-    alone = {seed: train(sc, seed, steps, 0.0) for seed in range(1, clients + 1)}
+    alone = {s: train(sc, s, steps, 0.0) for s in seeds} if mode in ("alone", "both") else {}
     print("RESULT " + json.dumps({"errors": errors, "shared": shared, "alone": alone,
                                   "shared_s": shared_s}), flush=True)  # fmt: skip
 

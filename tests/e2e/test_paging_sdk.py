@@ -30,7 +30,8 @@ def test_sdk_clients_beyond_the_slots_all_finish_each_as_it_would_alone(
             env=child_env(
                 TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
                 SMOKE_BASE_MODEL=caps["supported_models"][0]["model_name"],
-                PAGING_CLIENTS=str(CLIENTS), PAGING_STEPS=str(STEPS), PAGING_PAUSE="1.5",
+                PAGING_SEEDS=",".join(str(s) for s in range(1, CLIENTS + 1)),
+                PAGING_STEPS=str(STEPS), PAGING_PAUSE="1.5", PAGING_MODE="both",
             ),
             capture_output=True, text=True, timeout=900, check=False,
         )  # fmt: skip
