@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from importlib import resources
 from pathlib import Path
@@ -78,3 +79,103 @@ async def test_a_deposed_leader_cannot_write(domain: Domain) -> None:
     old.drop_epoch()
     with pytest.raises(StaleEpoch):  # and a controller that stepped down writes nothing
         await domain.ledger.claim(a.operation_id)
+
+
+# --- the README's claims about the store (issue 23: tested or removed) ---------------------
+# Redis commands that write. Python may read anything; what it writes is checked below.
+WRITES = frozenset({
+    "hset", "hsetnx", "hdel", "hincrby", "hincrbyfloat", "set", "setnx", "delete", "unlink",
+    "zadd", "zrem", "zincrby", "sadd", "srem", "smove", "lpush", "rpush", "lpop", "rpop",
+    "lrem", "lset", "ltrim", "incr", "incrby", "decr", "expire", "getdel", "rename",
+})  # fmt: skip
+# Key families whose records are the ledger's and the registry's state: operations, their
+# queues and counters, the registrations' indexes and queues, the slot tables (a slot's
+# holder). Writing one outside a Lua script is a transition outside a script.
+TRANSITIONS = frozenset({
+    "op", "ready_ctl", "ready_data", "claimed", "results", "depth", "pending", "unacked",
+    "gaps", "retired", "open_samples", "tenant", "regs", "tenant_regs", "session_runs",
+    "binding", "paging", "regq", "slots",
+})  # fmt: skip
+# A registration's own record: these fields are its state, its holder and its ledger
+# position; the others (why it failed or was corrupted) are annotations the scripts read.
+REG_STATE_FIELDS = frozenset(
+    {"state", "replica", "slot", "head", "max_seq", "pending", "dirty", "restore"}
+)
+
+
+def _families(node: ast.AST) -> set[str]:
+    """The key families an expression names: `self.keys.op(...)`, `keys.slots(...)`, and
+    recovery's `reg_key` (a registration's record)."""
+    out = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute):
+            owner = sub.value
+            if isinstance(owner, ast.Attribute | ast.Name) and (
+                getattr(owner, "attr", getattr(owner, "id", "")) == "keys"
+            ):
+                out.add(sub.attr)
+            elif sub.attr == "reg_key":
+                out.add("reg")
+    return out
+
+
+def _written_fields(call: ast.Call) -> set[str]:
+    """The hash fields a write names: its second argument or its mapping's keys."""
+    fields = set()
+    if len(call.args) > 1 and isinstance(call.args[1], ast.Constant):
+        fields.add(str(call.args[1].value))
+    for kw in call.keywords:
+        if kw.arg == "mapping" and isinstance(kw.value, ast.Dict):
+            fields |= {str(k.value) for k in kw.value.keys if isinstance(k, ast.Constant)}
+    return fields
+
+
+def transitions_outside_scripts(source: str, where: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in WRITES or not node.args:
+            continue
+        families = _families(node.args[0])
+        hit = families & TRANSITIONS
+        if "reg" in families and _written_fields(node) & REG_STATE_FIELDS:
+            hit.add("reg")
+        if hit:
+            found.append(f"{where}:{node.lineno}: {node.func.attr} on {sorted(hit)}")
+    return found
+
+
+def test_every_ledger_and_registry_transition_is_one_lua_script() -> None:
+    """README: "Every ledger and registry transition (an operation's state, a slot's
+    holder) is one Lua script". No Python module outside the store writes those keys."""
+    paths = [p for p in SRC.rglob("*.py") if "store" not in p.relative_to(SRC).parts]
+    assert len(paths) > 20
+    found = [f for p in paths for f in transitions_outside_scripts(p.read_text(), p.name)]
+    assert found == []
+    # The scan sees the shapes it forbids (so the test above can fail).
+    for line in (
+        "await self.store.redis.hset(self.keys.op(opid), 'state', 3)",
+        "pipe.hdel(self.keys.slots(replica), slot)",
+        "await redis.hset(keys.reg(rid), mapping={'state': 'ready'})",
+        "pipe.zadd(self.keys.regq(base), {rid: now})",
+    ):
+        assert transitions_outside_scripts(line, "probe"), line
+    assert not transitions_outside_scripts("await r.hset(self.keys.reg(rid), 'failed', x)", "p")
+
+
+def test_controller_py_only_wires() -> None:
+    """README: controller.py wires the flows together (and holds the few flows that span
+    several of them); it reads or writes no Redis key itself: every store access is the
+    flows' (registry, ledger, ...). It may only check and close the connection it made."""
+    tree = ast.parse((SRC / "controller.py").read_text())
+    own = [
+        f"controller.py:{node.lineno}: {ast.unparse(node.func)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Attribute)
+        and node.func.value.attr == "redis"
+        and node.func.attr not in ("ping", "aclose")
+    ]
+    assert own == []

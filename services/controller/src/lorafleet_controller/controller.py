@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from lorafleet import contract, errors, quantize
+from lorafleet import errors, quantize
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller import metrics, validate
 from lorafleet_controller.catalog import SAMPLER, TRAINING, Catalog
@@ -303,10 +303,7 @@ class Controller:
     async def fail_run(self, rid: str, error: errors.LorafleetError) -> None:
         """A run its trainer refused to bind: it fails with that error (stored first, so a
         submit racing the fence already sees it), its open operations fail, its slot frees."""
-        await self.store.redis.hset(
-            self.store.keys.reg(rid), "failed", contract.run_failure_json(rid, error)
-        )
-        failed = await self.registry.get_any(rid)
+        failed = await self.registry.record_failure(rid, error)
         err = failed.failure() if failed is not None else None
         if err is None:
             return

@@ -201,6 +201,13 @@ class Registry:
         (rec,) = await self.get_many([rid])
         return rec
 
+    async def record_failure(self, rid: str, error: errors.LorafleetError) -> RegRecord | None:
+        """Store why the run's trainer refused it (`RegRecord.failure`), before the run is
+        fenced, so a submit racing the fence already sees it; the run as it now reads."""
+        stored = contract.run_failure_json(rid, error)
+        await self.store.redis.hset(self.keys.reg(rid), "failed", stored)
+        return await self.get_any(rid)
+
     async def get_many(self, rids: list[str]) -> list[RegRecord | None]:
         """Several registrations in two round trips (records, then queue positions)."""
         async with self.store.redis.pipeline(transaction=False) as pipe:
