@@ -41,6 +41,24 @@ def test_capabilities_report_the_quantization(target: Any) -> None:
     assert [m["quantization"] for m in models] == ["int8"]
 
 
+def test_trainer_and_rollout_report_it_to_discovery(fleet: Any) -> None:
+    """GetTrainerInfo and GetRolloutInfo carry it: discovery admits replicas from them."""
+    from lorafleet.v1 import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+    with fleet.admin_channel(f"127.0.0.1:{fleet.member('trainer-0').port}") as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        assert (
+            stub.GetTrainerInfo(trainer_pb2.GetTrainerInfoRequest(), timeout=30).quantization
+            == "int8"
+        )
+    with fleet.admin_channel(f"127.0.0.1:{fleet.member('rollout-0').port}") as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        assert (
+            stub.GetRolloutInfo(rollout_pb2.GetRolloutInfoRequest(), timeout=30).quantization
+            == "int8"
+        )
+
+
 def test_sampler_logprobs_equal_the_trainers_on_the_quantized_base(
     target: Any,
     run_sdk: Callable[..., dict],

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from lorafleet import errors
+from lorafleet import errors, quantize
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.discovery.types import Discovery, Endpoint
 from lorafleet_controller.loops import raise_if_stopped
@@ -130,13 +130,13 @@ class Membership:
             replica_id, base, incarnation = t.replica_id, t.base_model, t.incarnation
             slots, max_rank, context, loss_fns = t.num_slots, t.max_rank, t.max_context_length, \
                 list(t.loss_fns)  # fmt: skip
-            samples = 0
+            samples, quantization = 0, t.quantization
         else:
             r = await self.pool.rollout(endpoint.address).info(retry=False)
             replica_id, base, incarnation = r.replica_id, r.base_model, r.incarnation
             slots, max_rank, context, loss_fns = r.max_loaded_adapters, r.max_lora_rank, \
                 r.max_context_length, []  # fmt: skip
-            samples = r.max_num_samples
+            samples, quantization = r.max_num_samples, r.quantization
         replica_id = replica_id or endpoint.replica_id
         old = await self.registry.replica(replica_id)
         same = old is not None and old.incarnation == incarnation and old.kind == endpoint.kind
@@ -147,5 +147,5 @@ class Membership:
             last_seen=0, healthy=True, tokenizer_id=old.tokenizer_id if old else "",
             max_rank=max_rank, max_context_length=context, arch=old.arch if old else "",
             loss_fns=loss_fns or (old.loss_fns if old else []), max_num_samples=samples,
-            quantization=old.quantization if old else "none",
+            quantization=quantization or quantize.NONE,
         )  # fmt: skip

@@ -103,7 +103,11 @@ def run(settings: RolloutSettings, server: ServerSettings, replica: ReplicaSetti
         await core.close()
 
     servicer = RolloutServicer(
-        core, settings.replica_id, settings.served_base_model, settings.shared_adapter_root
+        core,
+        settings.replica_id,
+        settings.served_base_model,
+        settings.shared_adapter_root,
+        quantization=settings.quantization,
     )
     spec = ServiceSpec(
         servicer=servicer,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from lorafleet import contract
+from lorafleet import contract, quantize
 from lorafleet.errors import FailedPrecondition, InvalidArgument
 from lorafleet.shared_storage import FileRef
 from lorafleet.staging import ChunkedUpload
@@ -34,11 +34,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         replica_id: str,
         base_model: str = "",
         shared_root: Path | None = None,
+        quantization: str = quantize.NONE,
     ) -> None:
         self.core = core
         self.replica_id = replica_id
         self.base_model = base_model
         self.shared_root = shared_root
+        self.quantization = quantization
 
     async def GetRolloutInfo(
         self, request: rollout_pb2.GetRolloutInfoRequest, context: grpc.aio.ServicerContext
@@ -54,6 +56,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             max_context_length=info.max_context_length,
             incarnation=self.core.incarnation,
             max_num_samples=self.core.limits.max_num_samples,
+            quantization=self.quantization,
         )
 
     async def LoadAdapter(

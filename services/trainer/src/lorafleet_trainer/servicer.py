@@ -77,6 +77,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             vocab_size=info["vocab_size"],
             max_context_length=info["max_context_length"],
             incarnation=info["incarnation"],
+            quantization=info["quantization"],
             modules=sorted(
                 {n for s in self.engine.sites if s.adaptable for n in (s.name, s.module)}
             ),

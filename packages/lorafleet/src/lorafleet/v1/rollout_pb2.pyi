@@ -52,6 +52,7 @@ class GetRolloutInfoResponse(_message.Message):
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     MAX_NUM_SAMPLES_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     base_model: _builtins.str
     engine: _builtins.str
@@ -63,6 +64,10 @@ class GetRolloutInfoResponse(_message.Message):
     incarnation: _builtins.str
     max_num_samples: _builtins.int
     """The largest num_samples one request may ask for."""
+    quantization: _builtins.str
+    """How it stores the frozen base (lorafleet.quantize.QUANTIZATIONS), as RegisterReplica
+    reports it: discovery admits a replica from this.
+    """
     def __init__(
         self,
         *,
@@ -75,10 +80,11 @@ class GetRolloutInfoResponse(_message.Message):
         max_context_length: _builtins.int = ...,
         incarnation: _builtins.str = ...,
         max_num_samples: _builtins.int = ...,
+        quantization: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "engine", b"engine", "incarnation", b"incarnation", "max_context_length", b"max_context_length", "max_loaded_adapters", b"max_loaded_adapters", "max_lora_rank", b"max_lora_rank", "max_num_samples", b"max_num_samples", "max_queued_requests", b"max_queued_requests", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "engine", b"engine", "incarnation", b"incarnation", "max_context_length", b"max_context_length", "max_loaded_adapters", b"max_loaded_adapters", "max_lora_rank", b"max_lora_rank", "max_num_samples", b"max_num_samples", "max_queued_requests", b"max_queued_requests", "quantization", b"quantization", "replica_id", b"replica_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

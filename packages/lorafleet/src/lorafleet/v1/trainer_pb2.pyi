@@ -55,6 +55,7 @@ class GetTrainerInfoResponse(_message.Message):
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     MODULES_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     base_model: _builtins.str
     num_slots: _builtins.int
@@ -63,6 +64,10 @@ class GetTrainerInfoResponse(_message.Message):
     max_context_length: _builtins.int
     incarnation: _builtins.str
     """Unique per process start: a change tells the controller the slots were lost."""
+    quantization: _builtins.str
+    """How it stores its frozen base (lorafleet.quantize.QUANTIZATIONS), as RegisterReplica
+    reports it: discovery admits a replica from this.
+    """
     @_builtins.property
     def loss_fns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -86,10 +91,11 @@ class GetTrainerInfoResponse(_message.Message):
         max_context_length: _builtins.int = ...,
         incarnation: _builtins.str = ...,
         modules: _abc.Iterable[_builtins.str] | None = ...,
+        quantization: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "incarnation", b"incarnation", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_rank", b"max_rank", "modules", b"modules", "num_slots", b"num_slots", "optimizers", b"optimizers", "replica_id", b"replica_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_model", b"base_model", "incarnation", b"incarnation", "loss_fns", b"loss_fns", "max_context_length", b"max_context_length", "max_rank", b"max_rank", "modules", b"modules", "num_slots", b"num_slots", "optimizers", b"optimizers", "quantization", b"quantization", "replica_id", b"replica_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
