@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/ledger.py [--registrations 64] [--ops 20000] [--consumers 4]
         [--admission-rate 0]
+    .venv/bin/python bench/ledger.py --cluster [--masters 3] [--workers 4] [--rounds 2]
 
 Producers submit forward_backward ops for many registrations (each registration's ops in
 seq order, as the SDK sends them); consumers do what the scheduler does (BLPOP the ready
@@ -10,6 +11,14 @@ trainer call in between. Runs twice side by side, with the `pipeline_submits` se
 (concurrent submits share one Redis pipeline) and off, on one redis-server under separate
 key prefixes. Prints JSON per mode: submit→claimed latency p50/p99 (ms), the submit call's
 own p50/p99, sustained completed ops/s, the idle submit→claimed latency, and the ratio.
+
+`--cluster` (issue 24 item 4) runs the same workload on one redis-server and on a
+`--masters`-master Redis Cluster started like the test fixture, side by side in one run
+(alternating, `--rounds` times each), and prints each side's ops/s, the ratio cluster / one
+master (the goal is ≥ 2.5 on 3 masters) and how many script calls each master served (the
+spread is what the sharding of store/README.md changes). One Python process cannot load
+three masters, so each side drives the ledger from `--workers` processes; the registrations
+are split among them and every worker's consumers claim from the shared ready queues.
 """
 
 from __future__ import annotations
@@ -18,22 +27,24 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import redis
 import redis.asyncio as aioredis
 
-from lorafleet.testing import start_redis
+from lorafleet.testing import start_redis, start_redis_cluster
 from lorafleet.v1 import common_pb2
 from lorafleet_controller import ledger as L
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.registry import Registry, Replica
 from lorafleet_controller.scheduler import CLAIM_BATCH
 from lorafleet_controller.settings import ControllerSettings
-from lorafleet_controller.store import OpState, Store
+from lorafleet_controller.store import OpState, Store, connect
 
 
 def pct(values: list[float], q: float) -> float:
@@ -145,6 +156,219 @@ async def idle_latency(
     return out["submit_to_claimed_ms"]  # type: ignore[return-value]
 
 
+async def cluster_setup(
+    args: argparse.Namespace, url: str, cluster: bool, prefix: str
+) -> tuple[int, list[str]]:
+    """Registrations placed and bound on one replica record; returns the leader epoch the
+    workers dispatch under (taken once here, so no worker supersedes another)."""
+    client = connect(url, cluster=cluster)
+    store = Store(client, prefix)
+    epoch = await store.take_epoch()
+    registry = Registry(store, cluster_settings(url, cluster, prefix))
+    await registry.register_replica(
+        Replica("trainer", "bench", "127.0.0.1:1", "base", args.registrations, "i", 0, True)
+    )
+    rids = []
+    for i in range(args.registrations):
+        rec, _ = await registry.create(
+            f"t{i % args.tenants}",
+            "bench",
+            i,
+            "base",
+            common_pb2.LoraConfig(rank=4),
+            {},
+            "adamw",
+            False,
+        )
+        placement = await registry.place(rec.registration_id)
+        await registry.bound(rec.registration_id, placement.replica, placement.slot)
+        rids.append(rec.registration_id)
+    await client.aclose()
+    return epoch, rids
+
+
+def cluster_settings(url: str, cluster: bool, prefix: str) -> ControllerSettings:
+    return ControllerSettings(
+        redis_url=url,
+        redis_cluster=cluster,
+        key_prefix=prefix,
+        max_pending_per_registration=1024,
+        max_unacked_results=10_000_000,
+        max_pending_global=10_000_000,
+        max_unacked_results_per_tenant=10_000_000,
+        max_pending_per_tenant=10_000_000,
+        max_registrations_per_tenant=1_000_000,
+    )
+
+
+async def cluster_worker_main(
+    url: str,
+    cluster: bool,
+    prefix: str,
+    epoch: int,
+    rids: list[str],
+    tenants: dict[str, str],
+    per_reg: int,
+    consumers: int,
+    total: int,
+    completed: multiprocessing.Value,
+    start: multiprocessing.Barrier,
+) -> dict[str, float]:
+    """One worker process: producers for its registrations, `consumers` claim loops."""
+    client = connect(url, cluster=cluster)
+    store = Store(client, prefix)
+    store.epoch = epoch
+    # Never started: only `Ledger.wait` listens, and the workload does not wait.
+    ledger = L.Ledger(store, cluster_settings(url, cluster, prefix), Notifier(client, ""))
+    payload = b"x" * 256
+    submit_lat: list[float] = []
+
+    async def producer(rid: str) -> None:
+        for seq in range(1, per_reg + 1):
+            t0 = time.perf_counter()
+            await ledger.submit(tenants[rid], rid, seq, 2, payload, f"d{seq}")
+            submit_lat.append(time.perf_counter() - t0)
+
+    async def consumer() -> None:
+        conn = connect(url, cluster=cluster)
+        while completed.value < total:
+            popped = await conn.blpop([store.keys.ready_ctl, store.keys.ready_data], timeout=0.2)
+            if popped is None:
+                continue
+            claims = await ledger.claim_many([popped[1].decode()], CLAIM_BATCH)
+            await ledger.complete_many(
+                [L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r") for c in claims]
+            )
+            with completed.get_lock():
+                completed.value += len(claims)
+        await conn.aclose()
+
+    await asyncio.get_running_loop().run_in_executor(None, start.wait, 300)
+    loops = [asyncio.create_task(consumer()) for _ in range(consumers)]
+    await asyncio.gather(*(producer(r) for r in rids))
+    await asyncio.gather(*loops)
+    finished = time.time()
+    await client.aclose()
+    return {
+        "finished": finished,
+        "submit_p50_ms": round(pct(submit_lat, 0.5), 3),
+        "submit_p99_ms": round(pct(submit_lat, 0.99), 3),
+    }
+
+
+def cluster_worker(out: multiprocessing.Queue, *a: object) -> None:
+    try:
+        out.put(asyncio.run(cluster_worker_main(*a)))  # type: ignore[arg-type]
+    except BaseException as exc:  # the parent must not wait for a worker that died
+        out.put({"error": repr(exc)})
+        raise
+
+
+def script_calls(ports: list[int]) -> list[int]:
+    """EVALSHA calls each node served since its stats were last reset."""
+    calls = []
+    for port in ports:
+        node = redis.Redis(port=port)
+        calls.append(int(node.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)))
+        node.config_resetstat()
+        node.close()
+    return calls
+
+
+def cluster_side(
+    args: argparse.Namespace, url: str, cluster: bool, ports: list[int], prefix: str
+) -> dict[str, object]:
+    """The workload once, from `args.workers` processes; completed ops/s over the run."""
+    epoch, rids = asyncio.run(cluster_setup(args, url, cluster, prefix))
+    tenants = {rid: f"t{i % args.tenants}" for i, rid in enumerate(rids)}
+    script_calls(ports)  # reset: count the workload only
+    per_reg = args.ops // args.registrations
+    total = per_reg * len(rids)
+    ctx = multiprocessing.get_context("spawn")
+    completed = ctx.Value("q", 0)
+    start = ctx.Barrier(args.workers + 1)
+    results: multiprocessing.Queue = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=cluster_worker,
+            args=(
+                results,
+                url,
+                cluster,
+                prefix,
+                epoch,
+                rids[w :: args.workers],
+                tenants,
+                per_reg,
+                args.consumers,
+                total,
+                completed,
+                start,
+            ),
+        )
+        for w in range(args.workers)
+    ]
+    for p in procs:
+        p.start()
+    start.wait(300)  # a worker that died before it arrives breaks the barrier
+    began = time.time()
+    outs = [results.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join()
+    if errors := [o["error"] for o in outs if "error" in o]:
+        raise RuntimeError(f"a worker failed: {errors}")
+    elapsed = max(o["finished"] for o in outs) - began
+    return {
+        "ops": total,
+        "ops_per_second": round(total / elapsed, 1),
+        "script_calls_per_master": script_calls(ports),
+        "submit_call_p50_ms": round(statistics.median(o["submit_p50_ms"] for o in outs), 3),
+        "submit_call_p99_ms": max(o["submit_p99_ms"] for o in outs),
+    }
+
+
+def cluster_main(args: argparse.Namespace) -> None:
+    load = os.getloadavg()[0]
+    sides: dict[str, list[dict[str, object]]] = {"one_master": [], "cluster": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        single = start_redis(Path(tmp) / "single")
+        try:
+            nodes = start_redis_cluster(Path(tmp) / "cluster", masters=args.masters)
+        except BaseException:
+            single.stop()
+            raise
+        try:
+            for r in range(args.rounds):  # alternate, so a busy moment hits both sides
+                sides["one_master"].append(
+                    cluster_side(args, single.url, False, [single.port], f"lf-r{r}:")
+                )
+                sides["cluster"].append(
+                    cluster_side(args, nodes.url, True, [n.port for n in nodes.nodes], f"lf-r{r}:")
+                )
+        finally:
+            nodes.stop()
+            single.stop()
+    best = {k: max(float(s["ops_per_second"]) for s in v) for k, v in sides.items()}  # type: ignore[arg-type]
+    print(
+        json.dumps(
+            {
+                "masters": args.masters,
+                "workers": args.workers,
+                "consumers_per_worker": args.consumers,
+                "registrations": args.registrations,
+                "tenants": args.tenants,
+                "rounds": sides,
+                "best_ops_per_second": best,
+                "cluster_over_one_master_ops_ratio": round(best["cluster"] / best["one_master"], 3),
+                "goal_ratio": 2.5,
+                "cpus": os.cpu_count(),
+                "loadavg_1m": {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)},
+            },
+            indent=2,
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--registrations", type=int, default=64)
@@ -153,8 +377,20 @@ def main() -> None:
     # Like the limits above, the tenant's admission bucket is off (0) by default: this measures
     # the ledger's throughput. Any rate it never reaches (1e6) measures what the bucket costs.
     parser.add_argument("--admission-rate", type=float, default=0.0)
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="one master vs a Redis Cluster, side by side (see the docstring)",
+    )
+    parser.add_argument("--masters", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--tenants", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     args.lockstep = False
+    if args.cluster:
+        cluster_main(args)
+        return
     load = os.getloadavg()[0]  # this machine is shared: report how busy it was
     out: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
