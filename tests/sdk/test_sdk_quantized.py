@@ -1,6 +1,6 @@
-"""A fleet on a quantized base, through the real tinker SDK: trainer and rollout both started
-with int8 (`LORAFLEET_TRAINER_QUANTIZATION`, `LORAFLEET_ROLLOUT_QUANTIZATION`; chart
-`model.quantization`).
+"""A fleet on a quantized base, through the real tinker SDK: `lorafleet up --quantization int8`
+starts trainer and rollout with it (`LORAFLEET_TRAINER_QUANTIZATION`,
+`LORAFLEET_ROLLOUT_QUANTIZATION`; chart `model.quantization`).
 
 The trainer holds int8 codes and the torch engine serves the same weights dequantized
 (`lorafleet.quantize`), so every sampled logprob and the sampler's compute_logprobs equal the
@@ -24,15 +24,11 @@ import pytest
 pytestmark = pytest.mark.slow
 TOL = 1e-4
 REPO = Path(__file__).resolve().parents[2]
-QUANTIZED = {
-    "trainer": {"LORAFLEET_TRAINER_QUANTIZATION": "int8"},
-    "rollout": {"LORAFLEET_ROLLOUT_QUANTIZATION": "int8"},
-}
 
 
 @pytest.fixture(scope="module")
 def fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator[object]:
-    with make_fleet(slots=4, extra_env=QUANTIZED) as running:
+    with make_fleet(slots=4, quantization="int8") as running:  # lorafleet up --quantization
         yield running
 
 
@@ -84,3 +80,19 @@ def test_the_quickstart_learns_its_fact_on_the_quantized_base(
     assert "OK: the model learned the fact" in out.stdout
     after = re.search(r"after training:.*A: '(.*)'", out.stdout)
     assert after and "Dima" in after.group(1)
+
+
+def test_up_refuses_int8_with_sglang_at_once(
+    make_fleet: Callable[..., Any], tmp_path: Path
+) -> None:
+    """SGLang has no int8 weight-only mode: refused before any process starts, not served
+    on other weights than the trainer's."""
+    from lorafleet_cli.fleet import FleetError
+
+    python = tmp_path / "python"
+    python.touch()
+    fleet = make_fleet(engine="sglang", sglang_python=python, quantization="int8")
+    with pytest.raises(FleetError, match="quantization 'int8': SGLang serves fp8"):
+        fleet.start()
+    assert fleet.members == []
+    assert fleet.redis is None

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lorafleet import quantize
 from lorafleet.rpc.channel import make_blocking_channel
 from lorafleet.settings import TlsSettings
 from lorafleet.testing import RedisServer, child_env, free_port, start_redis, stop_process
@@ -77,6 +78,8 @@ class FleetConfig:
     engine: str = "torch"
     # sglang: the interpreter with SGLang installed (default: the repo's .venvs/sglang).
     sglang_python: Path | None = None
+    # How every trainer, rollout and SGLang server stores the base (lorafleet.quantize).
+    quantization: str = quantize.NONE
     # Extra environment per service ("controller", "trainer", "rollout", "gateway"), then
     # per process name ("trainer-1": one replica set apart, as the fault campaign's canary).
     extra_env: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -176,6 +179,7 @@ class Fleet:
                     "SHARED_ADAPTER_ROOT": shared,
                     "REPLICA_ID": f"trainer-{i}",
                     "CONTROLLER_ADDRESS": self.controller_address,
+                    "QUANTIZATION": cfg.quantization,
                 })  # fmt: skip
                 self._wait_grpc(m, "lorafleet.v1.TrainerService")
             for i in range(cfg.rollouts):
@@ -184,6 +188,7 @@ class Fleet:
                     "SHARED_ADAPTER_ROOT": shared,
                     "REPLICA_ID": f"rollout-{i}",
                     "CONTROLLER_ADDRESS": self.controller_address,
+                    "QUANTIZATION": cfg.quantization,
                     **self._engine_settings(i, engines),
                 })  # fmt: skip
                 self._wait_grpc(m, "lorafleet.v1.RolloutService")
@@ -406,10 +411,11 @@ class Fleet:
                 free_port(),
                 python=self.config.sglang_python or DEFAULT_PYTHON,
                 device=default_device(),
+                quantization=self.config.quantization,
             )
             try:
                 server.check()
-            except FileNotFoundError as exc:
+            except (FileNotFoundError, ValueError) as exc:  # ValueError: what it cannot serve
                 raise FleetError(str(exc)) from None
             name = f"sglang-{i}"
             log = self.config.run_dir / "logs" / f"{name}.log"

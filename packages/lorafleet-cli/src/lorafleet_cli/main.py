@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from lorafleet import quantize
 from lorafleet.tls import TlsIdentity
 from lorafleet_cli import accounting, runs, train
 from lorafleet_cli.fleet import Fleet, FleetConfig, FleetError
@@ -72,6 +73,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         model_path=model, run_dir=run_dir, trainers=args.trainers, rollouts=args.rollouts,
         slots=args.slots, gateway_port=args.port, redis_url=args.redis_url, engine=args.engine,
         sglang_python=Path(args.sglang_python) if args.sglang_python else None,
+        quantization=args.quantization,
     )  # fmt: skip
     fleet = Fleet(config)
     stop = {"now": False}
@@ -110,7 +112,7 @@ def _up_detached(args: argparse.Namespace) -> int:
         argv += ["--port", str(args.port)]
     if args.redis_url:
         argv += ["--redis-url", args.redis_url]
-    argv += ["--engine", args.engine]
+    argv += ["--engine", args.engine, "--quantization", args.quantization]
     if args.sglang_python:
         argv += ["--sglang-python", args.sglang_python]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -247,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="interpreter with SGLang installed (default: .venvs/sglang, made by "
         "services/rollout/tests/setup_sglang_venv.sh)",
+    )
+    up.add_argument(
+        "--quantization",
+        choices=quantize.QUANTIZATIONS,
+        default=quantize.NONE,
+        help="how trainers and rollouts store the frozen base: int8 (weight-only, per-row "
+        "scales) or fp8 (e4m3, per matrix; SGLang's --quantization fp8); none by default",
     )
     up.add_argument("--run-dir", default="", help="run folder (default: a new one)")
     up.set_defaults(fn=cmd_up)
