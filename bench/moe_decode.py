@@ -3,7 +3,7 @@
 16 concurrent greedy requests (32 prompt, 64 new tokens, EOS ignored) over two rank-8 adapters
 that target attention, lm_head and both expert banks per expert, and the same on the base model
 alone. Reports tokens/s of each, and the share of the engine's time spent in the MoE blocks
-(`decoder.Moe`: routing, one GEMM per hit expert, combining) and, within them, in the per-expert
+(`moe.Moe`: routing, one GEMM per hit expert, combining) and, within them, in the per-expert
 LoRA (`lora.ExpertStacks.add`: gathering each pair's A and B, two bmm). Those shares say whether
 a native grouped kernel would pay: the MoE path is torch ops only.
 
@@ -27,7 +27,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lorafleet_models.tiny import ensure_model
-from lorafleet_rollout import decoder, lora
+from lorafleet_rollout import lora, moe
 from lorafleet_rollout.torch_engine import TorchEngine
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SamplingSpec
 
@@ -83,7 +83,7 @@ async def one_round(engine: TorchEngine, adapters: list[str | None]) -> dict[str
 
 async def run(rounds: int) -> dict[str, Any]:
     model_dir = ensure_model("tiny-moe", REPO / ".cache" / "models")
-    _timed(decoder.Moe, "__call__", "moe")
+    _timed(moe.Moe, "__call__", "moe")
     _timed(lora.ExpertStacks, "add", "expert_lora")
     engine = TorchEngine(model_dir, max_batch_size=16)
     await engine.start()

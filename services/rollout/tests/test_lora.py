@@ -11,7 +11,8 @@ from peft import LoraConfig, get_peft_model
 from rollout_helpers import load_base, make_adapter, reference_model
 
 from lorafleet.errors import InvalidArgument
-from lorafleet_rollout.decoder import Decoder, PrefillPart, Segment, SlotCache
+from lorafleet_rollout.decoder import Decoder, PrefillPart
+from lorafleet_rollout.kv_cache import Segment, SlotCache
 from lorafleet_rollout.lora import AdapterWeights, adapter_weights, make_route
 from lorafleet_rollout.peft_io import WEIGHTS_FILE, check_fits, linear_shapes, read_peft_dir
 

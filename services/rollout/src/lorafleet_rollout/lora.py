@@ -4,7 +4,7 @@ Why not PEFT's `adapter_names=[...]`: in every LoRA layer it loops over the adap
 (Python index lists, a sub-batch gather, two Linear calls and an index_put per adapter); with
 16 rows over 8 adapters on the 20 M bench model the engine ran ~1.5x slower through it than
 through grouped matmuls (bench/sampling.py). Here every projection of the decoder
-(`decoder.Projection`, q/k/v and gate/up fused) holds all resident adapters' weights as two
+(`projection.Projection`, q/k/v and gate/up fused) holds all resident adapters' weights as two
 stacks, A^T [slots, in, n*R] and (scale * B)^T [slots, n*R, out], n the fused sub-projections
 and R the largest resident rank; sub-projection j owns rank columns [j*R, j*R + r) and its own
 output columns, everything else is zero (the padding adds exact zeros). Slot 0 stays zero.
@@ -284,7 +284,7 @@ class ExpertStacks:
     trainer's `experts.MultiLoraExperts` and PEFT's merged `(W_e + scale * B_e A_e) x`.
     Computed with torch ops: one gather of the pairs' (slot, expert) weights and two `bmm`s
     per bank (~18 % of a tiny-MoE decode with two adapters; a grouped native kernel reading
-    the stacks in place, like `DecodeLora`, would pay here: see `decoder.Moe`).
+    the stacks in place, like `DecodeLora`, would pay here: see `moe.Moe`).
     """
 
     def __init__(self, experts: int, in_features: int, out_features: int) -> None:

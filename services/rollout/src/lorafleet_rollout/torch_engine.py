@@ -48,8 +48,9 @@ from lorafleet import quantize
 from lorafleet.contract import sample_seed
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
-from lorafleet_rollout.decoder import Decoder, LaidOut, PrefillPart, Segment
+from lorafleet_rollout.decoder import Decoder, LaidOut, PrefillPart
 from lorafleet_rollout.engine import AdapterSource
+from lorafleet_rollout.kv_cache import Segment
 from lorafleet_rollout.lora import Route, adapter_weights, make_route
 from lorafleet_rollout.pacing import CpuBudget
 from lorafleet_rollout.peft_io import (
