@@ -362,11 +362,11 @@ async def test_an_idle_engine_keeps_its_buffers_a_while_then_frees_them(
         first = await engine.sample(request)
         cache = engine._model().cache
         store = cache.store
-        assert store is not None and len(engine._spare_kv) == 1
+        assert store is not None and len(engine._kv_pool.spare) == 1
         assert_same(first, await engine.sample(request))
         assert cache.store is store  # reused, not reallocated
         await wait_until_async(lambda: cache.store is None, "the idle engine's cache released")
-        assert engine._spare_kv == []
+        assert engine._kv_pool.spare == []
         assert_same(first, await engine.sample(request))
     finally:
         await engine.close()
