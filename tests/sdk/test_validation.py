@@ -24,8 +24,10 @@ def fleet(
 ) -> Iterator[object]:
     """Two trainer slots, so a run can be admitted and wait for one; a fleet per SDK version,
     so one version's runs (which keep their slots until their session times out) never
-    hold the slots the other's flow counts on."""
-    with make_fleet(trainers=1, rollouts=0, slots=2) as running:
+    hold the slots the other's flow counts on. Idle runs are never paged out here: the
+    flow needs its filler run to hold its slot until it unloads it."""
+    never_page = {"controller": {"LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS": "0"}}
+    with make_fleet(trainers=1, rollouts=0, slots=2, extra_env=never_page) as running:
         yield running
 
 
