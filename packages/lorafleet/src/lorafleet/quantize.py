@@ -121,7 +121,7 @@ def quantize_model(model: nn.Module, kind: str) -> dict[str, Quantized]:
     by_weight: dict[int, Quantized] = {}
     out: dict[str, Quantized] = {}
     for name, module in matrices(model):
-        weight = module.weight
+        weight = _weight(module)
         if id(weight) not in by_weight:
             by_weight[id(weight)] = quantize(weight, kind)
         out[name] = by_weight[id(weight)]
@@ -139,7 +139,16 @@ def dequantize_in_place(model: nn.Module, kind: str) -> None:
     quantized = quantize_model(model, kind)
     with torch.no_grad():
         for name, module in matrices(model):
-            weight = module.weight
+            weight = _weight(module)
             if id(weight) not in done:
                 weight.copy_(quantized[name].dequantize(weight.dtype))
                 done.add(id(weight))
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """A listed module's weight (nn.Module attributes are untyped)."""
+    import torch
+
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), type(module).__name__
+    return weight

@@ -47,11 +47,13 @@ class _DequantLinear(torch.autograd.Function):
 class QuantizedLinear(nn.Module):
     """A frozen Linear whose weight is codes and scales (buffers: never trained)."""
 
+    codes: torch.Tensor
+    scale: torch.Tensor
+
     def __init__(self, linear: nn.Linear, weight: Quantized) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.dtype = linear.weight.dtype
         self.register_buffer("codes", weight.codes)
         self.register_buffer("scale", weight.scale)
         self.bias = linear.bias  # frozen like the rest of the base
@@ -62,6 +64,9 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """A frozen Embedding whose table is codes and scales; a lookup dequantizes its rows."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(self, embedding: nn.Embedding, weight: Quantized) -> None:
         super().__init__()
