@@ -375,6 +375,8 @@ def compare(
 ) -> tuple[list[str], float]:
     """How one tenant's run under faults differs from its reference run (empty: within
     bounds), and the largest numeric difference seen."""
+    if not got["final"] or not want["final"]:  # a job that failed: its error says why
+        return [f"no final state: {got['ops'] if not got['final'] else want['ops']}"], math.inf
     diffs = []
     ops_got, ops_want = got["ops"], want["ops"]
     if kind == "job":  # its run and checkpoint names differ; nothing else may
@@ -488,6 +490,12 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
                 "longest_recovery_s": round(max(recoveries(injector.log, times), default=0), 2),
                 "campaign_s": round(campaign_s, 1),
             }
+            if divergent:  # what happened when, to read beside the logs (seconds from start)
+                t0 = injector.log[0][1] if injector.log else 0.0
+                figures["fault_log"] = [(k, round(a - t0, 1), round(b - t0, 1))
+                                        for k, a, b in injector.log]  # fmt: skip
+                figures["runs"] = {name: faulted[name].get("run") for name in faulted}
+                figures["logs"] = str(fleet.config.run_dir / "logs")
             print(json.dumps(figures))
             assert not divergent, figures
     finally:
