@@ -170,11 +170,14 @@ class AdapterRegistry:
                 field="header.adapter.version",
             )
         live = sorted(
-            (r for r in self.resident.values()
-             if r.registration_id == registration_id and not r.retiring),
+            (
+                r
+                for r in self.resident.values()
+                if r.registration_id == registration_id and not r.retiring
+            ),
             key=lambda r: r.version,
             reverse=True,
-        )  # fmt: skip
+        )
         window = sorted([version, *(r.version for r in live)], reverse=True)
         if version not in window[: self.versions_per_registration]:
             raise FailedPrecondition(

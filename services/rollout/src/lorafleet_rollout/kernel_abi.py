@@ -63,9 +63,14 @@ VARIANTS: dict[str, tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]] = 
 #: undoes Python's -fwrapv, which kept the compiler from assuming that loop indices do not
 #: overflow (the shared-segment kernel ran at half speed with it, measured).
 COMMON_FLAGS = (
-    "-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-    "-fvisibility=hidden", "-fno-wrapv",
-)  # fmt: skip
+    "-O3",
+    "-std=gnu11",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fvisibility=hidden",
+    "-fno-wrapv",
+)
 
 
 def module_name(variant: str) -> str:
@@ -137,8 +142,12 @@ def _type_name(t: type | None) -> str:
     """A C spelling of a ctypes type, for messages (ctypes' own names are platform aliases:
     c_int64 prints as c_long)."""
     names: dict[type, str] = {
-        _P: "a pointer", _I32: "int32_t", _I64: "int64_t", _F32: "float", _CString: "char *",
-    }  # fmt: skip
+        _P: "a pointer",
+        _I32: "int32_t",
+        _I64: "int64_t",
+        _F32: "float",
+        _CString: "char *",
+    }
     return "void" if t is None else names.get(t, t.__name__)
 
 

@@ -79,11 +79,26 @@ class DecodeAttention:
         total = q.new_empty(rows, kv_heads, group, 1)
         scratch = q.new_empty(group * longest)
         self._fn(
-            q.data_ptr(), keys.data_ptr(), values.data_ptr(), k.data_ptr(), v.data_ptr(),
-            k.stride(0), v.stride(0), lengths.data_ptr(), rows, kv_heads, group, dim,
-            keys.stride(0), keys.stride(1), scale,
-            out.data_ptr(), peak.data_ptr(), total.data_ptr(), scratch.data_ptr(),
-        )  # fmt: skip
+            q.data_ptr(),
+            keys.data_ptr(),
+            values.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            v.stride(0),
+            lengths.data_ptr(),
+            rows,
+            kv_heads,
+            group,
+            dim,
+            keys.stride(0),
+            keys.stride(1),
+            scale,
+            out.data_ptr(),
+            peak.data_ptr(),
+            total.data_ptr(),
+            scratch.data_ptr(),
+        )
         return out, peak, total
 
 
@@ -134,10 +149,14 @@ class DecodeShared:
         if not ids or min(ids) < 0:
             raise ValueError("decode_shared: no segments, or a negative row")
         tensors = (
-            keys, values, strides, torch.tensor(lengths, dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32), torch.tensor(ids, dtype=torch.int32),
+            keys,
+            values,
+            strides,
+            torch.tensor(lengths, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(ids, dtype=torch.int32),
             torch.empty(scratch),
-        )  # fmt: skip
+        )
         return _BoundShared(self._fn, (kv_heads, group, dim), scale, max(ids) + 1, tensors, held)
 
 
@@ -145,9 +164,14 @@ class _BoundShared:
     """`DecodeShared.bind`'s call: holds the checked tensors (alive) and their pointers."""
 
     def __init__(
-        self, fn: Any, shape: tuple[int, int, int], scale: float, rows: int,
-        tensors: tuple[torch.Tensor, ...], held: list[torch.Tensor],
-    ) -> None:  # fmt: skip
+        self,
+        fn: Any,
+        shape: tuple[int, int, int],
+        scale: float,
+        rows: int,
+        tensors: tuple[torch.Tensor, ...],
+        held: list[torch.Tensor],
+    ) -> None:
         keys, values, strides, lengths, starts, ids, scratch = tensors
         self._fn, self._shape, self._rows, self._tensors = fn, shape, rows, (*tensors, *held)
         self._layers = [
@@ -159,21 +183,35 @@ class _BoundShared:
         self._scratch = scratch.data_ptr()
 
     def __call__(
-        self, layer: int, q: torch.Tensor, out: torch.Tensor, peak: torch.Tensor,
+        self,
+        layer: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        peak: torch.Tensor,
         total: torch.Tensor,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not (
             q.dtype == out.dtype == peak.dtype == total.dtype == torch.float32
-            and q.is_contiguous() and out.is_contiguous()
-            and peak.is_contiguous() and total.is_contiguous()
+            and q.is_contiguous()
+            and out.is_contiguous()
+            and peak.is_contiguous()
+            and total.is_contiguous()
             and q.shape == out.shape
             and q.shape[1:] == self._shape
             and peak.numel() == total.numel() == q.numel() // self._shape[2]
             and q.shape[0] >= self._rows
-        ):  # fmt: skip
+        ):
             raise ValueError("decode_shared: unsupported q, out, peak or total")
-        self._fn(q.data_ptr(), *self._head, *self._layers[layer], *self._tail, out.data_ptr(),
-                 peak.data_ptr(), total.data_ptr(), self._scratch)  # fmt: skip
+        self._fn(
+            q.data_ptr(),
+            *self._head,
+            *self._layers[layer],
+            *self._tail,
+            out.data_ptr(),
+            peak.data_ptr(),
+            total.data_ptr(),
+            self._scratch,
+        )
 
 
 class DecodeLora:
@@ -226,8 +264,13 @@ class _BoundLora:
         self._in, self._out = a.shape[1], b.shape[2]
         self._rows = int(order.max()) + 1 if order.numel() else 0
         self._head = (a.data_ptr(), b.data_ptr(), a.shape[1], a.shape[2], b.shape[2])
-        self._tail = (order.data_ptr(), slots.data_ptr(), order.shape[0], lo.data_ptr(),
-                      hi.data_ptr())  # fmt: skip
+        self._tail = (
+            order.data_ptr(),
+            slots.data_ptr(),
+            order.shape[0],
+            lo.data_ptr(),
+            hi.data_ptr(),
+        )
 
     def __call__(self, out: torch.Tensor, x: torch.Tensor) -> None:
         if not (
@@ -238,8 +281,7 @@ class _BoundLora:
             and min(x.shape[0], out.shape[0]) >= self._rows
         ):
             raise ValueError("decode_lora: unsupported x or out")
-        self._fn(*self._head, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
-                 *self._tail)  # fmt: skip
+        self._fn(*self._head, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), *self._tail)
 
 
 def _bind(library: ctypes.CDLL, name: str) -> Any:

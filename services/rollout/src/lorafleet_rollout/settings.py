@@ -41,9 +41,11 @@ class RolloutSettings:
         16, doc="Adapter versions resident at once (all registrations).", min=1, max=4096
     )
     max_queued_requests: int = setting(
-        256, doc="Sample requests in progress or waiting; beyond it RESOURCE_EXHAUSTED.",
-        min=1, max=1_000_000,
-    )  # fmt: skip
+        256,
+        doc="Sample requests in progress or waiting; beyond it RESOURCE_EXHAUSTED.",
+        min=1,
+        max=1_000_000,
+    )
     max_batch_size: int = setting(
         32, doc="torch only: sequences decoded together in one step.", min=1, max=4096
     )
@@ -51,8 +53,9 @@ class RolloutSettings:
         256 << 20,
         doc="torch only: bytes of prompt-prefix keys/values kept for reuse across requests "
         "(LRU); 0 = no prefix cache.",
-        min=0, max=1 << 40,
-    )  # fmt: skip
+        min=0,
+        max=1 << 40,
+    )
     favour_decoding: bool = setting(
         True,
         doc="torch only: run every thread but the decoding one at niceness 10, so staging and "
@@ -63,19 +66,23 @@ class RolloutSettings:
         doc="torch only: CPU share (of one core) that taking in published adapters may use "
         "while the engine decodes; a publisher pushing faster is paced to it (see pacing.py). "
         "0 = unpaced.",
-        min=0.0, max=1.0,
-    )  # fmt: skip
+        min=0.0,
+        max=1.0,
+    )
     prefill_chunk_tokens: int = setting(
         512,
         doc="torch only: prompt tokens prefilled between two decode steps, so a long prompt "
         "never stalls the running batch for long.",
-        min=16, max=1 << 20,
-    )  # fmt: skip
+        min=16,
+        max=1 << 20,
+    )
     max_num_samples: int = setting(16, doc="Largest num_samples of one request.", min=1, max=1024)
     versions_per_registration: int = setting(
-        2, doc="Recent versions of a registration kept serving so in-flight samples finish.",
-        min=1, max=64,
-    )  # fmt: skip
+        2,
+        doc="Recent versions of a registration kept serving so in-flight samples finish.",
+        min=1,
+        max=64,
+    )
     max_lora_rank: int = setting(64, doc="Largest LoRA rank accepted.", min=1, max=4096)
     max_adapter_bytes: int = setting(
         MAX_ADAPTER_BYTES, doc="Largest adapter upload (all files).", min=1024, max=1 << 40

@@ -53,21 +53,47 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 #: `--lora-target-modules` choices in 0.5.23 (`srt/utils/common.py`
 #: SUPPORTED_LORA_TARGET_MODULES); "all" stands for every one of them.
 SUPPORTED_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
-    "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-    "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "wo_ud",
-)  # fmt: skip
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "q_b_proj",
+    "kv_b_proj",
+    "wq_b",
+    "wk",
+    "weights_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "embed_tokens",
+    "lm_head",
+    "qkvr",
+    "wo_ud",
+)
 ALL_TARGETS = "all"
 
 #: SGLang's own names for the modules a target stands for (`get_normalized_target_modules`).
 _NORMALIZED = {
-    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-    "unembed_tokens": "lm_head", "output": "lm_head",
-    "vocab_emb": "embed_tokens", "embeddings": "embed_tokens", "word_embeddings": "embed_tokens",
-    "q_a_proj": "fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
-    "wq_b": "indexer.wq_b", "wk": "indexer.wk", "weights_proj": "indexer.weights_proj",
-}  # fmt: skip
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "unembed_tokens": "lm_head",
+    "output": "lm_head",
+    "vocab_emb": "embed_tokens",
+    "embeddings": "embed_tokens",
+    "word_embeddings": "embed_tokens",
+    "q_a_proj": "fused_qkv_a_proj_with_mqa",
+    "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
+    "wq_b": "indexer.wq_b",
+    "wk": "indexer.wk",
+    "weights_proj": "indexer.weights_proj",
+}
 _EMBEDDINGS = ("embed_tokens", "lm_head")
 _MOE_TARGETS = frozenset({"gate_up_proj", "down_proj"})
 #: The expert banks SGLang serves, as PEFT `target_parameters` name them (module.param).
@@ -157,9 +183,12 @@ class ModelShape:
 #: zeros); a q_proj without v_proj raises a KeyError at load and a k_proj, v_proj or up_proj
 #: without its partner maps to no module (`lora.py` normalize_qkv_proj / normalize_gate_up_proj).
 _STACKS = {
-    "q_proj": ("q_proj", "v_proj"), "k_proj": ("q_proj", "v_proj"),
-    "v_proj": ("q_proj", "v_proj"), "gate_proj": ("gate_proj",), "up_proj": ("gate_proj",),
-}  # fmt: skip
+    "q_proj": ("q_proj", "v_proj"),
+    "k_proj": ("q_proj", "v_proj"),
+    "v_proj": ("q_proj", "v_proj"),
+    "gate_proj": ("gate_proj",),
+    "up_proj": ("gate_proj",),
+}
 _STACKED_KEY = re.compile(
     r"^(?P<prefix>.+)\.(?P<module>q_proj|k_proj|v_proj|gate_proj|up_proj)\.lora_[AB]\.weight$"
 )

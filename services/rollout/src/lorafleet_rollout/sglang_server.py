@@ -44,8 +44,15 @@ CPU_SHIMS = _ROLLOUT_ROOT / "sglang_cpu_shims"
 DEFAULT_PYTHON = _ROLLOUT_ROOT.parents[1] / ".venvs" / "sglang" / "bin" / "python"
 #: Every projection our trainer adapts on dense models, and lm_head (train_unembed).
 LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
-)  # fmt: skip
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
 
 Device = Literal["cpu", "cuda"]
 
@@ -80,24 +87,45 @@ class SGLangServer:
 
     def command(self) -> list[str]:
         args = [
-            str(self.python), "-m", "sglang.launch_server",
-            "--model-path", str(self.model_path), "--host", self.host, "--port", str(self.port),
-            "--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
-            "--lora-target-modules", *LORA_TARGETS,
-            "--max-loras-per-batch", str(self.max_loras_per_batch),
-            "--max-loaded-loras", str(self.max_loaded_loras),
+            str(self.python),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(self.model_path),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--lora-target-modules",
+            *LORA_TARGETS,
+            "--max-loras-per-batch",
+            str(self.max_loras_per_batch),
+            "--max-loaded-loras",
+            str(self.max_loaded_loras),
             "--sleep-on-idle",
-        ]  # fmt: skip
+        ]
         if self.quantization != quantize.NONE:
             args += ["--quantization", quantize.ENGINE_FLAGS[self.quantization]]
         if self.device == "cpu":
             args += [
-                "--device", "cpu", "--dtype", "float32",
-                "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                "--lora-backend", "torch_native",
-                "--max-total-tokens", str(self.max_total_tokens),
-                "--max-running-requests", str(self.max_running_requests),
-            ]  # fmt: skip
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--attention-backend",
+                "torch_native",
+                "--sampling-backend",
+                "pytorch",
+                "--lora-backend",
+                "torch_native",
+                "--max-total-tokens",
+                str(self.max_total_tokens),
+                "--max-running-requests",
+                str(self.max_running_requests),
+            ]
         return args
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
