@@ -327,3 +327,52 @@ async def test_a_ready_id_lost_around_a_redis_outage_is_queued_again(redis_serve
         assert await r.lrange(keys.ready_data, 0, -1) == [adm.operation_id.encode()]
     finally:
         await controller.stop()
+
+
+@pytest.mark.parametrize(
+    "procs", [{"HEARTBEAT_INTERVAL_SECONDS": "1", "HEARTBEAT_TIMEOUT_SECONDS": "3"}],
+    indirect=True,
+)  # fmt: skip
+async def test_batches_queued_behind_a_frozen_trainer_never_land_in_a_restore(procs) -> None:
+    """The trainer frozen (SIGSTOP) past the heartbeat timeout while several runs' steps are
+    queued for it: it is declared lost, its runs' operations are queued again, and when it
+    comes back (same incarnation) its runs are restored on it. A batch that waited in the
+    controller meanwhile must not be sent into a slot being restored (the fault campaign,
+    tests/e2e/test_campaign.py, saw a load_state refused for un-stepped gradients and the run
+    corrupted; Scheduler._run_batch now sends only claims still held): every run ends with
+    the reference's weights, none corrupted."""
+    _, redis_server, controller, trainer = procs
+    client = Client(controller.port)
+    r = aioredis.from_url(redis_server.url)  # type: ignore[attr-defined]
+    try:
+        base = await wait_for_model(client)
+        session = (await client("CreateSession", K.CreateSessionRequest(tenant=T))).session_id  # type: ignore[attr-defined]
+        runs = []
+        for seq in range(5):
+            resp = await client(
+                "CreateRegistration",
+                K.CreateRegistrationRequest(
+                    tenant=T, session_id=session, model_seq_id=seq, base_model=base,
+                    lora_config=common_pb2.LoraConfig(rank=4, seed=5, train_attn=True),
+                ),
+            )  # fmt: skip
+            runs.append(Run(client, resp.registration.registration_id))  # type: ignore[attr-defined]
+        reference, *victims = runs
+        await reference.succeed(await reference.steps(range(STEPS)))
+        expected = await export(trainer, reference.rid)
+        ops = [await v.steps(range(STEPS)) for v in victims]
+        await victims[0].succeed(ops[0][:3])
+        assert trainer.proc is not None
+        trainer.proc.send_signal(signal.SIGSTOP)
+        try:
+            await until(lambda: "missed heartbeats" in controller.log.read_text(), "trainer lost")
+            await asyncio.sleep(1)  # the backlog's batches stay queued behind the frozen one
+        finally:
+            trainer.proc.send_signal(signal.SIGCONT)
+        for victim, theirs in zip(victims, ops, strict=True):
+            await victim.succeed(theirs, within=180)
+            assert await export(trainer, victim.rid) == expected
+            assert not await r.hexists(KEYS.reg(victim.rid), "corrupted")
+    finally:
+        await r.aclose()
+        await client.close()

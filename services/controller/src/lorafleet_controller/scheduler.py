@@ -196,6 +196,19 @@ class Scheduler:
         if rep is None:
             await self._fail_all(batch, errors.Unavailable(f"trainer replica {replica} is gone"))
             return
+        # A claim may have waited here (behind a batch stuck on a frozen or restarting trainer,
+        # or re-dispatched after a doubt) while its trainer was lost and its run rebuilt in the
+        # same slot: sent now, under the replica's current incarnation, it would land in the
+        # middle of that restore (found by tests/e2e/test_campaign.py: a load_state refused
+        # for un-stepped gradients, the run corrupted). replica_lost queued such an operation
+        # again, so only claims the ledger and registry still hold go out, each operation once
+        # (a stale claim and its re-claim in one call would both run before either is
+        # recorded in the trainer's dedup).
+        held = await asyncio.gather(*(self._still_holds(claim) for claim in batch))
+        batch = list({c.operation_id: c for c, holds in zip(batch, held, strict=True) if holds}
+                     .values())  # fmt: skip
+        if not batch:
+            return
         items = []
         for claim in batch:
             payload = controller_pb2.OperationPayload.FromString(claim.payload)
