@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from lorafleet import errors
+from lorafleet import errors, validate_msgs
 from lorafleet.contract import FutureId, FutureKind
 from lorafleet.rpc.errors import error_info
 from lorafleet.v1 import controller_pb2 as cpb
@@ -87,6 +87,19 @@ async def resolve_base_model(
     models = [m for m in await controller.capabilities() if getattr(m, need)]
     exact = next((m for m in models if m.name == name), None)
     return exact or next((m for m in models if m.tokenizer_id and m.tokenizer_id == name), None)
+
+
+async def model_limits(controller: ControllerClient, base_model: str) -> validate_msgs.Limits:
+    """What a served base model accepts (vocabulary, context length, num_samples), from
+    capabilities, for `lorafleet.validate_msgs`; not served: no limits known here."""
+    model = next((m for m in await controller.capabilities() if m.name == base_model), None)
+    if model is None:
+        return validate_msgs.UNKNOWN
+    return validate_msgs.Limits(
+        vocab_size=model.vocab_size,
+        max_context_length=model.max_context_length,
+        max_num_samples=model.max_num_samples,
+    )
 
 
 async def base_model_name(controller: ControllerClient, name: str, need: str = "trainable") -> str:

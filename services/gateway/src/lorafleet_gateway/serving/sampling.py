@@ -22,7 +22,7 @@ from lorafleet_gateway.protocol import (
     SampleRequest,
     UntypedAPIFuture,
 )
-from lorafleet_gateway.serving.common import base_model_name, future
+from lorafleet_gateway.serving.common import base_model_name, future, model_limits
 
 # A sample request without a seq_id gets a fresh random one from the top half of int63, far
 # above any client's counter: it is then never a "retry" of an earlier, different request
@@ -70,16 +70,7 @@ class SamplingServing:
         checks the same request against its own engine and settings."""
         request = cpb.GetSamplerRequest(tenant=tenant, sampler_id=sampler_id)
         base_model = (await self._controller.get_sampler(request)).sampler.base_model
-        model = next(
-            (m for m in await self._controller.capabilities() if m.name == base_model), None
-        )
-        if model is None:
-            return validate_msgs.Limits()
-        return validate_msgs.Limits(
-            vocab_size=model.vocab_size,
-            max_context_length=model.max_context_length,
-            max_num_samples=model.max_num_samples,
-        )
+        return await model_limits(self._controller, base_model)
 
     async def sample(self, tenant: str, body: SampleRequest) -> UntypedAPIFuture:
         if not body.sampling_session_id:

@@ -32,7 +32,7 @@ from lorafleet_gateway.protocol import (
     OptimStepRequest,
     UntypedAPIFuture,
 )
-from lorafleet_gateway.serving.common import Ledger, future, resolve_base_model
+from lorafleet_gateway.serving.common import Ledger, future, model_limits, resolve_base_model
 from lorafleet_gateway.settings import GatewaySettings
 
 
@@ -137,14 +137,7 @@ class TrainingServing:
             base_model = (await self._controller.get_registration(request)).registration.base_model
         except errors.LorafleetError:
             return validate_msgs.UNKNOWN
-        model = next(
-            (m for m in await self._controller.capabilities() if m.name == base_model), None
-        )
-        if model is None:
-            return validate_msgs.UNKNOWN
-        return validate_msgs.Limits(
-            vocab_size=model.vocab_size, max_context_length=model.max_context_length
-        )
+        return await model_limits(self._controller, base_model)
 
     async def optim_step(self, tenant: str, body: OptimStepRequest) -> UntypedAPIFuture:
         def payload() -> cpb.OperationPayload:
