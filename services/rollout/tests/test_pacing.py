@@ -60,7 +60,7 @@ async def test_a_publish_over_budget_waits_while_decoding_and_never_while_idle(
         )
         sampling = asyncio.ensure_future(engine.sample(long))
         await asyncio.sleep(0.05)  # decoding has started
-        assert engine._seqs and not sampling.done()
+        assert engine._batch.seqs and not sampling.done()
         # Decoding: the bucket (burst 1 µs) holds at most one publish, so of two publishes
         # in a row at most one runs mid-sample; the other waits for decoding to end (its
         # debt would take ~10 s or more to repay). Unpaced, both take milliseconds.

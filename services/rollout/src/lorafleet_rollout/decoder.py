@@ -38,9 +38,10 @@ from torch import nn
 from lorafleet.errors import InvalidArgument
 from lorafleet.families import torch_engine_refusal
 from lorafleet_rollout import kernels
+from lorafleet_rollout.adapter_slots import AdapterSlots, Stacks
 from lorafleet_rollout.attention import attend, merge_shared
 from lorafleet_rollout.kv_cache import Segment, SlotCache
-from lorafleet_rollout.lora import AdapterWeights, ExpertStacks, LoraStacks, Route, SlotWeights
+from lorafleet_rollout.lora import Route
 from lorafleet_rollout.moe import Moe
 from lorafleet_rollout.projection import (
     Mlp,
@@ -52,9 +53,6 @@ from lorafleet_rollout.projection import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-#: The LoRA stacks of one projection or expert bank.
-Stacks = LoraStacks | ExpertStacks
 
 
 @dataclass
@@ -69,15 +67,6 @@ class PrefillPart:
     slot: int
 
 
-@dataclass(frozen=True)
-class LaidOut:
-    """An adapter ready to install (`Decoder.lay_out`): its largest rank, and its weights
-    per targeted stack."""
-
-    rank: int
-    stacks: dict[Stacks, SlotWeights]
-
-
 @dataclass
 class Layer:
     ln1: torch.Tensor
@@ -89,8 +78,9 @@ class Layer:
     qk_norm: torch.Tensor | None
 
 
-class Decoder:
-    """The base model's weights in decode layout, the resident adapters, and the forward."""
+class Decoder(AdapterSlots):
+    """The base model's weights in decode layout and the forward; the resident adapters'
+    slots are `AdapterSlots`'."""
 
     def __init__(self, model: PreTrainedModel, native: bool = True) -> None:
         cfg = model.config
@@ -131,11 +121,11 @@ class Decoder:
         self.cos = cos[0].contiguous()
         self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # see `_qkv`
         self.layers: list[Layer] = []
-        #: PEFT target (module path, or "<experts module>.<bank>") -> (its LoRA stacks,
-        #: index within the fused projection)
-        self.targets: dict[str, tuple[Stacks, int]] = {}
+        # PEFT target (module path, or "<experts module>.<bank>") -> (its LoRA stacks,
+        # index within the fused projection)
+        targets: dict[str, tuple[Stacks, int]] = {}
         paths = {id(m): name for name, m in model.named_modules()}
-        self.targets[paths[id(head)]] = (self.lm_head.lora, 0)
+        targets[paths[id(head)]] = (self.lm_head.lora, 0)
         #: Whether rows need their slot per token (`_row_slots`): expert LoRA is per pair.
         self.moe = False
         for layer in model.model.layers:
@@ -146,14 +136,14 @@ class Decoder:
             if hasattr(layer.mlp, "experts"):
                 mlp = Moe(layer.mlp, cfg, lora_kernel)
                 experts = paths[id(layer.mlp.experts)]
-                self.targets[f"{experts}.gate_up_proj"] = (mlp.gate_up_lora, 0)
-                self.targets[f"{experts}.down_proj"] = (mlp.down_lora, 0)
+                targets[f"{experts}.gate_up_proj"] = (mlp.gate_up_lora, 0)
+                targets[f"{experts}.down_proj"] = (mlp.down_lora, 0)
                 self.moe = True
             else:
                 mlp = Mlp(layer.mlp, lora_kernel)
             for projection, linears in [(qkv, qkv_linears), (o, [attn.o_proj]), *mlp.projections()]:
                 for j, lin in enumerate(linears):
-                    self.targets[paths[id(lin)]] = (projection.lora, j)
+                    targets[paths[id(lin)]] = (projection.lora, j)
             self.layers.append(
                 Layer(
                     layer.input_layernorm.weight.detach(),
@@ -165,12 +155,8 @@ class Decoder:
                 )
             )
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
-        self._stacks = list(dict.fromkeys(stacks for stacks, _ in self.targets.values()))
         self._route_slots: tuple[Route, torch.Tensor] | None = None
-        self.capacity = 1  # slots, slot 0 (the base model) included
-        self.rank = 0
-        self._slots: dict[str, int] = {}
-        self._ranks: dict[str, int] = {}
+        super().__init__(targets)
 
     def _qk_norm(self, attn: nn.Module) -> torch.Tensor | None:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -178,60 +164,6 @@ class Decoder:
             return None
         q, k = detached_weight(q_norm), detached_weight(k_norm)
         return torch.cat((q.expand(self.heads, -1), k.expand(self.kv_heads, -1)))
-
-    # ------------------------------------------------------------------ adapters
-    def check_targets(self, adapter: AdapterWeights) -> None:
-        for module in adapter.modules:
-            if module not in self.targets:
-                raise InvalidArgument(
-                    f"LoRA on {module} is not supported by the torch engine (only attention, "
-                    "MLP, expert bank and lm_head projections)",
-                    field="adapter_model.safetensors",
-                )
-
-    def slot(self, name: str | None) -> int:
-        return 0 if name is None else self._slots[name]
-
-    def __contains__(self, name: str | None) -> bool:
-        return name is None or name in self._slots
-
-    def lay_out(self, adapter: AdapterWeights) -> LaidOut:
-        """The adapter's weights as whole slots of the stacks it targets, laid out at the
-        rank the stacks will have once it is in. Reads only what is fixed after start-up
-        (and the current rank, re-checked by `install`), so it runs off the decoding thread."""
-        self.check_targets(adapter)
-        parts: dict[Stacks, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for module, weights in adapter.modules.items():
-            stacks, j = self.targets[module]
-            parts.setdefault(stacks, {})[j] = weights
-        rank = max(self.rank, adapter.rank)
-        return LaidOut(adapter.rank, {s: s.lay_out(p, rank) for s, p in parts.items()})
-
-    def install(self, name: str, adapter: LaidOut) -> None:
-        """Put a laid-out adapter in a free slot: one copy per targeted stack, zeros only
-        where the slot's previous tenant targeted a projection this one does not."""
-        free = sorted(set(range(1, self.capacity + 1)) - set(self._slots.values()))
-        slot = free[0]
-        capacity = self.capacity if slot < self.capacity else max(4, 2 * self.capacity)
-        self._reshape(capacity, max(self.rank, adapter.rank))
-        for stacks in self._stacks:
-            stacks.put(slot, adapter.stacks.get(stacks))
-        self._slots[name] = slot
-        self._ranks[name] = adapter.rank
-
-    def remove(self, name: str) -> None:
-        slot = self._slots.pop(name)
-        del self._ranks[name]
-        for stacks in self._stacks:
-            stacks.release(slot)
-        self._reshape(self.capacity, max(self._ranks.values(), default=0))
-
-    def _reshape(self, capacity: int, rank: int) -> None:
-        if (capacity, rank) == (self.capacity, self.rank):
-            return
-        self.capacity, self.rank = capacity, rank
-        for stacks in self._stacks:
-            stacks.resize(capacity, rank)
 
     # ------------------------------------------------------------------ forward
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -2,14 +2,16 @@
 
 One scheduler thread owns the model (`decoder.Decoder`). Each iteration it applies adapter
 installs and removals, admits waiting requests, prefills at most `prefill_chunk` prompt tokens
-(chunked prefill: a long prompt advances a chunk at a time, so it never stalls the running
-batch for long), then steps every decoding sequence together. Rows of one decode step may use
-different adapters or the base model: the grouped LoRA of `lora.py` routes each row through its
-own adapter in a fixed number of batched matmuls, however many adapters the batch mixes.
-Adapters are read, checked, paired and laid out as whole slots on a worker thread; the
-scheduler thread only copies them into place, one copy per projection. While it decodes,
-publishes are paced to a CPU budget (`pacing.py`), so a publisher pushing back to back cannot
-take more than that share from the running batch.
+(chunked prefill, `prefill.py`: a long prompt advances a chunk at a time, so it never stalls
+the running batch for long), then steps every decoding sequence together (`decode_batch.py`).
+Rows of one decode step may use different adapters or the base model: the grouped LoRA of
+`lora.py` routes each row through its own adapter in a fixed number of batched matmuls,
+however many adapters the batch mixes. Adapters are read, checked, paired and laid out as
+whole slots (`adapter_slots.py`) on a worker thread; the scheduler thread only copies them
+into place, one copy per projection. While it decodes, publishes are paced to a CPU budget
+(`pacing.py`), so a publisher pushing back to back cannot take more than that share from the
+running batch; the replica's other threads yield to the decoding one (`thread_priority.py`:
+the GIL switch interval, and niceness with `favour_decoding`).
 
 A request's prompt is prefilled once, whatever its `num_samples`, and its samples attend to
 that one copy of its keys/values (`shared_prefixes.py`); greedy samples are one sequence,
@@ -44,11 +46,12 @@ from lorafleet import quantize
 from lorafleet.contract import sample_seed
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
-from lorafleet_rollout.decoder import Decoder, LaidOut
+from lorafleet_rollout.adapter_slots import LaidOut
+from lorafleet_rollout.decode_batch import DecodeBatch
+from lorafleet_rollout.decoder import Decoder
 from lorafleet_rollout.engine import AdapterSource
-from lorafleet_rollout.kv_cache import Segment
 from lorafleet_rollout.kv_pool import KvPool
-from lorafleet_rollout.lora import Route, adapter_weights, make_route
+from lorafleet_rollout.lora import adapter_weights
 from lorafleet_rollout.pacing import PUBLISH_BURST, PublishPacer
 from lorafleet_rollout.peft_io import (
     Banks,
@@ -59,9 +62,8 @@ from lorafleet_rollout.peft_io import (
 )
 from lorafleet_rollout.prefill import Prefill
 from lorafleet_rollout.prefix_cache import PrefixCache
-from lorafleet_rollout.sample_jobs import Command, Job, Seq, result, settle
-from lorafleet_rollout.sampling import choose_tokens, make_generator
-from lorafleet_rollout.shared_prefixes import SharedPrefixes, aliases, shared_length
+from lorafleet_rollout.sample_jobs import Command, Job, Seq, settle
+from lorafleet_rollout.sampling import make_generator
 from lorafleet_rollout.stopping import StopRule
 from lorafleet_rollout.thread_priority import (
     lower_all_but,
@@ -72,15 +74,11 @@ from lorafleet_rollout.types import EngineInfo, LoraSpec, SampleRequest, SampleR
 
 log = logging.getLogger(__name__)
 
-#: Decode columns reserved beyond a sequence's current length when the cache (re)grows.
-_SPARE_COLUMNS = 256
 #: Seconds an idle engine keeps its decode cache (`SlotCache`) for the next batch. Freeing it
 #: at once cost the next batch a fresh zero-filled buffer: on workload (c) (4 x 1,500-token
 #: prompts, bench/sampling.py --vs-vllm) page faults and zeroing took ~20 % of the time.
 #: The spare keys/values buffers of prompts and segments (`kv_pool.py`) go with it.
 _KEEP_IDLE_CACHE = 10.0
-_SHARED_ROWS = metrics.DECODE_ROWS.labels("shared")
-_OWN_ROWS = metrics.DECODE_ROWS.labels("own")
 
 
 class TorchEngine:
@@ -109,7 +107,7 @@ class TorchEngine:
         self.prefill_chunk = prefill_chunk
         self.favour_decoding = favour_decoding
         self._pacer = PublishPacer(
-            publish_cpu_share, publish_cpu_burst, lambda: bool(self._seqs or self._prefilling)
+            publish_cpu_share, publish_cpu_burst, lambda: bool(self._batch.seqs or self._prefilling)
         )
         self.native_kernels = native_kernels
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -127,15 +125,10 @@ class TorchEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._prefilling: list[Job] = []
-        self._seqs: list[Seq] = []  # row i of the decode batch lives in cache slot i
-        self._route: Route | None = None
-        self._shared: list[tuple[Segment, torch.Tensor]] = []  # segment, its rows
-        self._shared_rows = 0
-        self._route_stale = True  # route and _shared need rebuilding (rows changed)
         #: Buffers of finished prompts' and segments' keys/values, for the next ones.
         self._kv_pool = KvPool()
         self._prefill_step = Prefill(self.prefix_cache, self._kv_pool)
-        self._prefixes = SharedPrefixes(self.prefix_cache, self._kv_pool)
+        self._batch = DecodeBatch(self.prefix_cache, self._kv_pool)
         # Reading, checking and pairing a pushed adapter runs here, one at a time and niced,
         # so a publish takes CPU the running batch leaves over; the scheduler thread only
         # copies the prepared tensors into its preallocated stacks.
@@ -285,7 +278,7 @@ class TorchEngine:
                         self._stopping
                         or self._commands
                         or self._waiting
-                        or self._seqs
+                        or self._batch.seqs
                         or self._prefilling
                     ):
                         cache = None if self._decoder is None else self._decoder.cache
@@ -303,8 +296,8 @@ class TorchEngine:
                 try:
                     if self._prefilling:
                         self._prefill()
-                    if self._seqs:
-                        self._decode()
+                    if self._batch.seqs:
+                        self._batch.step(self._model())
                 except Exception as exc:  # a bug or OOM: fail the batch, keep serving
                     log.exception("generation step failed")
                     self._fail_all(exc)
@@ -312,14 +305,14 @@ class TorchEngine:
 
     def _admit(self) -> None:
         """Move waiting jobs that fit beside the live sequences (at least one when idle)."""
-        room = self.max_batch_size - len(self._seqs)
+        room = self.max_batch_size - len(self._batch.seqs)
         room -= sum(j.rows for j in self._prefilling)
         while self._waiting:
             job = self._waiting[0]
             if job.cancelled:
                 self._waiting.popleft()
                 continue
-            if job.rows > room and (self._prefilling or self._seqs):
+            if job.rows > room and (self._prefilling or self._batch.seqs):
                 break
             self._waiting.popleft()
             self._prefilling.append(job)
@@ -349,8 +342,8 @@ class TorchEngine:
     def _join(
         self, model: Decoder, job: Job, logits: torch.Tensor, joining: Sequence[Job] = ()
     ) -> None:
-        """A prompt is prefilled: cache its prefix, start its samples, and give each a decode
-        slot holding the keys/values it does not share (`shared_prefixes.py`)."""
+        """A prompt is prefilled: cache its prefix, start its samples (seeds, stop rules) and
+        let them join the decode batch (`decode_batch.py`)."""
         request = job.request
         prompt = request.prompt_tokens
         assert job.kv is not None
@@ -363,109 +356,20 @@ class TorchEngine:
             rule = StopRule(params, self._eos, limit, self._decode_tokens)
             job.seqs.append(Seq(job, make_generator(seed), rule, len(prompt)))
         metrics.TTFT.observe(time.monotonic() - job.enqueued)
-        self._append(job.seqs, logits.expand(job.rows, -1))
-        live = [s for s in job.seqs if s.reason is None]
-        segment = None
-        if live:
-            segment = self._prefixes.segment_for(model, job, live, joining, self._seqs)
-            base = 0 if segment is None else segment.length
-            first = len(self._seqs)
-            own = len(prompt) - base
-            used = max((s.pos - shared_length(s) for s in self._seqs), default=0)
-            model.cache.reserve(first + len(live), own + min(limit, _SPARE_COLUMNS) + 1, used)
-            model.cache.fill(slice(first, first + len(live)), job.kv[:, :, :, base:])
-            self._seqs.extend(live)
-            self._route_stale = True
-        if segment is None or not aliases(segment, job.kv):
-            self._kv_pool.give(job.kv)
-        job.kv, job.cached = None, 0
-        if not live:
-            job.resolve(result(job))
-
-    def _decode(self) -> None:
-        model = self._model()
-        if self._route_stale:
-            self._route = make_route([model.slot(s.job.adapter) for s in self._seqs])
-            groups: dict[Segment, list[int]] = {}
-            for row, seq in enumerate(self._seqs):
-                if seq.segment is not None:
-                    groups.setdefault(seq.segment, []).append(row)
-            self._shared = [(seg, torch.tensor(rows)) for seg, rows in groups.items()]
-            self._shared_rows = sum(map(len, groups.values()))
-            self._route_stale = False
-        _SHARED_ROWS.inc(self._shared_rows)
-        _OWN_ROWS.inc(len(self._seqs) - self._shared_rows)
-        pos = torch.tensor([s.pos for s in self._seqs])
-        cols = pos - torch.tensor([shared_length(s) for s in self._seqs])
-        length = int(cols.max()) + 1
-        if length > model.cache.capacity:
-            model.cache.reserve(len(self._seqs), length + _SPARE_COLUMNS)
-        logits = model.decode(
-            torch.tensor([s.tokens[-1] for s in self._seqs]),
-            pos,
-            cols,
-            length,
-            self._route,
-            self._shared,
-        )
-        for seq in self._seqs:
-            seq.pos += 1
-        self._append(self._seqs, logits.float())
-        self._retire_finished(length)
-
-    def _append(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        params = [s.job.request.params for s in seqs]
-        tokens, logprobs = choose_tokens(
-            logits,
-            torch.tensor([p.temperature for p in params]),
-            torch.tensor([p.top_k for p in params]),
-            torch.tensor([p.top_p for p in params]),
-            [s.generator for s in seqs],
-        )
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
-            seq.tokens.append(tok)
-            seq.logprobs.append(lp)
-            seq.reason = seq.rule.check(seq.tokens)
-        metrics.TOKENS.inc(len(seqs))
-
-    def _retire_finished(self, length: int) -> None:
-        """Drop finished or cancelled rows; answer jobs whose rows all finished. Rows from the
-        end of the batch move into the freed slots, so only those rows are copied."""
-        gone = [i for i, s in enumerate(self._seqs) if s.reason is not None or s.job.cancelled]
-        if not gone:
-            return
-        for job in {self._seqs[i].job for i in gone}:
-            if not job.cancelled and all(s.reason is not None for s in job.seqs):
-                job.resolve(result(job))
-        for i in gone:
-            key = self._seqs[i].prefix
-            if key is not None:
-                self._prefixes.release(key)
-        size = len(self._seqs) - len(gone)
-        holes = [i for i in gone if i < size]
-        movers = [i for i in range(size, len(self._seqs)) if i not in set(gone)]
-        if holes:
-            model = self._model()
-            model.cache.move(torch.tensor(holes), torch.tensor(movers), length)
-            for hole, mover in zip(holes, movers, strict=True):
-                self._seqs[hole] = self._seqs[mover]
-        del self._seqs[size:]
-        self._route_stale = True
+        self._batch.join(model, job, logits, joining, limit)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:
-            jobs = {s.job for s in self._seqs} | set(self._waiting) | set(self._prefilling)
+            jobs = {s.job for s in self._batch.seqs} | set(self._waiting) | set(self._prefilling)
             self._waiting.clear()
             commands, self._commands = self._commands, []
         for job in jobs:
             job.resolve(exc)
         for cmd in commands:
             cmd.loop.call_soon_threadsafe(settle, cmd.future, exc)
-        self._seqs = []
+        self._batch.clear()
         self._prefilling = []
-        self._prefixes.clear()
         self._kv_pool.clear()
-        self._route_stale = True
         if self._decoder is not None:
             self._decoder.cache.clear()
 
