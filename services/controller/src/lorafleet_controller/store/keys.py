@@ -129,6 +129,7 @@ class Keys:
     epoch: str
     regs: str
     binding: str
+    paging: str
     replicas: str
     base_models: str
     ckpt_ttl: str
