@@ -41,6 +41,7 @@ import copy
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -310,6 +311,219 @@ def group_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
     }
 
 
+TWO_RANK_SPECS = {  # a mixed batch: ranks 4 and 8, one slot with dropout, two losses
+    0: LoraSpec(rank=4, alpha=8, seed=1),
+    1: LoraSpec(rank=8, seed=2, dropout=0.1, target_modules=("q_proj", "v_proj", "o_proj")),
+    2: LoraSpec(rank=4, seed=3),
+    3: LoraSpec(rank=8, alpha=4, seed=4),
+}
+TWO_RANK_HP = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
+COMPARED_STEPS = 3  # optimizer steps before logprobs, gradients and state are compared
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def two_rank_batch(step: int, rows: int, seq: int, vocab: int) -> list[ForwardBackwardItem]:
+    """`rows` rows of unequal lengths over the 4 slots; step 1's slot 0 is a token-mean step."""
+    gen = torch.Generator().manual_seed(100 + step)
+    items = []
+    for slot in TWO_RANK_SPECS:
+        data = []
+        for _ in range(max(1, rows // len(TWO_RANK_SPECS))):
+            n = int(torch.randint(seq // 4, seq + 1, (1,), generator=gen))
+            inputs = {"target_tokens": torch.randint(0, vocab, (n,), generator=gen)}
+            if slot < 2:
+                loss, inputs["weights"] = "cross_entropy", torch.rand(n, generator=gen)
+            else:
+                loss = "importance_sampling"
+                inputs["logprobs"] = -torch.rand(n, generator=gen) * 8
+                inputs["advantages"] = torch.randn(n, generator=gen)
+            data.append(Datum(torch.randint(0, vocab, (n,), generator=gen).tolist(), inputs))
+        tokens = sum(len(d.tokens) for d in data) if (step, slot) == (1, 0) else 0
+        fb = ForwardBackwardInput(data, loss, group_tokens=tokens)
+        items.append(ForwardBackwardItem(f"fb{step}", slot, f"r{slot}", fb))
+    return items
+
+
+def two_rank_steps(engine, args, vocab: int) -> dict:
+    """COMPARED_STEPS recorded steps (logprobs, gradients, then state), then timed ones."""
+    record: dict = {"logprobs": [], "grads": []}
+
+    def step(k: int) -> None:
+        outs = engine.forward_backward(two_rank_batch(k, args.rows, args.seq, vocab))
+        for out in outs:
+            if isinstance(out, Exception):
+                raise out
+        if k < COMPARED_STEPS:
+            record["logprobs"].append([lp.cpu() for out in outs for lp in out.logprobs])
+            grads = {}
+            for slot in TWO_RANK_SPECS:
+                b = engine.slots.bindings[slot]
+                for name in b.targets:
+                    grads[f"{slot}.{name}.A"] = b.a[name].grad.detach().cpu()
+                    grads[f"{slot}.{name}.B"] = b.b[name].grad.detach().cpu()
+            record["grads"].append(grads)
+        for slot in TWO_RANK_SPECS:
+            engine.optim_step(f"s{k}-{slot}", slot, f"r{slot}", TWO_RANK_HP)
+
+    for slot, spec in TWO_RANK_SPECS.items():
+        engine.bind(slot, f"r{slot}", spec)
+    for k in range(COMPARED_STEPS):
+        step(k)
+    record["state"] = {
+        slot: [p.detach().cpu() for p in engine.slots.bindings[slot].optimizer.params]
+        + [t.cpu() for mv in engine.slots.bindings[slot].optimizer.moments().values() for t in mv]
+        for slot in TWO_RANK_SPECS
+    }
+    counter = [COMPARED_STEPS]
+
+    def timed() -> None:
+        step(counter[0])
+        counter[0] += 1
+
+    record["step_s"] = median_seconds(timed, args.reps, args.device)
+    return record
+
+
+def two_rank_main(args) -> None:
+    """A spawned rank (`--rank-of MODEL_DIR`): world 1 is the plain engine in one process.
+
+    Ranks of world 2 run the distributed path (`load_group_engine`: FSDP2, data parallel);
+    rank 0 drives it and writes the record, each rank its memory and forward token count.
+    """
+    from prometheus_client import REGISTRY
+
+    from lorafleet_trainer.group import (
+        GroupEngine,
+        GroupEnv,
+        load_group_engine,
+        local_fraction,
+        worker_loop,
+    )
+
+    torch.set_num_threads(args.threads)
+    env = GroupEnv.from_environ()
+    dtype = getattr(torch, args.dtype)
+    storage = tempfile.mkdtemp(dir=args.out)
+    kwargs = {"num_slots": len(TWO_RANK_SPECS), "max_rank": 8, "storage_root": Path(storage)}
+    group = None
+    if env is None:
+        model = AutoModelForCausalLM.from_pretrained(args.rank_of, dtype=dtype).to(args.device)
+        engine, rank, backend = TrainerEngine(model, base_model="g", **kwargs), 0, "none"
+    else:
+        engine, group = load_group_engine(
+            args.rank_of, env, device=args.device, dtype=args.dtype, timeout=600.0,
+            base_model="g", **kwargs,
+        )  # fmt: skip
+        rank, backend = env.rank, str(torch.distributed.get_backend())
+    base = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    mine: dict = {
+        "rank": rank,
+        "backend": backend,
+        "base_fraction_held": local_fraction(engine.model),
+    }
+    cuda = args.device == "cuda"
+    if cuda:
+        mine["allocated_at_rest_over_base"] = round(torch.cuda.memory_allocated() / base, 3)
+        torch.cuda.reset_peak_memory_stats()
+    if rank == 0:
+        driver = (
+            engine if group is None else GroupEngine(engine, group, 30.0, lambda e: os._exit(3))
+        )
+        torch.save(two_rank_steps(driver, args, engine.vocab_size), Path(args.out) / "record.pt")
+        if group is not None:
+            driver.close()
+    else:
+        worker_loop(engine, group)
+    if cuda:
+        mine["peak_allocated_over_base"] = round(torch.cuda.max_memory_allocated() / base, 3)
+    labels = {"kind": "datum"}
+    mine["forward_tokens"] = REGISTRY.get_sample_value(
+        "lorafleet_trainer_forward_tokens_total", labels
+    )
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(mine))
+    if group is not None:
+        group.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip teardown, where gloo's threads can abort the process (group_scenario)
+
+
+def two_rank_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
+    """World 2 (nccl on 2 GPUs, gloo on the CPU) against one process, the same steps.
+
+    On the CPU both runs use the same total threads: one process of 2 against two ranks of 1.
+    """
+    from lorafleet_trainer.group import launcher_env
+
+    world = 2
+    if device == "cuda" and torch.cuda.device_count() < world:
+        return {"skipped": f"{torch.cuda.device_count()} CUDA device(s): a 2-rank group needs 2"}
+    config = llama8b_config(args.layers, args.smoke)
+    folder = work / "two-rank-model"
+    build(config, "cpu", dtype).save_pretrained(folder)
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    threads = 1 if device == "cpu" else max(1, (os.cpu_count() or 2) // world)
+    runs: dict = {}
+    for w in (1, world):
+        out = work / f"two-rank-{w}"
+        out.mkdir()
+        argv = [sys.executable, __file__, "--rank-of", str(folder), "--out", str(out)]
+        argv += ["--device", device, "--dtype", str(dtype).split(".")[-1]]
+        argv += ["--rows", str(args.rows), "--seq", str(args.seq), "--reps", str(args.reps)]
+        argv += ["--threads", str(threads * world // w if device == "cpu" else threads)]
+        port = free_port()
+        envs = [clean] if w == 1 else [{**clean, **launcher_env(r, w, port)} for r in range(w)]
+        procs = [subprocess.Popen(argv, env=e) for e in envs]
+        codes = [p.wait(timeout=1800) for p in procs]
+        if codes != [0] * w:
+            raise RuntimeError(f"world {w}: ranks exited {codes}")
+        runs[w] = {
+            "record": torch.load(out / "record.pt", weights_only=False),
+            "ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in range(w)],
+        }
+    got, want = runs[world]["record"], runs[1]["record"]
+
+    def worst(pairs) -> float:
+        return max(float((g.float() - w.float()).abs().max()) for g, w in pairs)
+
+    ranks = runs[world]["ranks"]
+    total = sum(r["forward_tokens"] for r in ranks)
+    return {
+        "world_size": world,
+        "backend": ranks[0]["backend"],
+        "threads_per_rank": threads,
+        "batch": f"{len(TWO_RANK_SPECS)} slots (ranks 4, 8; dropout; cross_entropy,"
+        f" importance_sampling; one token-mean step) x {args.rows} rows up to {args.seq} tokens",
+        "compared_after_optimizer_steps": COMPARED_STEPS,
+        "logprob_max_abs_diff_vs_one_process": worst(
+            pair
+            for g, w in zip(got["logprobs"], want["logprobs"], strict=True)
+            for pair in zip(g, w, strict=True)
+        ),
+        "grad_max_abs_diff_vs_one_process": worst(
+            (g[k], w[k]) for g, w in zip(got["grads"], want["grads"], strict=True) for k in w
+        ),
+        "state_max_abs_diff_vs_one_process": worst(
+            (a, b)
+            for s in want["state"]
+            for a, b in zip(got["state"][s], want["state"][s], strict=True)
+        ),
+        "world1_step_s": round(want["step_s"], 4),
+        "world2_step_s": round(got["step_s"], 4),
+        "step_time_world2_over_world1": round(got["step_s"] / want["step_s"], 3),
+        "forward_token_share_per_rank": [round(r["forward_tokens"] / total, 3) for r in ranks],
+        "memory_per_rank": [
+            {k: v for k, v in r.items() if k not in ("rank", "backend", "forward_tokens")}
+            for r in ranks
+        ],
+        "memory_one_process": {
+            k: v
+            for k, v in runs[1]["ranks"][0].items()
+            if k not in ("rank", "backend", "forward_tokens")
+        },
+    }
+
+
 async def rollout_section(args, work: Path) -> dict:
     from lorafleet_rollout.torch_engine import TorchEngine
     from lorafleet_rollout.types import LoraSpec as RolloutLora
@@ -387,7 +601,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated")
+    # A spawned rank of the 2-rank group check (two_rank_section) and its settings.
+    parser.add_argument("--rank-of", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--device", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rank_of:
+        two_rank_main(args)
     sections = args.sections.split(",")
     if unknown := set(sections) - set(SECTIONS):
         parser.error(f"--sections: unknown {sorted(unknown)}; choose from {list(SECTIONS)}")
@@ -414,6 +636,7 @@ def main() -> None:
             torch.cuda.empty_cache()  # the section's models are gone with its frame
         if "group" in sections:
             result["group"] = group_section(args, device, dtype, work)
+            result["group"]["two_ranks"] = two_rank_section(args, device, dtype, work)
         if "rollout" in sections:
             result["rollout"] = asyncio.run(rollout_section(args, work))
         if cuda:
