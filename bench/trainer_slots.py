@@ -5,7 +5,8 @@ each contributing one 128-token row, in one forward_backward, against one slot w
 K rows. The single slot's rank is the mean of the drawn ranks (rounded), so both do about
 the same LoRA FLOPs. Both run in-process on the TrainerEngine on the ~20M bench model,
 alternating so that the machine's noise hits both alike; medians of `--steps` timed passes
-after `--warmup`. The optimizer steps (one per slot) are timed apart from the pass.
+after `--warmup`, and the range of the steps' own ratios (each step times both back to
+back). The optimizer steps (one per slot) are timed apart from the pass.
 
 FLOPs are those torch runs, counted once per configuration by
 `torch.utils.flop_counter.FlopCounterMode` (matmuls and attention, forward and backward), and
@@ -142,6 +143,11 @@ def measure(engine: TrainerEngine, k: int, steps: int, warmup: int) -> dict:
         "mixed_tokens_per_s": round(tokens / med["mixed"], 1),
         "single_tokens_per_s": round(tokens / med["single"], 1),
         "fb_ratio": round(med["single"] / med["mixed"], 3),
+        # Each timed step's own single/mixed ratio (the two run back to back): the spread.
+        "fb_ratio_range": [
+            round(min(s / m for s, m in zip(times["single"], times["mixed"], strict=True)), 3),
+            round(max(s / m for s, m in zip(times["single"], times["mixed"], strict=True)), 3),
+        ],
         "mixed_optim_s": round(med["mixed_opt"], 4),
         "single_optim_s": round(med["single_opt"], 4),
         "step_ratio": round(

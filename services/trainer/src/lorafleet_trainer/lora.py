@@ -17,7 +17,9 @@ slot's weights. Ranks are never padded: a zero-padded rank changes which GEMM ke
 and so the rounding, and gradients must match PEFT to 1e-5. Per-slot weights stay separate
 tensors, so per-slot AdamW and the state files are unchanged. The earlier per-slot loop paid a
 split, a full-size scale and a full-size cat per slot and module in forward and again in
-backward.
+backward. Every class of one module runs inside one autograd node (`_MixedDelta`): with 64
+slots of six ranks, autograd's own stack/bmm/cat graph cost a full-size cat per module and a
+strided copy of every slot's A and B gradient (`bench/trainer_slots.py`).
 
 We write this instead of using PEFT's `adapter_names=` because PEFT refuses mixed batches in
 training mode, ties `requires_grad` to the active adapter, and draws dropout and init from
@@ -31,6 +33,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -165,48 +168,118 @@ class MultiLoraLinear(nn.Module):
         routing = self.router.routing
         if routing is None:
             raise RuntimeError(f"{self.name} ran outside Router.route(): no rows are routed")
-        if not any(g.slot in self.adapters for c in routing.classes for g in c.groups):
+        weights: list[torch.Tensor] = []
+        present: list[tuple[RankClass, int, bool]] = []  # (class, first row, has an adapter)
+        start = 0
+        for c in routing.classes:
+            found = [self.adapters.get(g.slot) for g in c.groups]
+            has = any(w is not None for w in found)
+            if has:
+                zero = None
+                if not all(found):  # absent slots add nothing: zeros of the class's rank
+                    zero = LoraWeights(
+                        x.new_zeros(c.rank, self.in_features, dtype=torch.float32),
+                        x.new_zeros(self.out_features, c.rank, dtype=torch.float32),
+                    )
+                ws = [w or zero for w in found]
+                weights += [w.A for w in ws if w is not None]
+                weights += [w.B for w in ws if w is not None]
+            present.append((c, start, has))
+            start += c.rows
+        if not weights:
             return out
         xs = x.to(torch.float32)
         if routing.dropout is not None:
             xs = xs * routing.dropout.mask(self.key, x.shape[1], x.shape[2])
-        classes = routing.classes
-        if len(classes) == 1:  # no split: its backward is a full-size cat
-            return self._add_delta(classes[0], xs, out)
-        sizes = [c.rows for c in classes]
-        return torch.cat(
-            [
-                self._add_delta(c, xc, oc)
-                for c, xc, oc in zip(classes, xs.split(sizes), out.split(sizes), strict=True)
-            ]
-        )
+        return _MixedDelta.apply(out.contiguous(), xs, present, *weights)
 
-    def _add_delta(self, c: RankClass, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out + scale * B(A(x))` for the rows of one rank class, unit by unit."""
-        found = [self.adapters.get(g.slot) for g in c.groups]
-        if all(w is None for w in found):
-            return out
-        if any(w is None for w in found):
-            zero = LoraWeights(
-                x.new_zeros(c.rank, self.in_features), x.new_zeros(self.out_features, c.rank)
-            )
-            weights = [zero if w is None else w for w in found]
-        else:
-            weights = [w for w in found if w is not None]
-        a = torch.stack([w.A for w in weights])  # (groups, rank, in)
-        b = torch.stack([w.B for w in weights])  # (groups, out, rank)
-        if c.unit_group is not None:
-            a, b = a[c.unit_group], b[c.unit_group]
-        x = x.reshape(c.units, -1, self.in_features)
-        base = out.reshape(c.units, -1, self.out_features).to(torch.float32)
-        if c.units == 1:
-            # One run of rows: the plain 2-D kernels of F.linear (PEFT's), since bmm takes a
-            # naive path for tiny products whose rounding differs from mm's.
-            h = torch.mm(x[0], a[0].t()) * c.scales[0]
-            y = torch.addmm(base[0], h, b[0].t())
-        else:
-            y = torch.baddbmm(base, torch.bmm(x, a.transpose(1, 2)) * c.scales, b.transpose(1, 2))
-        return y.view(out.shape).to(out.dtype)
+
+class _MixedDelta(torch.autograd.Function):
+    """`out + scale * B(A(x))` for every rank class of the batch, written into `out`.
+
+    One autograd node per module instead of a stack, bmm, scale, baddbmm and cat per class:
+    the forward adds each class's delta in place (no full-size cat), and the backward hands
+    each slot its A and B gradients as contiguous slices of one buffer per class in the
+    parameters' own layout, which autograd takes as they are (the stack/transpose path gave
+    strided views that it copied one by one). The products are the same: `mm` for a class of
+    one run of rows (PEFT's kernels), `bmm` over the units of a larger one."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        present: list[tuple[RankClass, int, bool]],
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        in_f, out_f = x.shape[-1], out.shape[-1]
+        saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+        i = 0
+        for c, start, has in present:
+            if not has:
+                saved.append(None)
+                continue
+            n = len(c.groups)
+            a, b = torch.stack(weights[i : i + n]), torch.stack(weights[i + n : i + 2 * n])
+            i += 2 * n
+            if c.unit_group is not None:
+                a, b = a[c.unit_group], b[c.unit_group]
+            xc = x[start : start + c.rows].reshape(c.units, -1, in_f)
+            oc = out[start : start + c.rows].view(c.units, -1, out_f)
+            # A float32 base output takes the delta in place (the same gemm, accumulating
+            # into it); another dtype gets the float32 sum rounded once, as PEFT's does.
+            o32 = oc if oc.dtype == torch.float32 else oc.to(torch.float32)
+            if c.units == 1:
+                # One run of rows: the plain 2-D kernels of F.linear (PEFT's), since bmm takes
+                # a naive path for tiny products whose rounding differs from mm's.
+                h = torch.mm(xc[0], a[0].t()).mul_(c.scales[0]).unsqueeze(0)
+                o32[0].addmm_(h[0], b[0].t())
+            else:
+                h = torch.bmm(xc, a.transpose(1, 2)).mul_(c.scales)
+                o32.baddbmm_(h, b.transpose(1, 2))
+            if o32 is not oc:
+                oc.copy_(o32)
+            saved.append((a, b, h))
+        ctx.saved = saved
+        ctx.present = present
+        ctx.save_for_backward(x)
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        in_f, out_f = x.shape[-1], grad.shape[-1]
+        need_x = ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x) if need_x else None
+        grads: list[torch.Tensor | None] = []
+        for (c, start, _), kept in zip(ctx.present, ctx.saved, strict=True):
+            if kept is None:
+                if grad_x is not None:  # rows of slots without an adapter here
+                    grad_x[start : start + c.rows].zero_()
+                continue
+            a, b, h = kept
+            xc = x[start : start + c.rows].reshape(c.units, -1, in_f)
+            gc = grad[start : start + c.rows].reshape(c.units, -1, out_f).to(torch.float32)
+            if c.units == 1:
+                g_b = torch.mm(gc[0].t(), h[0]).unsqueeze(0)
+                g_h = torch.mm(gc[0], b[0]).mul_(c.scales[0])
+                g_a = torch.mm(g_h.t(), xc[0]).unsqueeze(0)
+                if grad_x is not None:
+                    grad_x[start : start + c.rows].view(-1, in_f).copy_(torch.mm(g_h, a[0]))
+            else:
+                g_b = torch.bmm(gc.transpose(1, 2), h)
+                g_hu = torch.bmm(gc, b).mul_(c.scales)
+                g_a = torch.bmm(g_hu.transpose(1, 2), xc)
+                if grad_x is not None:
+                    gx = grad_x[start : start + c.rows].view(c.units, -1, in_f)
+                    torch.bmm(g_hu, a, out=gx)
+            n = len(c.groups)
+            if c.unit_group is not None:  # the units of one group sum into its slot
+                g_a = g_a.new_zeros(n, *g_a.shape[1:]).index_add_(0, c.unit_group, g_a)
+                g_b = g_b.new_zeros(n, *g_b.shape[1:]).index_add_(0, c.unit_group, g_b)
+            grads += list(g_a.unbind()) + list(g_b.unbind())
+        return (grad, grad_x, None, *grads)
 
 
 def init_weights(
