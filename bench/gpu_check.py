@@ -19,7 +19,12 @@ Each figure is measured side by side in this run:
   weights on (reported; today it has no CUDA path, so it runs on the CPU with --rollout-layers
   layers).
 - group: a world-size-1 trainer group through the distributed path (torch.distributed,
-  FSDP2, GroupEngine) vs the plain engine: step-time ratio and logprob difference.
+  FSDP2, GroupEngine) vs the plain engine: step-time ratio and logprob difference. Then
+  (issue 22) a 2-rank group, data parallel (each rank computes its share of the rows): nccl
+  over 2 GPUs (skipped with fewer), gloo with one thread per rank on a CPU (`--smoke`), as
+  spawned rank processes; a mixed batch of 4 slots against one process (2 threads on a CPU):
+  logprobs, gradients and state after 3 optimizer steps, step time world 2 / world 1, each
+  rank's share of the forward tokens and of the base, and its GPU memory against the base.
 - serving (`gpu_serving.py`): the real SGLang and vLLM servers serve a dense adapter (with
   lm_head) and an expert (MoE) adapter exported by our trainer; their logprobs against the
   trainer's (float32 on a CPU, bound 1e-4; the bf16 figure on a GPU). A part the machine
@@ -460,7 +465,9 @@ def two_rank_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
         return {"skipped": f"{torch.cuda.device_count()} CUDA device(s): a 2-rank group needs 2"}
     config = llama8b_config(args.layers, args.smoke)
     folder = work / "two-rank-model"
-    build(config, "cpu", dtype).save_pretrained(folder)
+    build(config, device, dtype).save_pretrained(folder)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the ranks' memory is measured on these devices
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     threads = 1 if device == "cpu" else max(1, (os.cpu_count() or 2) // world)
     runs: dict = {}
@@ -492,6 +499,7 @@ def two_rank_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
         "world_size": world,
         "backend": ranks[0]["backend"],
         "threads_per_rank": threads,
+        "threads_one_process": threads * world if device == "cpu" else threads,
         "batch": f"{len(TWO_RANK_SPECS)} slots (ranks 4, 8; dropout; cross_entropy,"
         f" importance_sampling; one token-mean step) x {args.rows} rows up to {args.seq} tokens",
         "compared_after_optimizer_steps": COMPARED_STEPS,
