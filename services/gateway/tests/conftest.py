@@ -19,5 +19,9 @@ def fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator
         "LORAFLEET_GATEWAY_MAX_BODY_BYTES": str(1 << 20),
         "LORAFLEET_GATEWAY_MAX_SMALL_BODY_BYTES": str(64 << 10),
     }
-    with make_fleet(trainers=1, rollouts=1, slots=4, extra_env={"gateway": gateway_env}) as running:
+    # Paging off: test_queue_state_of_an_operation_waiting_for_a_slot needs a run that stays
+    # queued while the slots' holders sit idle (paging is tested in tests/e2e/test_paging_sdk.py).
+    controller_env = {"LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS": "0"}
+    extra_env = {"gateway": gateway_env, "controller": controller_env}
+    with make_fleet(trainers=1, rollouts=1, slots=4, extra_env=extra_env) as running:
         yield running
