@@ -81,6 +81,16 @@ def _shapes(blob: bytes) -> dict[str, list[int]]:
     return {k: list(v.get("shape", [])) for k, v in header.items() if k != "__metadata__"}
 
 
+def _option(cfg: dict[str, Any], key: str, rule: str, default: object) -> float:
+    """A number of the PEFT config (absent or null: PEFT's default), checked by the contract's
+    rule for the LoRA option it becomes."""
+    value = default if cfg.get(key) is None else cfg[key]
+    holds, wanted = contract.OPTION_RULES[rule]
+    if not isinstance(value, int | float) or isinstance(value, bool) or not holds(value):
+        raise errors.InvalidArgument(f"must be {wanted}, got {value!r}", field=_field(key))
+    return float(value)
+
+
 def _modules(cfg: dict[str, Any], key: str) -> list[str]:
     value = cfg.get(key)
     if value in (None, [], ""):
@@ -119,14 +129,8 @@ def parse_adapter(files: dict[str, bytes]) -> PeftAdapter:
     rank = cfg.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise errors.InvalidArgument(f"must be a positive integer, got {rank!r}", field=_field("r"))
-    alpha = cfg.get("lora_alpha", 8)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
-        raise errors.InvalidArgument(f"must be > 0, got {alpha!r}", field=_field("lora_alpha"))
-    dropout = cfg.get("lora_dropout", 0.0) or 0.0
-    if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
-        raise errors.InvalidArgument(
-            f"must be in [0, 1), got {dropout!r}", field=_field("lora_dropout")
-        )
+    alpha = _option(cfg, "lora_alpha", "alpha", 8)
+    dropout = _option(cfg, "lora_dropout", "dropout", 0.0)
     targets = _modules(cfg, "target_modules")
     if not targets:
         raise errors.InvalidArgument("names no module", field=_field("target_modules"))
