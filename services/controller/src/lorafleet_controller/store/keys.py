@@ -23,6 +23,8 @@ fleet shares one tag and one slot: on a Redis Cluster the controller's state liv
 master (its replica takes over on failover), and several fleets (prefixes) spread over the
 masters. Every script still declares the keys it names in KEYS (the routing key is first),
 and every key it derives inside (the next operation of a registration) carries the same tag.
+`store/README.md` designs the layout that replaces this one so that a fleet's ledger scales
+over the masters (issue 24 item 4); until it lands, one fleet is one master.
 """
 
 from __future__ import annotations
