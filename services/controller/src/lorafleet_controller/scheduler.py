@@ -272,6 +272,13 @@ class Scheduler:
                 if claim.kind in TRAINER_KINDS and in_doubt(exc):
                     self.doubt([claim], exc)
                     return
+                if claim.kind == K.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER and (
+                    exc.reason in LEASE_REASONS
+                ):  # its trainer lost the slot (re-dispatched after a controller restart to a
+                    # trainer that restarted too, the run not rebuilt yet: the fault campaign):
+                    # asked again once its run holds a slot; a publish re-run keeps its version
+                    self.doubt([claim], exc)
+                    return
                 if exc.category == "server" and not isinstance(exc, errors.Internal):
                     exc = _server_failure(exc, claim.replica)
                 await self._finish(claim, OpState.FAILED, error=exc)
