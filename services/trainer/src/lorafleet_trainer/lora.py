@@ -261,6 +261,10 @@ class _MixedDelta(torch.autograd.Function):
             a, b, h = kept
             xc = x[start : start + c.rows].reshape(c.units, -1, in_f)
             gc = grad[start : start + c.rows].reshape(c.units, -1, out_f).to(torch.float32)
+            # The products autograd's mm/bmm backward runs, in its orientation: another
+            # rounds differently, which AdamW amplifies where a gradient is near zero. mm's
+            # backward gives a column-major operand (A^T, B^T) its gradient in A's and B's
+            # own layout; bmm's gives A^T and B^T, copied once per class into that layout.
             if c.units == 1:
                 g_b = torch.mm(gc[0].t(), h[0]).unsqueeze(0)
                 g_h = torch.mm(gc[0], b[0]).mul_(c.scales[0])
@@ -268,9 +272,9 @@ class _MixedDelta(torch.autograd.Function):
                 if grad_x is not None:
                     grad_x[start : start + c.rows].view(-1, in_f).copy_(torch.mm(g_h, a[0]))
             else:
-                g_b = torch.bmm(gc.transpose(1, 2), h)
+                g_b = torch.bmm(h.transpose(1, 2), gc).transpose(1, 2).contiguous()
                 g_hu = torch.bmm(gc, b).mul_(c.scales)
-                g_a = torch.bmm(g_hu.transpose(1, 2), xc)
+                g_a = torch.bmm(xc.transpose(1, 2), g_hu).transpose(1, 2).contiguous()
                 if grad_x is not None:
                     gx = grad_x[start : start + c.rows].view(c.units, -1, in_f)
                     torch.bmm(g_hu, a, out=gx)
