@@ -36,7 +36,7 @@ from lorafleet_controller import metrics
 from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Claim
-from lorafleet_controller.registry import ROLLOUT, Registry, Replica
+from lorafleet_controller.registry import ROLLOUT, Registry, RegRecord, Replica
 from lorafleet_controller.samplers import SamplerRecord, Samplers
 from lorafleet_controller.store import RegState, Store, blob, named, text
 
@@ -89,6 +89,7 @@ class Publisher:
         reg = await self.registry.get_any(claim.registration_id)
         if reg is None:
             raise errors.NotFound("registration vanished", field="registration_id")
+        _require_bound(reg, claim)
         version = await self._version(claim.registration_id, claim.operation_id)
         rep = await self.registry.replica(claim.replica)
         if rep is None:
@@ -97,9 +98,15 @@ class Publisher:
         if self.shared_root is not None:
             refs = await trainer.write_shared_adapter(claim.slot, claim.registration_id, version)
             folder = await asyncio.to_thread(_shared_folder, self.shared_root, refs)
+            try:
+                await self._still_bound(reg, claim)
+            except errors.FailedPrecondition:  # the re-run must export afresh, not reuse it
+                await asyncio.to_thread(shutil.rmtree, folder, ignore_errors=True)
+                raise
             payload = Payload(refs=refs)
         else:
             files = await trainer.export_adapter(claim.slot, claim.registration_id)
+            await self._still_bound(reg, claim)
             folder = await asyncio.to_thread(self._write, claim.registration_id, version, files)
             payload = Payload(files=files)
         ref = common_pb2.AdapterRef(registration_id=claim.registration_id, version=version)
@@ -128,6 +135,26 @@ class Publisher:
             )
         )
         return result, [("set", "published_version", version)]
+
+    async def _still_bound(self, before: RegRecord, claim: Claim) -> None:
+        """The export read the slot the registration held when the publish began.
+
+        Neither the trainer's export nor its transport retries are fenced by lease or
+        incarnation, so an export retried across a trainer restart can land in the middle of
+        the run's restore: after the fresh bind, before the snapshot and replay (the fault
+        campaign at 100 faults published a version with the initial weights, and another
+        with the weights of four steps earlier). Every bind changes `bound_at`, so an
+        unchanged READY record means the slot was never rebuilt meanwhile."""
+        now = await self.registry.get_any(claim.registration_id)
+        if now is None:
+            raise errors.NotFound("registration vanished", field="registration_id")
+        _require_bound(now, claim)
+        if now.bound_at != before.bound_at:
+            raise errors.FailedPrecondition(
+                f"{claim.registration_id} was bound again while its adapter was exported",
+                field="registration_id",
+                reason="LEASE_MISMATCH",
+            )
 
     async def _version(self, rid: str, opid: str) -> int:
         """The version a publish makes live, allocated once per operation (a re-dispatch
@@ -267,6 +294,19 @@ class Publisher:
                 if AdapterId.parse(text(a)).registration_id == rid]  # fmt: skip
         if aids:
             await self.store.redis.zrem(live, *aids)
+
+
+def _require_bound(reg: RegRecord, claim: Claim) -> None:
+    """Export only a slot that holds the run's whole state: READY where the claim was sent
+    (while BINDING a restore may be between its fresh bind and its replay). A lease reason,
+    so the scheduler asks again once the run holds a slot."""
+    if reg.state != RegState.READY or (reg.replica, reg.slot) != (claim.replica, claim.slot):
+        raise errors.FailedPrecondition(
+            f"{claim.registration_id} does not hold {claim.replica} slot {claim.slot} "
+            f"(state {reg.state})",
+            field="registration_id",
+            reason="LEASE_MISMATCH",
+        )
 
 
 def _read_folder(folder: Path) -> dict[str, bytes]:
