@@ -250,11 +250,17 @@ def test_proto_zstd_forward_returns_proto_and_json_results(client: Client, model
     lps = np.frombuffer(out.loss_fn_outputs[0].fields["logprobs"].data, "<f4").tolist()
     assert lps == pytest.approx(json_lps, abs=1e-6)
     assert math.isclose(out.metrics["loss:sum"], -sum(lps), rel_tol=1e-5)
-    # The result was acknowledged once delivered: polling it again is 410.
-    assert (
-        client.post("/retrieve_future", {"request_id": reply.json()["request_id"]}).status_code
-        == 410
-    )
+    # The result is acknowledged after it was sent (a background task of that reply, so a
+    # lost reply never loses the result): once the ack lands, polling again is 410; until
+    # then a poll delivers the same result again.
+    request_id = reply.json()["request_id"]
+
+    def acknowledged() -> bool:
+        again = client.post("/retrieve_future", {"request_id": request_id})
+        assert again.status_code in (200, 410), again.text
+        return again.status_code == 410
+
+    wait_until(acknowledged, f"{request_id} acknowledged")
 
 
 def test_same_seq_id_with_another_payload_is_422(client: Client, model: dict) -> None:
