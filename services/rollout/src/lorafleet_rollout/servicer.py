@@ -12,10 +12,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
-
 from lorafleet import contract, quantize
 from lorafleet.errors import FailedPrecondition, InvalidArgument
+from lorafleet.rpc.types import ServerContext
 from lorafleet.shared_storage import FileRef
 from lorafleet.staging import ChunkedUpload
 from lorafleet.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -43,7 +42,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.quantization = quantization
 
     async def GetRolloutInfo(
-        self, request: rollout_pb2.GetRolloutInfoRequest, context: grpc.aio.ServicerContext
+        self, request: rollout_pb2.GetRolloutInfoRequest, context: ServerContext
     ) -> rollout_pb2.GetRolloutInfoResponse:
         info = self.core.info()
         return rollout_pb2.GetRolloutInfoResponse(
@@ -62,7 +61,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def LoadAdapter(
         self,
         request_iterator: AsyncIterator[rollout_pb2.LoadAdapterChunk],
-        context: grpc.aio.ServicerContext,
+        context: ServerContext,
     ) -> rollout_pb2.LoadAdapterResponse:
         header: rollout_pb2.AdapterHeader | None = None
         upload = ChunkedUpload(self.core.adapter_dir, self.core.limits.max_adapter_bytes)
@@ -117,13 +116,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await asyncio.to_thread(stage_refs, upload, self.shared_root, refs)
 
     async def UnloadAdapter(
-        self, request: rollout_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+        self, request: rollout_pb2.UnloadAdapterRequest, context: ServerContext
     ) -> rollout_pb2.UnloadAdapterResponse:
         await self.core.unload_adapter(request.adapter.registration_id, request.adapter.version)
         return rollout_pb2.UnloadAdapterResponse()
 
     async def ListAdapters(
-        self, request: rollout_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext
+        self, request: rollout_pb2.ListAdaptersRequest, context: ServerContext
     ) -> rollout_pb2.ListAdaptersResponse:
         return rollout_pb2.ListAdaptersResponse(
             adapters=[
@@ -141,7 +140,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     async def Sample(
-        self, request: rollout_pb2.SampleRequest, context: grpc.aio.ServicerContext
+        self, request: rollout_pb2.SampleRequest, context: ServerContext
     ) -> rollout_pb2.SampleResponse:
         result = await self.core.sample(
             request.adapter.registration_id, request.adapter.version, sample_request(request)

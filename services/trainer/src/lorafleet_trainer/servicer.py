@@ -18,11 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import grpc
-
 from lorafleet import shared_storage
 from lorafleet.errors import FailedPrecondition, InvalidArgument, LorafleetError
 from lorafleet.rpc.errors import error_info
+from lorafleet.rpc.types import ServerContext
 from lorafleet.staging import MAX_ADAPTER_BYTES, ChunkedUpload
 from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from lorafleet_trainer import convert
@@ -64,7 +63,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
 
     async def GetTrainerInfo(
-        self, request: trainer_pb2.GetTrainerInfoRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.GetTrainerInfoRequest, context: ServerContext
     ) -> trainer_pb2.GetTrainerInfoResponse:
         info = self.engine.info()
         return trainer_pb2.GetTrainerInfoResponse(
@@ -84,20 +83,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         )
 
     async def ListSlots(
-        self, request: trainer_pb2.ListSlotsRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.ListSlotsRequest, context: ServerContext
     ) -> trainer_pb2.ListSlotsResponse:
         slots = await self._run(self.engine.list_slots)
         return trainer_pb2.ListSlotsResponse(slots=[convert.slot_to_proto(s) for s in slots])
 
     async def BindSlot(
-        self, request: trainer_pb2.BindSlotRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.BindSlotRequest, context: ServerContext
     ) -> trainer_pb2.BindSlotResponse:
         spec = convert.spec_from_proto(request.lora_config)
         info = await self._run(self.engine.bind, request.slot, request.registration_id, spec)
         return trainer_pb2.BindSlotResponse(slot=convert.slot_to_proto(info))
 
     async def UnbindSlot(
-        self, request: trainer_pb2.UnbindSlotRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.UnbindSlotRequest, context: ServerContext
     ) -> trainer_pb2.UnbindSlotResponse:
         await self._run(self.engine.unbind, request.slot, request.registration_id)
         return trainer_pb2.UnbindSlotResponse()
@@ -114,7 +113,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             )
 
     async def ForwardBackward(
-        self, request: trainer_pb2.ForwardBackwardRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.ForwardBackwardRequest, context: ServerContext
     ) -> trainer_pb2.ForwardBackwardResponse:
         self._addressed(request.incarnation)
         items: list[ForwardBackwardItem] = []
@@ -141,7 +140,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return response
 
     async def OptimStep(
-        self, request: trainer_pb2.OptimStepRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.OptimStepRequest, context: ServerContext
     ) -> trainer_pb2.OptimStepResponse:
         self._addressed(request.incarnation)
         result, snapshot = await self._run(
@@ -170,7 +169,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return result, self.snapshots.latest(slot, registration_id)
 
     async def SaveState(
-        self, request: trainer_pb2.SaveStateRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.SaveStateRequest, context: ServerContext
     ) -> trainer_pb2.SaveStateResponse:
         self._addressed(request.incarnation)
         ref = await self._run(
@@ -184,7 +183,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.SaveStateResponse(manifest=convert.ref_to_proto(ref))
 
     async def LoadState(
-        self, request: trainer_pb2.LoadStateRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.LoadStateRequest, context: ServerContext
     ) -> trainer_pb2.LoadStateResponse:
         self._addressed(request.incarnation)
         await self._run(
@@ -198,7 +197,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         return trainer_pb2.LoadStateResponse()
 
     async def ExportAdapter(
-        self, request: trainer_pb2.ExportAdapterRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.ExportAdapterRequest, context: ServerContext
     ) -> AsyncIterator[trainer_pb2.ExportAdapterChunk]:
         folder = Path(tempfile.mkdtemp(prefix="lorafleet-export-"))
         try:
@@ -223,7 +222,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             shutil.rmtree(folder, ignore_errors=True)
 
     async def ExportTokenizer(
-        self, request: trainer_pb2.ExportTokenizerRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.ExportTokenizerRequest, context: ServerContext
     ) -> AsyncIterator[trainer_pb2.ExportTokenizerChunk]:
         if self.model_path is None:
             raise FailedPrecondition(
@@ -247,7 +246,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                 )
 
     async def WriteSharedAdapter(
-        self, request: trainer_pb2.WriteSharedAdapterRequest, context: grpc.aio.ServicerContext
+        self, request: trainer_pb2.WriteSharedAdapterRequest, context: ServerContext
     ) -> trainer_pb2.WriteSharedAdapterResponse:
         """Publish by reference (lorafleet.shared_storage): the folder is written next to its
         final place on the shared root, then renamed in; hashing runs off the event loop."""
@@ -280,7 +279,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def ImportAdapter(
         self,
         request_iterator: AsyncIterator[trainer_pb2.ImportAdapterChunk],
-        context: grpc.aio.ServicerContext,
+        context: ServerContext,
     ) -> trainer_pb2.ImportAdapterResponse:
         """The two PEFT files, staged through lorafleet.staging's walls (plain names, the
         size cap, in-order chunks, each file's SHA-256) before the engine reads them."""
