@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
+from lorafleet.rpc.types import Request, Response, ServerContext
 from lorafleet.settings import SettingsError
 from lorafleet.tls import TlsIdentity, identity_from_env
 
@@ -66,7 +67,7 @@ def channel_options(identity: TlsIdentity | None) -> list[tuple[str, str]]:
     return []
 
 
-def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
+def peer_names(context: ServerContext) -> list[str]:
     """Common names of the verified client certificate (empty over plaintext)."""
     auth = context.auth_context() or {}
     return [v.decode() for v in auth.get("x509_common_name", [])]
@@ -75,7 +76,7 @@ def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
 def _admin_only(
     behavior: Callable[..., Any], method: str, admin_names: tuple[str, ...]
 ) -> Callable[..., Any]:
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(request: Any, context: ServerContext) -> Any:
         names = peer_names(context)
         if not set(names) & set(admin_names):
             who = ", ".join(names) or "no client certificate"
@@ -100,9 +101,11 @@ class AdminInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Request, Response] | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method not in ADMIN_METHODS:

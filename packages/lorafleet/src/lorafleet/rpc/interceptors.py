@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -17,6 +17,7 @@ from prometheus_client import Counter, Histogram
 
 from lorafleet import errors
 from lorafleet.rpc.errors import status_code_for, trailing_metadata
+from lorafleet.rpc.types import Request, Response, ServerContext
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def _split(method: str) -> tuple[str, str]:
     return service, name
 
 
-def _rpc_type(handler: grpc.RpcMethodHandler) -> str:
+def _rpc_type(handler: grpc.RpcMethodHandler[Request, Response]) -> str:
     if handler.request_streaming and handler.response_streaming:
         return "bidi_stream"
     if handler.request_streaming:
@@ -48,18 +49,20 @@ def _rpc_type(handler: grpc.RpcMethodHandler) -> str:
     return "unary"
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: errors.LorafleetError) -> None:
+async def _abort(context: ServerContext, exc: errors.LorafleetError) -> None:
     code = status_code_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.error("internal error: %s", exc, exc_info=exc)
     await context.abort(code, str(exc), trailing_metadata(exc))
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _wrap(
+    handler: grpc.RpcMethodHandler[Request, Response], method: str
+) -> grpc.RpcMethodHandler[Request, Response]:
     service, name = _split(method)
     labels = (_rpc_type(handler), service, name)
 
-    def finish(context: grpc.aio.ServicerContext, start: float, failed: bool) -> None:
+    def finish(context: ServerContext, start: float, failed: bool) -> None:
         code = context.code() if hasattr(context, "code") else None
         if code is None:
             code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
@@ -68,7 +71,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         HANDLING.labels(*labels).observe(time.perf_counter() - start)
 
     def unary_result(behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def wrapper(request_or_iterator: Any, context: ServerContext) -> Any:
             STARTED.labels(*labels).inc()
             start, failed = time.perf_counter(), False
             try:
@@ -85,7 +88,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         return wrapper
 
     def streaming_result(behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def wrapper(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def wrapper(request_or_iterator: Any, context: ServerContext) -> Any:
             STARTED.labels(*labels).inc()
             start, failed = time.perf_counter(), False
             try:
@@ -133,9 +136,11 @@ class ErrorsAndMetricsInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Request, Response] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Request, Response] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None

@@ -105,10 +105,13 @@ async def start_server(
         await health_servicer.set(spec.full_name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(health.OVERALL_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection(
-        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME),
+        (
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
         server,
-    )  # fmt: skip
+    )
     address = f"{settings.host}:{settings.port}"
     if tls is None:
         log.warning(
