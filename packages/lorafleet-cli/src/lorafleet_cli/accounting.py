@@ -25,7 +25,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 Resolve = Callable[[argparse.Namespace], tuple[str, TlsIdentity | None]]
 
 
-def add_parsers(sub: argparse._SubParsersAction, resolve: Resolve) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], resolve: Resolve) -> None:
     """Register `adapters import`, `usage` and `page-out`; `resolve` finds the controller and
     identity."""
     adapters = sub.add_parser("adapters", help="adapters: import a PEFT LoRA folder")

@@ -100,7 +100,7 @@ class FleetConfig:
 class Member:
     service: str
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     port: int
     metrics_port: int
     log: Path

@@ -53,7 +53,8 @@ def read_state(run_dir: Path | None) -> dict[str, Any] | None:
     if run_dir is None:
         return None
     try:
-        return json.loads((run_dir / "fleet.json").read_text())
+        state: dict[str, Any] = json.loads((run_dir / "fleet.json").read_text())  # we wrote it
+        return state
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 

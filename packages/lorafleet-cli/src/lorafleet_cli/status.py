@@ -71,7 +71,10 @@ def _process_health(service: str, port: int, tls: TlsIdentity | None) -> str:
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(headers)]  # fmt: skip
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 

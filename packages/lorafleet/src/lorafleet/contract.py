@@ -81,7 +81,9 @@ def loss_spec(name: str, field: str = "loss_fn") -> LossSpec:
     )
 
 
-def loss_config(name: str, config: Mapping[str, float], field: str = "loss_fn_config") -> dict:
+def loss_config(
+    name: str, config: Mapping[str, float], field: str = "loss_fn_config"
+) -> dict[str, float]:
     """The loss's config with defaults filled in; unknown keys and non-finite values refused."""
     spec = loss_spec(name)
     out = dict(spec.config)

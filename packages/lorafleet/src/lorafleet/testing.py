@@ -68,6 +68,10 @@ async def wait_until_async(
         await asyncio.sleep(_POLL_SECONDS)
 
 
+# Callers start processes in binary or text mode; waiting and stopping work on either.
+Process = subprocess.Popen[bytes] | subprocess.Popen[str]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -75,9 +79,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_port(
-    port: int, timeout: float = WAIT_SECONDS, proc: subprocess.Popen | None = None
-) -> None:
+def wait_for_port(port: int, timeout: float = WAIT_SECONDS, proc: Process | None = None) -> None:
     """Poll until something accepts connections on 127.0.0.1:port, or fail with its log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -89,7 +91,7 @@ def wait_for_port(
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f}s")
 
 
-def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> int | None:
+def stop_process(proc: Process, grace: float = 10.0) -> int | None:
     """SIGTERM, wait up to `grace`, then SIGKILL. Returns the exit code."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -106,7 +108,7 @@ class RedisServer:
     """A private redis-server on a free loopback port."""
 
     port: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     data_dir: Path
 
     @property
@@ -241,7 +243,7 @@ def start_redis_cluster(
 @contextlib.contextmanager
 def service_process(
     module: str, port: int, env: dict[str, str], log: Path
-) -> Iterator[subprocess.Popen]:
+) -> Iterator[subprocess.Popen[bytes]]:
     """`python -m module` with stdout and stderr in `log`, yielded once `port` accepts
     connections (the model may still be loading: see `wait_serving`); stopped by its PID."""
     with log.open("w") as out:

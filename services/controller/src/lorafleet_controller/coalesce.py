@@ -88,7 +88,8 @@ class Coalescer:
         pipe = self.client.pipeline(transaction=False)
         for keys, args in calls:
             pipe.evalsha(self.script.sha, len(keys), *keys, *args)
-        results = await pipe.execute(raise_on_error=False)
+        # One reply per call, whatever each script returns (redis-py types the list as Any).
+        results: list[Any] = await pipe.execute(raise_on_error=False)
         for i, result in enumerate(results):
             if isinstance(result, NoScriptError):
                 results[i] = await self._eval(calls[i])

@@ -48,7 +48,8 @@ async def tenant_of(request: Request) -> str:
         raise errors.PermissionDenied("missing API key", field=HEADER)
     state = request.app.state
     digest = hashlib.sha256(key.encode()).hexdigest()
-    hit = state.auth_cache.get(digest)
+    cache: AuthCache = state.auth_cache  # app.state is untyped; app.py puts it there
+    hit = cache.get(digest)
     if hit is None:
         try:
             reply = await state.serving.controller.authenticate(
@@ -59,6 +60,6 @@ async def tenant_of(request: Request) -> str:
         if not reply.tenant:
             raise errors.PermissionDenied("invalid API key", field=HEADER)
         hit = (reply.tenant, reply.key_id)
-        state.auth_cache.put(digest, *hit)
+        cache.put(digest, *hit)
     tenant, request.state.key_id = hit
     return tenant

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lorafleet_gateway.errors import PayloadTooLarge
 from lorafleet_gateway.metrics import HTTP_REQUESTS, HTTP_SECONDS, UNMATCHED
@@ -21,7 +22,7 @@ from lorafleet_gateway.metrics import HTTP_REQUESTS, HTTP_SECONDS, UNMATCHED
 class GatewayMiddleware:
     def __init__(
         self,
-        app: Any,
+        app: ASGIApp,
         max_body_bytes: int,
         max_small_body_bytes: int,
         data_routes: frozenset[str],
@@ -31,7 +32,7 @@ class GatewayMiddleware:
         self.max_small_body_bytes = max_small_body_bytes
         self.data_routes = data_routes
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -41,7 +42,7 @@ class GatewayMiddleware:
         limit = self.max_body_bytes if data else self.max_small_body_bytes
         received = 0
 
-        async def counted_receive() -> dict:
+        async def counted_receive() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -50,7 +51,7 @@ class GatewayMiddleware:
                     raise PayloadTooLarge(f"request body exceeds {limit} bytes", field="body")
             return message
 
-        async def recording_send(message: dict) -> None:
+        async def recording_send(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -68,7 +69,7 @@ class GatewayMiddleware:
             HTTP_SECONDS.labels(route).observe(time.perf_counter() - start)
 
 
-async def _reject_too_large(send: Any, limit: int) -> None:
+async def _reject_too_large(send: Send, limit: int) -> None:
     body = json.dumps(
         {
             "detail": f"body: request body exceeds {limit} bytes",

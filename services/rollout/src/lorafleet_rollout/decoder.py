@@ -106,7 +106,9 @@ class Decoder(AdapterSlots):
         #: The C decode attention and LoRA (None: torch's), float32 only.
         self.native = kernels.load() if native and self.dtype == torch.float32 else None
         #: The shared-segment list last bound for `native.shared`, and its call.
-        self._shared_bound: tuple[list, Callable[..., None]] | None = None
+        self._shared_bound: (
+            tuple[list[tuple[Segment, torch.Tensor]], Callable[..., None]] | None
+        ) = None
         lora_kernel = None if self.native is None else self.native.lora
         # The unembedding is a projection like the others: Tinker's train_unembed (on by
         # default in the SDK) puts LoRA on lm_head, and a sampler must apply it.

@@ -5,7 +5,7 @@ read here is checked (`child`, `detached_weight`)."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +30,16 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A linear weight [out, in] in the layout `linear` multiplies fastest."""
     if _ONEDNN:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16)
+        # torch.ops finds operators at run time, so mypy sees their results as Any.
+        return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 16))
     return weight.t().contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, in] times a `pack`ed weight (+ bias): [M, out]."""
     if _ONEDNN:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return cast(torch.Tensor, out)  # a torch.ops result (see `pack`)
     return x @ weight if bias is None else torch.addmm(bias, x, weight)
 
 

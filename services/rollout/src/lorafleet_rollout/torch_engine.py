@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import LoraConfig
@@ -374,4 +374,5 @@ class TorchEngine:
             self._decoder.cache.clear()
 
     def _decode_tokens(self, tokens: Sequence[int]) -> str:
-        return self._tokenizer.decode(tokens, skip_special_tokens=False)
+        # One sequence decodes to one string (transformers types decode as str | list[str]).
+        return cast(str, self._tokenizer.decode(tokens, skip_special_tokens=False))

@@ -206,7 +206,7 @@ def outcome_of(result: Any) -> Any:
     return [one(r) for r in result] if isinstance(result, list) else one(result)
 
 
-def run_call(engine: Any, name: str, args: tuple) -> tuple[Any, BaseException | None]:
+def run_call(engine: Any, name: str, args: tuple[object, ...]) -> tuple[Any, BaseException | None]:
     """Run one engine call: (result, None) or (None, the exception it raised)."""
     try:
         return getattr(engine, name)(*args), None
@@ -271,7 +271,9 @@ class GroupEngine:
         log.error("trainer group lost (rank %d): %s", self.group.rank, exc)
         self.on_lost(exc)
 
-    def _everywhere(self, name: str, args: tuple, sent: tuple | None = None) -> Any:
+    def _everywhere(
+        self, name: str, args: tuple[object, ...], sent: tuple[object, ...] | None = None
+    ) -> Any:
         """Send (name, sent or args) to the others, run (name, args) here, agree on it."""
         with self._lock:
             try:

@@ -12,7 +12,8 @@ base at the peak. The rollout's CPU engine multiplies by the same dequantized va
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,13 @@ class _DequantLinear(torch.autograd.Function):
         return grad @ Quantized(codes, scale).dequantize(grad.dtype), None, None, None
 
 
+# torch declares Function.apply without annotations; this is its signature for _DequantLinear.
+_dequant_linear = cast(
+    Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    _DequantLinear.apply,
+)
+
+
 class QuantizedLinear(nn.Module):
     """A frozen Linear whose weight is codes and scales (buffers: never trained)."""
 
@@ -59,7 +67,7 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias  # frozen like the rest of the base
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DequantLinear.apply(x, self.codes, self.scale, self.bias)
+        return _dequant_linear(x, self.codes, self.scale, self.bias)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from kubernetes import client, watch
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from lorafleet_controller.discovery.types import KINDS, Endpoint
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kubernetes import client
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from lorafleet_controller.jobs import stopping
 from lorafleet_controller.jobs.params import JobKind, JobParams
 from lorafleet_controller.jobs.schedule import learning_rate
-from lorafleet_controller.jobs.units import Chunk, Plan
+from lorafleet_controller.jobs.units import Chunk, Plan, Unit
 
 EVAL_BATCH = 64  # datums per forward-only operation when measuring a loss
 PIPELINE_DEPTH = 8  # optimizer updates submitted ahead of their results
@@ -101,7 +101,7 @@ def loss_guidance(loss: float | None) -> str:
     return "not learned yet"
 
 
-async def evaluate(ex: Executor, units: Sequence[Any]) -> float:
+async def evaluate(ex: Executor, units: Sequence[Unit]) -> float:
     """Token-mean loss of the units, forward only (no dropout, nothing accumulated)."""
     chunks = [c for u in units for c in u.chunks]
     tokens = sum(c.prediction_tokens for c in chunks)

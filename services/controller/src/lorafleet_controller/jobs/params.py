@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from lorafleet import contract, names
 from lorafleet.errors import InvalidArgument
@@ -90,8 +90,14 @@ ACCEPTED: Mapping[JobKind, frozenset[str]] = {
 }
 
 
-def _number(cast: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
-    def parse(name: str, raw: str) -> Any:
+Number = TypeVar("Number", int, float)
+Choice = TypeVar("Choice", bound=StrEnum)
+
+
+def _number(
+    cast: Callable[[str], Number], ok: Callable[[Number], bool], rule: str
+) -> Callable[[str, str], Number]:
+    def parse(name: str, raw: str) -> Number:
         try:
             value = cast(raw.strip())
         except ValueError:
@@ -104,8 +110,8 @@ def _number(cast: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
     return parse
 
 
-def _choice(enum: type[StrEnum]):
-    def parse(name: str, raw: str) -> Any:
+def _choice(enum: type[Choice]) -> Callable[[str, str], Choice]:
+    def parse(name: str, raw: str) -> Choice:
         try:
             return enum(raw.strip().lower())
         except ValueError:
