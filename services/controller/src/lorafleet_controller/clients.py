@@ -132,6 +132,12 @@ class TrainerClient(_Base):
         resp = await self.call(lambda: self.stub.SaveState(req, timeout=300))
         return resp.manifest
 
+    async def prune_snapshots(self, rid: str, keep_uris: list[str]) -> list[str]:
+        """Delete the run's superseded snapshots and page-out saves but `keep_uris`."""
+        req = trainer_pb2.PruneSnapshotsRequest(registration_id=rid, keep_uris=keep_uris)
+        resp = await self.call(lambda: self.stub.PruneSnapshots(req, timeout=60))
+        return list(resp.removed_uris)
+
     async def load_state(
         self,
         opid: str,

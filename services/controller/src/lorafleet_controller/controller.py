@@ -82,7 +82,7 @@ class Controller:
         keys = self.store.keys
         self.recovery = Recovery(
             self.store.redis, keys.replay, keys.reg, self.catalog.manifest_for,
-            self._retire_corrupted,
+            self._retire_corrupted, self._trainer_of,
         )  # fmt: skip
         self.placer = Placer(self.registry, self.pool, self._restore, self.fail_run)
         self.pager = Pager(self.registry, self.pool, self.recovery, self.placer, settings, clock)
@@ -293,6 +293,16 @@ class Controller:
 
     async def _restore(self, trainer: TrainerClient, rec: RegRecord, rep: Replica) -> bool:
         return await self.recovery.restore(trainer, rec, rep.replica_id, rep.incarnation)
+
+    async def _trainer_of(self, rid: str) -> TrainerClient | None:
+        """A healthy trainer of the run's base model (the one it was on first), whose storage
+        root holds the run's folder; None when there is none now."""
+        rec = await self.registry.get_any(rid)
+        if rec is None:
+            return None
+        reps = [r for r in await self.registry.replicas(TRAINER, rec.base_model) if r.healthy]
+        reps.sort(key=lambda r: r.replica_id != rec.replica)
+        return self.pool.trainer(reps[0].address) if reps else None
 
     async def _retire_corrupted(self, rid: str, error: errors.LorafleetError) -> None:
         """A run that cannot be rebuilt: fail what it has open, free its slot."""

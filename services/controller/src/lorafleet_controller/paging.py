@@ -25,7 +25,11 @@ nothing and apply nothing twice:
 2. SaveState under a fresh id into `paged-<seq>-<nonce>` of the run's folder, then the replay
    log records it as the snapshot after `seq` (recovery.record_page), dropping the entries it
    covers. A snapshot recorded here is correct whatever happens next: it is the state after
-   `seq`, and any operation applied later has a larger seq_id and is logged after it.
+   `seq`, and any operation applied later has a larger seq_id and is logged after it. Then
+   the trainer deletes the run's snapshots and page-out saves the log no longer points to
+   (recovery.prune, the trainer's PruneSnapshots): still PAGING, the run cannot record a
+   newer one meanwhile. A death between recording and pruning leaves the superseded folders
+   to the next page-out's prune or to the run's retirement (recovery.forget).
 3. `page_end` (Lua): PAGING -> PAGED with `restore` set, the slot freed in the registry; if
    operations arrived meanwhile, it is queued for a slot at once.
 4. The trainer's slot is unbound, and the freed slot filled (Placer.fill).
@@ -174,8 +178,9 @@ class Pager:
         if rep is None or not rep.healthy:
             return False
         nonce = uuid.uuid4().hex[:12]
+        trainer = self.pool.trainer(rep.address)
         try:
-            manifest = await self.pool.trainer(rep.address).save_state(
+            manifest = await trainer.save_state(
                 f"{rid}#page@{seq}:{nonce}", rec.slot, rid, f"paged-{seq}-{nonce}", True,
                 incarnation=rep.incarnation,
             )  # fmt: skip
@@ -187,6 +192,7 @@ class Pager:
                 raise
             return False
         await self.recovery.record_page(rid, seq, manifest)
+        await self.recovery.prune(trainer, rid)
         return True
 
     async def _abort(self, rid: str) -> None:

@@ -81,6 +81,7 @@ return 1
 KeyOf = Callable[[str], str]
 ManifestFor = Callable[[str], Awaitable[common_pb2.BlobRef | None]]
 Retire = Callable[[str, errors.LorafleetError], Awaitable[None]]
+TrainerFor = Callable[[str], Awaitable[Any]]  # a run id -> a client of a healthy trainer, or None
 
 
 class Corrupted(Exception):
@@ -112,12 +113,15 @@ class Recovery:
         reg_key: KeyOf,
         manifest_for: ManifestFor,
         retire: Retire,
+        trainer_for: TrainerFor | None = None,
     ) -> None:
         self.redis = redis
         self.replay_key = replay_key
         self.reg_key = reg_key
         self.manifest_for = manifest_for
         self.retire = retire
+        self.trainer_for = trainer_for
+        self._pruning: set[asyncio.Task[None]] = set()  # retired runs' prunes in flight
         self._log = redis.register_script(_LOG)
         self._snapshot = redis.register_script(_SNAPSHOT)
 
@@ -262,8 +266,45 @@ class Recovery:
         )
 
     async def forget(self, rid: str) -> None:
-        """Drop a retired run's log (its snapshots stay in the trainers' storage folder)."""
+        """Drop a retired run's log, and have its snapshots and page-out saves deleted in the
+        background (a stopped trainer must not hold up a session's finish). Its checkpoints
+        (what the user saved) stay; so do the folders when no trainer is healthy now or the
+        controller stops first."""
         await self.redis.delete(self.replay_key(rid))
+        task = asyncio.create_task(self._prune_retired(rid))
+        self._pruning.add(task)
+        task.add_done_callback(self._pruning.discard)
+
+    async def _prune_retired(self, rid: str) -> None:
+        try:
+            trainer = await self.trainer_for(rid) if self.trainer_for else None
+            if trainer is not None:
+                await self.prune(trainer, rid, keep=False)
+        except Exception:
+            log.exception("pruning the snapshots of the retired run %s failed", rid)
+
+    # --- disk -----------------------------------------------------------------------------
+    async def prune(self, trainer: Any, rid: str, *, keep: bool = True) -> None:
+        """Have the trainer delete the run's snapshots and page-out saves that the log no
+        longer points to (PruneSnapshots). Call only while the run cannot record a newer
+        snapshot (a page-out's PAGING window, or retired), so the pointer read here stays the
+        log's while the trainer prunes. `keep=False`: the run is retired, nothing is kept.
+        Best effort: what a failed prune leaves is deleted by the next one."""
+        uri = await self.snapshot_uri(rid) if keep else None
+        try:
+            removed = await trainer.prune_snapshots(rid, [uri] if uri else [])
+        except errors.LorafleetError as exc:
+            log.warning("pruning the snapshots of %s failed (%s); the next retries", rid, exc)
+            return
+        if removed:
+            log.info("pruned %d superseded snapshots of %s", len(removed), rid)
+
+    async def snapshot_uri(self, rid: str) -> str | None:
+        """The folder (file:// URI) of the snapshot the run's log points to, if any."""
+        raw = await self.redis.hget(self.replay_key(rid), "snap")
+        if raw is None:
+            return None
+        return trainer_pb2.SlotSnapshot.FromString(raw).manifest.uri or None
 
 
 _LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH", "STALE_INCARNATION"})

@@ -25,10 +25,10 @@ from lorafleet.rpc.types import ServerContext
 from lorafleet.staging import MAX_ADAPTER_BYTES, ChunkedUpload
 from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from lorafleet_trainer import convert
-from lorafleet_trainer.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lorafleet_trainer.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, resolve_uri
 from lorafleet_trainer.domain import ForwardBackwardItem
 from lorafleet_trainer.engine import TrainerEngine
-from lorafleet_trainer.snapshots import Snapshotter
+from lorafleet_trainer.snapshots import Snapshotter, prune
 from lorafleet_trainer.tokenizer import tokenizer_files
 
 if TYPE_CHECKING:
@@ -220,6 +220,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                     )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    async def PruneSnapshots(
+        self, request: trainer_pb2.PruneSnapshotsRequest, context: ServerContext
+    ) -> trainer_pb2.PruneSnapshotsResponse:
+        rid, root = request.registration_id, self.engine.storage_root
+        keep = {resolve_uri(root, uri) for uri in request.keep_uris}
+        if self.snapshots is not None:  # a write in progress must not land after the listing
+            await asyncio.to_thread(self.snapshots.drain)
+        removed = await asyncio.to_thread(prune, root, rid, keep)
+        return trainer_pb2.PruneSnapshotsResponse(removed_uris=[p.as_uri() for p in removed])
 
     async def ExportTokenizer(
         self, request: trainer_pb2.ExportTokenizerRequest, context: ServerContext

@@ -15,13 +15,18 @@ waits until the previous one is complete), which means the step that captures sn
 already reports snapshot i; the step that captures i+2 is only dispatched after that answer
 was recorded. Hence when snapshot i+3 is complete, the controller's record is at least i+1,
 and snapshot i (and anything older) is deleted: `KEEP = 3` complete snapshots per binding.
-Snapshots of a binding that no longer exists (its trainer was lost) are left to the
-registration's storage folder.
+Snapshots the log has moved past are deleted by `prune` (PruneSnapshots), which the
+controller calls when the run cannot record a newer one: in a page-out, right after recording
+the page-out's save as the run's snapshot (those of the binding being paged out are older, and
+it takes no more steps), and when the run is retired. It also deletes page-out saves
+(paging.py's SaveState under `<run>#page@...`) other than the one the log points to, and never
+a state saved under any other operation id (a user's checkpoint, an import).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 import threading
@@ -30,19 +35,22 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from lorafleet import names
 from lorafleet_trainer import checkpoint
-from lorafleet_trainer.checkpoint import resolve_uri
+from lorafleet_trainer.checkpoint import TRAINER_STATE, resolve_uri
 from lorafleet_trainer.domain import StateRef
 from lorafleet_trainer.slots import Binding
 
 log = logging.getLogger(__name__)
 
 KEEP = 3
-PREFIX = ".snapshot-"  # never a user's name in practice: a random suffix follows
+PREFIX = ".snapshot-"  # never a user's name: those cannot start with '.'
+PAGE_MARK = "#page@"  # in the operation id of a page-out's save: `<run>#page@<seq>:<nonce>`
 
 
 @dataclass
@@ -131,6 +139,10 @@ class Snapshotter:
                 return None
             return st.done[-1]
 
+    def drain(self) -> None:
+        """Wait until every write submitted so far is complete (the writer is one thread)."""
+        self._writer.submit(lambda: None).result()
+
     def close(self) -> None:
         """Finish the writes in progress (shutdown)."""
         self._writer.shutdown(wait=True)
@@ -158,3 +170,31 @@ def capture(engine: Any, binding: Binding) -> dict[str, Any]:
             "applied_ops": binding.ops.ids(),
         },
     }
+
+
+def prune(root: Path, registration_id: str, keep: set[Path]) -> list[Path]:
+    """Delete the run's automatic snapshots and page-out saves but `keep`; returns the
+    folders deleted. Only sound while the run can record no newer snapshot (the caller's
+    promise, PruneSnapshots), with the writes submitted before drained (Snapshotter.drain)."""
+    names.check_run_id(registration_id, "registration_id")
+    run = names.resolve_under(root, registration_id, field="registration_id")
+    if not run.is_dir():
+        return []
+    removed = []
+    for folder in sorted(run.iterdir()):
+        if not folder.is_dir() or folder in keep:
+            continue
+        if folder.name.startswith(PREFIX) or _page_save(folder, registration_id):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _page_save(folder: Path, registration_id: str) -> bool:
+    """Whether a page-out wrote this state (its saved_by operation id says so)."""
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    by = state.get("saved_by") if isinstance(state, dict) else None
+    return isinstance(by, str) and by.startswith(registration_id + PAGE_MARK)

@@ -770,3 +770,50 @@ class ExportTokenizerChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExportTokenizerChunk: _TypeAlias = ExportTokenizerChunk  # noqa: Y015
+
+@_typing.final
+class PruneSnapshotsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGISTRATION_ID_FIELD_NUMBER: _builtins.int
+    KEEP_URIS_FIELD_NUMBER: _builtins.int
+    registration_id: _builtins.str
+    @_builtins.property
+    def keep_uris(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """file:// URIs (BlobRef.uri) of state folders that must stay."""
+
+    def __init__(
+        self,
+        *,
+        registration_id: _builtins.str = ...,
+        keep_uris: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_uris", b"keep_uris", "registration_id", b"registration_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PruneSnapshotsRequest: _TypeAlias = PruneSnapshotsRequest  # noqa: Y015
+
+@_typing.final
+class PruneSnapshotsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMOVED_URIS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def removed_uris(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The folders deleted, as file:// URIs."""
+
+    def __init__(
+        self,
+        *,
+        removed_uris: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["removed_uris", b"removed_uris"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PruneSnapshotsResponse: _TypeAlias = PruneSnapshotsResponse  # noqa: Y015

@@ -94,6 +94,11 @@ class TrainerServiceStub:
                 request_serializer=lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerChunk.FromString,
                 _registered_method=True)
+        self.PruneSnapshots = channel.unary_unary(
+                '/lorafleet.v1.TrainerService/PruneSnapshots',
+                request_serializer=lorafleet_dot_v1_dot_trainer__pb2.PruneSnapshotsRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_trainer__pb2.PruneSnapshotsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -194,6 +199,18 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PruneSnapshots(self, request, context):
+        """Delete a registration's superseded restore points from the storage root: its automatic
+        snapshots (`.snapshot-*`, writes in progress awaited first) and its page-out saves
+        (SaveState under an operation id `<registration_id>#page@...`), except the folders named
+        in keep_uris (what the controller's replay log points to). Never a state saved under any
+        other operation id (a user's checkpoint or an import). Call only while the run can record
+        no newer snapshot (a page-out's PAGING window, or retired). Deadline 60 s. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -256,6 +273,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ExportTokenizer,
                     request_deserializer=lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerChunk.SerializeToString,
+            ),
+            'PruneSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.PruneSnapshots,
+                    request_deserializer=lorafleet_dot_v1_dot_trainer__pb2.PruneSnapshotsRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_trainer__pb2.PruneSnapshotsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -582,6 +604,33 @@ class TrainerService:
             '/lorafleet.v1.TrainerService/ExportTokenizer',
             lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerRequest.SerializeToString,
             lorafleet_dot_v1_dot_trainer__pb2.ExportTokenizerChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PruneSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.TrainerService/PruneSnapshots',
+            lorafleet_dot_v1_dot_trainer__pb2.PruneSnapshotsRequest.SerializeToString,
+            lorafleet_dot_v1_dot_trainer__pb2.PruneSnapshotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

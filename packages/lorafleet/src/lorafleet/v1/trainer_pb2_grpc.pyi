@@ -79,6 +79,14 @@ class TrainerServiceStub:
     hub, no model folder and no name that resolves. FAILED_PRECONDITION (NO_TOKENIZER) when
     the model folder has none. Deadline 60 s. Idempotent.
     """
+    PruneSnapshots: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.PruneSnapshotsRequest, _trainer_pb2.PruneSnapshotsResponse]
+    """Delete a registration's superseded restore points from the storage root: its automatic
+    snapshots (`.snapshot-*`, writes in progress awaited first) and its page-out saves
+    (SaveState under an operation id `<registration_id>#page@...`), except the folders named
+    in keep_uris (what the controller's replay log points to). Never a state saved under any
+    other operation id (a user's checkpoint or an import). Call only while the run can record
+    no newer snapshot (a page-out's PAGING window, or retired). Deadline 60 s. Idempotent.
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
@@ -123,6 +131,14 @@ class TrainerServiceAsyncStub(TrainerServiceStub):
     chat template included): managed jobs tokenise with them, so the controller needs no
     hub, no model folder and no name that resolves. FAILED_PRECONDITION (NO_TOKENIZER) when
     the model folder has none. Deadline 60 s. Idempotent.
+    """
+    PruneSnapshots: _aio.UnaryUnaryMultiCallable[_trainer_pb2.PruneSnapshotsRequest, _trainer_pb2.PruneSnapshotsResponse]  # type: ignore[assignment]
+    """Delete a registration's superseded restore points from the storage root: its automatic
+    snapshots (`.snapshot-*`, writes in progress awaited first) and its page-out saves
+    (SaveState under an operation id `<registration_id>#page@...`), except the folders named
+    in keep_uris (what the controller's replay log points to). Never a state saved under any
+    other operation id (a user's checkpoint or an import). Call only while the run can record
+    no newer snapshot (a page-out's PAGING window, or retired). Deadline 60 s. Idempotent.
     """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -237,6 +253,20 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         chat template included): managed jobs tokenise with them, so the controller needs no
         hub, no model folder and no name that resolves. FAILED_PRECONDITION (NO_TOKENIZER) when
         the model folder has none. Deadline 60 s. Idempotent.
+        """
+
+    @_abc_1.abstractmethod
+    def PruneSnapshots(
+        self,
+        request: _trainer_pb2.PruneSnapshotsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_trainer_pb2.PruneSnapshotsResponse, _abc.Awaitable[_trainer_pb2.PruneSnapshotsResponse]]:
+        """Delete a registration's superseded restore points from the storage root: its automatic
+        snapshots (`.snapshot-*`, writes in progress awaited first) and its page-out saves
+        (SaveState under an operation id `<registration_id>#page@...`), except the folders named
+        in keep_uris (what the controller's replay log points to). Never a state saved under any
+        other operation id (a user's checkpoint or an import). Call only while the run can record
+        no newer snapshot (a page-out's PAGING window, or retired). Deadline 60 s. Idempotent.
         """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
