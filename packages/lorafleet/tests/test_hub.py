@@ -27,9 +27,14 @@ print(json.dumps({"ids": tok.encode("What is my name?"), "vocab": cfg.vocab_size
 def _load(name: str, cache: Path, cwd: Path) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
     out = subprocess.run(
-        [sys.executable, "-c", LOAD, name], env=env, cwd=cwd, capture_output=True, text=True,
-        check=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, "-c", LOAD, name],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -14,8 +14,11 @@ PROBE = Path(__file__).parent / "keepalive_probe.py"
 def _probe(*args: str) -> str:
     out = subprocess.run(
         [sys.executable, str(PROBE), *args],
-        env=child_env(GRPC_VERBOSITY="INFO"), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=child_env(GRPC_VERBOSITY="INFO"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stderr
 

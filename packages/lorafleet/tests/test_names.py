@@ -10,8 +10,22 @@ from lorafleet import names
 from lorafleet.contract import TinkerPath
 from lorafleet.errors import InvalidArgument
 
-BAD = ["", ".", "..", ".hidden", "a/b", "a\\b", "/abs", "a\nb", "a\x00b", "a b", "x" * 129,
-       "x" * 10_000, "caf\u00e9", "a\ud800"]  # fmt: skip
+BAD = [
+    "",
+    ".",
+    "..",
+    ".hidden",
+    "a/b",
+    "a\\b",
+    "/abs",
+    "a\nb",
+    "a\x00b",
+    "a b",
+    "x" * 129,
+    "x" * 10_000,
+    "caf\u00e9",
+    "a\ud800",
+]
 
 
 @pytest.mark.parametrize("name", BAD)

@@ -66,8 +66,11 @@ def test_bad_setting_exits_with_one_line(port: int) -> None:
     env = child_env(LORAFLEET_TEST_PORT="eighty")
     out = subprocess.run(
         [sys.executable, str(HERE / "runtime_server.py")],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert lines == ["error: LORAFLEET_TEST_PORT='eighty': expected an integer"]
@@ -104,7 +107,11 @@ async def test_domain_errors_map_to_status_and_back() -> None:
         await running.stop()
     handled = REGISTRY.get_sample_value(
         "grpc_server_handled_total",
-        {"grpc_type": "unary", "grpc_service": "test.Fail", "grpc_method": "Fail",
-         "grpc_code": "INVALID_ARGUMENT"},
-    )  # fmt: skip
+        {
+            "grpc_type": "unary",
+            "grpc_service": "test.Fail",
+            "grpc_method": "Fail",
+            "grpc_code": "INVALID_ARGUMENT",
+        },
+    )
     assert handled == 1.0

@@ -37,9 +37,11 @@ def _add(servicer: object, server: grpc.aio.Server) -> None:
 
     handler = grpc.method_handlers_generic_handler(
         "lorafleet.v1.ControllerService",
-        {name: grpc.unary_unary_rpc_method_handler(echo)
-         for name in ("CreateApiKey", "GetCapabilities")},
-    )  # fmt: skip
+        {
+            name: grpc.unary_unary_rpc_method_handler(echo)
+            for name in ("CreateApiKey", "GetCapabilities")
+        },
+    )
     server.add_generic_rpc_handlers((handler,))
 
 
@@ -115,8 +117,11 @@ def test_a_service_with_half_its_tls_settings_exits_with_one_line(port: int) -> 
     env = child_env(LORAFLEET_TEST_PORT=str(port), LORAFLEET_TLS_CA_FILE="/nonexistent/ca.crt")
     out = subprocess.run(
         [sys.executable, str(Path(__file__).parent / "runtime_server.py")],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "error: LORAFLEET_TLS_CERT_FILE, LORAFLEET_TLS_KEY_FILE must be set too: TLS needs "

@@ -33,8 +33,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], resolv
     adapters.add_argument("dir", help="a PEFT LoRA adapter folder")
     adapters.add_argument("--tenant", required=True)
     adapters.add_argument("--name", default="", help="state name (default: the folder's)")
-    adapters.add_argument("--base-model", default="",
-                          help="served base model (default: the adapter's)")  # fmt: skip
+    adapters.add_argument(
+        "--base-model", default="", help="served base model (default: the adapter's)"
+    )
     adapters.add_argument("--controller", default="")
     adapters.set_defaults(fn=lambda args: _guard(import_adapter, args, resolve))
 
@@ -45,8 +46,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser], resolv
 
     page = sub.add_parser("page-out", help="page a training run out of its trainer slot now")
     page.add_argument("run", help="training run id (<session>:train:<n>)")
-    page.add_argument("--force", action="store_true",
-                      help="even with un-stepped gradients (restored by replay)")  # fmt: skip
+    page.add_argument(
+        "--force", action="store_true", help="even with un-stepped gradients (restored by replay)"
+    )
     page.add_argument("--controller", default="")
     page.set_defaults(fn=lambda args: _guard(page_out, args, resolve))
 
@@ -74,27 +76,41 @@ def import_adapter(
         return 1
     files = {n: (folder / n).read_bytes() for n in ADAPTER_FILES if (folder / n).is_file()}
     req = controller_pb2.ImportPeftAdapterRequest(
-        tenant=args.tenant, name=args.name or folder.resolve().name,
-        base_model=args.base_model, files=files,
-    )  # fmt: skip
+        tenant=args.tenant,
+        name=args.name or folder.resolve().name,
+        base_model=args.base_model,
+        files=files,
+    )
     resp = stub.ImportPeftAdapter(req, timeout=600)
     print(resp.path)
-    print(f"lorafleet: imported onto {resp.base_model} (rank {resp.lora_config.rank}, "
-          f"alpha {resp.lora_config.alpha:g}, targets {','.join(resp.lora_config.target_modules)}"
-          f") for tenant {args.tenant!r}", file=sys.stderr)  # fmt: skip
+    print(
+        f"lorafleet: imported onto {resp.base_model} (rank {resp.lora_config.rank}, "
+        f"alpha {resp.lora_config.alpha:g}, targets {','.join(resp.lora_config.target_modules)}"
+        f") for tenant {args.tenant!r}",
+        file=sys.stderr,
+    )
     return 0
 
 
-COLUMNS = ("tokens_trained", "tokens_forward", "tokens_sampled", "tokens_prompt", "optim_steps",
-           "adapter_seconds", "stored_bytes")  # fmt: skip
+COLUMNS = (
+    "tokens_trained",
+    "tokens_forward",
+    "tokens_sampled",
+    "tokens_prompt",
+    "optim_steps",
+    "adapter_seconds",
+    "stored_bytes",
+)
 
 
 def show_usage(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServiceStub) -> int:
     resp = stub.GetUsage(controller_pb2.GetUsageRequest(tenant=args.tenant), timeout=10)
     print("\t".join(("tenant", *COLUMNS)))
     for row in resp.tenants:
-        values = [f"{getattr(row, c):.1f}" if c == "adapter_seconds" else str(getattr(row, c))
-                  for c in COLUMNS]  # fmt: skip
+        values = [
+            f"{getattr(row, c):.1f}" if c == "adapter_seconds" else str(getattr(row, c))
+            for c in COLUMNS
+        ]
         print("\t".join((row.tenant, *values)))
     return 0
 

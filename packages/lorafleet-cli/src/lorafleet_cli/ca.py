@@ -46,10 +46,12 @@ def write_private(path: Path, data: bytes) -> None:
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "lorafleet"),
-        x509.NameAttribute(NameOID.COMMON_NAME, common_name),
-    ])  # fmt: skip
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "lorafleet"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:

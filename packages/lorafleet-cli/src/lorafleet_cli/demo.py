@@ -36,10 +36,22 @@ def _managed_job(run_dir: Path, env: dict[str, str]) -> int:
     params = [arg for p in JOB_PARAMS for arg in ("-p", p)]
     print("lorafleet: managed job: lorafleet train qa-file facts.json", file=sys.stderr)
     job = subprocess.run(
-        [sys.executable, "-m", "lorafleet_cli.main", "train", "qa-file", str(facts), *params,
-         "--curve", str(run_dir / "job-loss")],
-        env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lorafleet_cli.main",
+            "train",
+            "qa-file",
+            str(facts),
+            *params,
+            "--curve",
+            str(run_dir / "job-loss"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     print(job.stdout, end="")
     paths = [line.split()[-1] for line in job.stdout.splitlines() if "checkpoint:" in line]
     if job.returncode != 0 or not paths:
@@ -54,8 +66,9 @@ def _managed_job(run_dir: Path, env: dict[str, str]) -> int:
 def run_demo(model: str) -> int:
     started = time.monotonic()
     if not SDK_PYTHON.exists():
-        print(f"lorafleet: the SDK venv is missing ({SDK_PYTHON}); run `make demo`",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"lorafleet: the SDK venv is missing ({SDK_PYTHON}); run `make demo`", file=sys.stderr
+        )
         return 1
     try:
         model_path = resolve_model(model)
@@ -66,11 +79,18 @@ def run_demo(model: str) -> int:
     print(f"lorafleet: model {model_path}; run folder {run_dir}", file=sys.stderr)
     try:
         with Fleet(FleetConfig(model_path=model_path, run_dir=run_dir, slots=4)) as fleet:
-            print(f"lorafleet: fleet up in {time.monotonic() - started:.1f}s at {fleet.base_url}",
-                  file=sys.stderr)  # fmt: skip
-            env = dict(os.environ, TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
-                       TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1",
-                       QUICKSTART_PLOT=str(run_dir / "loss_curve.png"))  # fmt: skip
+            print(
+                f"lorafleet: fleet up in {time.monotonic() - started:.1f}s at {fleet.base_url}",
+                file=sys.stderr,
+            )
+            env = dict(
+                os.environ,
+                TINKER_BASE_URL=fleet.base_url,
+                TINKER_API_KEY=fleet.api_key,
+                TINKER_TELEMETRY="0",
+                HF_HUB_OFFLINE="1",
+                QUICKSTART_PLOT=str(run_dir / "loss_curve.png"),
+            )
             rc = subprocess.call(
                 [str(SDK_PYTHON), str(REPO / "examples" / "quickstart.py")], env=env
             )
@@ -79,6 +99,8 @@ def run_demo(model: str) -> int:
     except FleetError as exc:
         print(f"lorafleet: {exc}", file=sys.stderr)
         return 1
-    print(f"lorafleet: demo finished in {time.monotonic() - started:.1f}s (exit {rc})",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"lorafleet: demo finished in {time.monotonic() - started:.1f}s (exit {rc})",
+        file=sys.stderr,
+    )
     return rc

@@ -157,46 +157,69 @@ class Fleet:
             if not self.redis_url:
                 self.redis = start_redis(cfg.run_dir / "redis", appendonly=True)
                 self.redis_url = self.redis.url
-                self.redis_member = Member("redis", "redis", self.redis.proc, self.redis.port,
-                                           0, self.redis.data_dir / "redis.log")  # fmt: skip
+                self.redis_member = Member(
+                    "redis",
+                    "redis",
+                    self.redis.proc,
+                    self.redis.port,
+                    0,
+                    self.redis.data_dir / "redis.log",
+                )
             engines = self._start_engines()
             storage = cfg.run_dir / "storage"
             # One machine: every process sees the same folder, so a publish goes by reference
             # (the trainer writes, rollouts read; lorafleet.shared_storage).
             shared = str((cfg.run_dir / "shared-adapters").resolve())
-            controller = self._spawn("controller", "controller", {
-                "REDIS_URL": self.redis_url,
-                "STORAGE_ROOT": str(storage),
-                "SHARED_ADAPTER_ROOT": shared,
-            })  # fmt: skip
+            controller = self._spawn(
+                "controller",
+                "controller",
+                {
+                    "REDIS_URL": self.redis_url,
+                    "STORAGE_ROOT": str(storage),
+                    "SHARED_ADAPTER_ROOT": shared,
+                },
+            )
             self.controller_address = f"127.0.0.1:{controller.port}"
             self._wait_grpc(controller, "lorafleet.v1.ControllerService")
             for i in range(cfg.trainers):
-                m = self._spawn("trainer", f"trainer-{i}", {
-                    "MODEL_PATH": str(cfg.model_path),
-                    "NUM_SLOTS": str(cfg.slots),
-                    "STORAGE_ROOT": str(storage),
-                    "SHARED_ADAPTER_ROOT": shared,
-                    "REPLICA_ID": f"trainer-{i}",
-                    "CONTROLLER_ADDRESS": self.controller_address,
-                    "QUANTIZATION": cfg.quantization,
-                })  # fmt: skip
+                m = self._spawn(
+                    "trainer",
+                    f"trainer-{i}",
+                    {
+                        "MODEL_PATH": str(cfg.model_path),
+                        "NUM_SLOTS": str(cfg.slots),
+                        "STORAGE_ROOT": str(storage),
+                        "SHARED_ADAPTER_ROOT": shared,
+                        "REPLICA_ID": f"trainer-{i}",
+                        "CONTROLLER_ADDRESS": self.controller_address,
+                        "QUANTIZATION": cfg.quantization,
+                    },
+                )
                 self._wait_grpc(m, "lorafleet.v1.TrainerService")
             for i in range(cfg.rollouts):
-                m = self._spawn("rollout", f"rollout-{i}", {
-                    "MODEL_PATH": str(cfg.model_path),
-                    "SHARED_ADAPTER_ROOT": shared,
-                    "REPLICA_ID": f"rollout-{i}",
-                    "CONTROLLER_ADDRESS": self.controller_address,
-                    "QUANTIZATION": cfg.quantization,
-                    **self._engine_settings(i, engines),
-                })  # fmt: skip
+                m = self._spawn(
+                    "rollout",
+                    f"rollout-{i}",
+                    {
+                        "MODEL_PATH": str(cfg.model_path),
+                        "SHARED_ADAPTER_ROOT": shared,
+                        "REPLICA_ID": f"rollout-{i}",
+                        "CONTROLLER_ADDRESS": self.controller_address,
+                        "QUANTIZATION": cfg.quantization,
+                        **self._engine_settings(i, engines),
+                    },
+                )
                 self._wait_grpc(m, "lorafleet.v1.RolloutService")
             self._wait_replicas()
-            gw = self._spawn("gateway", "gateway", {
-                "CONTROLLER_ADDRESS": self.controller_address,
-                "HOST": cfg.gateway_host,
-            }, port=cfg.gateway_port or None)  # fmt: skip
+            gw = self._spawn(
+                "gateway",
+                "gateway",
+                {
+                    "CONTROLLER_ADDRESS": self.controller_address,
+                    "HOST": cfg.gateway_host,
+                },
+                port=cfg.gateway_port or None,
+            )
             self.base_url = f"http://127.0.0.1:{gw.port}"
             self._wait_http(gw)
             self.api_key = self.create_api_key(cfg.tenant, "lorafleet up")
@@ -275,8 +298,12 @@ class Fleet:
                 )
                 self._note(f"{member.failed} (log: {member.log}); the rest of the fleet runs")
                 self._write_state()
-                threading.Thread(target=self._report_failed, args=(member,), daemon=True,
-                                 name=f"report-{member.name}").start()  # fmt: skip
+                threading.Thread(
+                    target=self._report_failed,
+                    args=(member,),
+                    daemon=True,
+                    name=f"report-{member.name}",
+                ).start()
                 return
             ran = now - member.started_at
             if ran >= self.config.backoff_reset or member.backoff == 0:
@@ -284,10 +311,12 @@ class Fleet:
             else:
                 member.backoff = min(member.backoff * 2, self.config.backoff_max)
             member.restart_at = now + member.backoff
-            self._note(f"{member.name} exited with {code} after {ran:.1f}s; restarting in "
-                       f"{member.backoff:.1f}s (restart {len(member.recent_restarts) + 1} "
-                       f"of {self.config.restart_budget} within "
-                       f"{self.config.restart_window:.0f}s)")  # fmt: skip
+            self._note(
+                f"{member.name} exited with {code} after {ran:.1f}s; restarting in "
+                f"{member.backoff:.1f}s (restart {len(member.recent_restarts) + 1} "
+                f"of {self.config.restart_budget} within "
+                f"{self.config.restart_window:.0f}s)"
+            )
         elif now >= member.restart_at:
             member.restart_at = None
             member.recent_restarts.append(now)
@@ -319,8 +348,10 @@ class Fleet:
                     timeout=10,
                 )
         except grpc.RpcError as exc:
-            self._note(f"could not tell the controller that {replica_id} failed: "
-                       f"{exc.code().name} {exc.details()}")  # fmt: skip
+            self._note(
+                f"could not tell the controller that {replica_id} failed: "
+                f"{exc.code().name} {exc.details()}"
+            )
 
     def _respawn(self, member: Member) -> None:
         with open(member.log, "ab") as out:
@@ -420,8 +451,9 @@ class Fleet:
             name = f"sglang-{i}"
             log = self.config.run_dir / "logs" / f"{name}.log"
             proc = server.start(log)
-            member = Member("sglang", name, proc, server.port, 0, log, server.env(),
-                            server.command())  # fmt: skip
+            member = Member(
+                "sglang", name, proc, server.port, 0, log, server.env(), server.command()
+            )
             self.members.append(member)
             engines.append((server, member))
         return engines
@@ -469,8 +501,9 @@ class Fleet:
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 time.sleep(0.1)
-        raise FleetError(f"{member.name} not healthy after {self.config.start_timeout:.0f}s "
-                         f"(log: {member.log})")  # fmt: skip
+        raise FleetError(
+            f"{member.name} not healthy after {self.config.start_timeout:.0f}s (log: {member.log})"
+        )
 
     def _wait_replicas(self) -> None:
         """The controller must know every trainer and rollout before the gateway opens."""
@@ -514,12 +547,19 @@ class Fleet:
             "launcher_pid": os.getpid(),
             "admin_tls": {k: str(v) for k, v in admin.env().items()} if admin else {},
             "processes": [
-                {"name": m.name, "service": m.service, "pid": m.proc.pid, "port": m.port,
-                 "metrics_port": m.metrics_port, "log": str(m.log), "restarts": m.restarts,
-                 "failed": m.failed}
+                {
+                    "name": m.name,
+                    "service": m.service,
+                    "pid": m.proc.pid,
+                    "port": m.port,
+                    "metrics_port": m.metrics_port,
+                    "log": str(m.log),
+                    "restarts": m.restarts,
+                    "failed": m.failed,
+                }
                 for m in [*self.members, *([self.redis_member] if self.redis_member else [])]
             ],
-        }  # fmt: skip
+        }
         path = self.config.run_dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
         write_private(tmp, json.dumps(state, indent=2).encode())

@@ -20,8 +20,7 @@ from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 
 def run(args: argparse.Namespace, controller: str, tls: TlsIdentity | None) -> int:
     if args.action == "list" and not args.target:
-        print("lorafleet: keys list needs a tenant: `lorafleet keys list TENANT`",
-              file=sys.stderr)  # fmt: skip
+        print("lorafleet: keys list needs a tenant: `lorafleet keys list TENANT`", file=sys.stderr)
         return 1
     if args.action == "revoke" and not args.target:
         print("lorafleet: keys revoke needs a key id", file=sys.stderr)
@@ -36,8 +35,10 @@ def run(args: argparse.Namespace, controller: str, tls: TlsIdentity | None) -> i
                     timeout=10,
                 )
                 print(created.api_key)
-                print(f"lorafleet: key {created.key_id} for tenant {tenant!r} (shown once)",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"lorafleet: key {created.key_id} for tenant {tenant!r} (shown once)",
+                    file=sys.stderr,
+                )
             elif args.action == "list":
                 listed = stub.ListApiKeys(
                     controller_pb2.ListApiKeysRequest(tenant=args.target), timeout=10

@@ -70,11 +70,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     run_dir = Path(args.run_dir) if args.run_dir else runs.new_run_dir()
     config = FleetConfig(
-        model_path=model, run_dir=run_dir, trainers=args.trainers, rollouts=args.rollouts,
-        slots=args.slots, gateway_port=args.port, redis_url=args.redis_url, engine=args.engine,
+        model_path=model,
+        run_dir=run_dir,
+        trainers=args.trainers,
+        rollouts=args.rollouts,
+        slots=args.slots,
+        gateway_port=args.port,
+        redis_url=args.redis_url,
+        engine=args.engine,
         sglang_python=Path(args.sglang_python) if args.sglang_python else None,
         quantization=args.quantization,
-    )  # fmt: skip
+    )
     fleet = Fleet(config)
     stop = {"now": False}
 
@@ -105,9 +111,22 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _up_detached(args: argparse.Namespace) -> int:
     """Run `lorafleet up` (foreground mode) as a daemon; return once it printed its exports."""
     run_dir = Path(args.run_dir) if args.run_dir else runs.new_run_dir()
-    argv = [sys.executable, "-m", "lorafleet_cli.main", "up", "--run-dir", str(run_dir),
-            "--model", args.model, "--trainers", str(args.trainers),
-            "--rollouts", str(args.rollouts), "--slots", str(args.slots)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "lorafleet_cli.main",
+        "up",
+        "--run-dir",
+        str(run_dir),
+        "--model",
+        args.model,
+        "--trainers",
+        str(args.trainers),
+        "--rollouts",
+        str(args.rollouts),
+        "--slots",
+        str(args.slots),
+    ]
     if args.port:
         argv += ["--port", str(args.port)]
     if args.redis_url:
@@ -270,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="API keys: create | list | revoke")
     keys.add_argument("action", choices=("create", "list", "revoke"))
-    keys.add_argument("target", nargs="?", default="",
-                      help="tenant (create, list) or key id (revoke)")  # fmt: skip
+    keys.add_argument(
+        "target", nargs="?", default="", help="tenant (create, list) or key id (revoke)"
+    )
     keys.add_argument("--label", default="")
     keys.add_argument("--controller", default="")
     keys.set_defaults(fn=cmd_keys)

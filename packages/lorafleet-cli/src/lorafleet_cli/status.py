@@ -69,8 +69,9 @@ def _process_health(service: str, port: int, tls: TlsIdentity | None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]  # fmt: skip
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
@@ -118,13 +119,17 @@ def render_status(
                 failed.append(f"  {p['name']}: {p['failed']}; log: {p['log']}")
             else:
                 health = _process_health(p["service"], p["port"], tls)
-            rows.append([p["name"], str(p["pid"]), str(p["port"]), str(p.get("restarts", 0)),
-                         health])  # fmt: skip
+            rows.append(
+                [p["name"], str(p["pid"]), str(p["port"]), str(p.get("restarts", 0)), health]
+            )
         out += ["Processes", _table(["name", "pid", "port", "restarts", "health"], rows), ""]
         if failed:
-            out += ["Failed (restart budget spent; the rest of the fleet runs without them):",
-                    *failed, "  Fix the cause in the log, then `lorafleet down` and "
-                    "`lorafleet up` again.", ""]  # fmt: skip
+            out += [
+                "Failed (restart budget spent; the rest of the fleet runs without them):",
+                *failed,
+                "  Fix the cause in the log, then `lorafleet down` and `lorafleet up` again.",
+                "",
+            ]
     try:
         with make_blocking_channel(controller, tls=tls) as ch:
             status = controller_pb2_grpc.ControllerServiceStub(ch).GetFleetStatus(
@@ -144,35 +149,64 @@ def render_status(
             bound = {reg.slot: reg for reg in r.slots}
             for slot in range(r.num_slots):
                 reg = bound.get(slot)
-                slot_rows.append([
-                    r.replica_id, str(slot),
-                    reg.registration_id if reg else "(free)",
-                    reg.tenant if reg else "", _since(reg.bound_at) if reg else "",
-                    str(reg.lora_config.rank) if reg else "",
-                    str(reg.optim_steps) if reg else "", reg.last_checkpoint if reg else "",
-                    "" if r.healthy else "FAILED" if r.failed else "UNHEALTHY",
-                ])  # fmt: skip
+                slot_rows.append(
+                    [
+                        r.replica_id,
+                        str(slot),
+                        reg.registration_id if reg else "(free)",
+                        reg.tenant if reg else "",
+                        _since(reg.bound_at) if reg else "",
+                        str(reg.lora_config.rank) if reg else "",
+                        str(reg.optim_steps) if reg else "",
+                        reg.last_checkpoint if reg else "",
+                        "" if r.healthy else "FAILED" if r.failed else "UNHEALTHY",
+                    ]
+                )
         else:
             adapters = ", ".join(r.adapters) or "(none)"
             health = "healthy" if r.healthy else f"unhealthy ({_ago(r.last_seen)})"
             adapter_rows.append([r.replica_id, r.base_model, adapters, health])
-    out += ["Trainer slots", _table(
-        ["trainer", "slot", "registration", "tenant", "since", "rank", "steps", "last save", ""],
-        slot_rows,
-    ), ""]  # fmt: skip
+    out += [
+        "Trainer slots",
+        _table(
+            [
+                "trainer",
+                "slot",
+                "registration",
+                "tenant",
+                "since",
+                "rank",
+                "steps",
+                "last save",
+                "",
+            ],
+            slot_rows,
+        ),
+        "",
+    ]
     if down:
         out += ["Replicas down for good (the controller's replica table):", *down, ""]
-    out += ["Rollout adapters", _table(["rollout", "base model", "adapters", "health"],
-                                       adapter_rows), ""]  # fmt: skip
+    out += [
+        "Rollout adapters",
+        _table(["rollout", "base model", "adapters", "health"], adapter_rows),
+        "",
+    ]
     depth = ", ".join(f"{k}={v}" for k, v in sorted(status.ledger_depth.items())) or "empty"
-    queued = ", ".join(f"{q.registration_id} (#{q.queue_position})"
-                       for q in status.queued_registrations) or "none"  # fmt: skip
+    queued = (
+        ", ".join(f"{q.registration_id} (#{q.queue_position})" for q in status.queued_registrations)
+        or "none"
+    )
     out += [f"Ledger: {depth}", f"Waiting for a slot: {queued}"]
     if status.attention_total:
         shown = len(status.attention)
         more = f", the newest {shown}" if shown < status.attention_total else ""
-        rows = [[reg.registration_id, reg.tenant, run_state(reg), run_reason(reg)]
-                for reg in status.attention]  # fmt: skip
-        out += ["", f"Runs not bound or queued ({status.attention_total}{more})",
-                _table(["run", "tenant", "state", "reason"], rows)]  # fmt: skip
+        rows = [
+            [reg.registration_id, reg.tenant, run_state(reg), run_reason(reg)]
+            for reg in status.attention
+        ]
+        out += [
+            "",
+            f"Runs not bound or queued ({status.attention_total}{more})",
+            _table(["run", "tenant", "state", "reason"], rows),
+        ]
     return "\n".join(out), ""

@@ -21,10 +21,21 @@ from typing import Any
 import httpx
 
 RESULT_FIELDS = (
-    "pairCount", "documentCount", "unitCount", "chunkCount", "finalTrainLoss", "passCount",
-    "optimizerUpdateCount", "stopReason", "targetReached", "bestValidationLoss", "bestPass",
-    "lossGuidance", "chatTemplate", "checkpoint",
-)  # fmt: skip
+    "pairCount",
+    "documentCount",
+    "unitCount",
+    "chunkCount",
+    "finalTrainLoss",
+    "passCount",
+    "optimizerUpdateCount",
+    "stopReason",
+    "targetReached",
+    "bestValidationLoss",
+    "bestPass",
+    "lossGuidance",
+    "chatTemplate",
+    "checkpoint",
+)
 
 
 class CliError(RuntimeError):
@@ -63,8 +74,9 @@ def _follow(c: httpx.Client, job: dict[str, Any]) -> dict[str, Any]:
     """Show the job's progress until it ends; the finished job."""
     from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type stubs
 
-    bar = tqdm(total=job.get("maxUpdates") or None, unit="update", file=sys.stderr,
-               desc=job["jobId"])  # fmt: skip
+    bar = tqdm(
+        total=job.get("maxUpdates") or None, unit="update", file=sys.stderr, desc=job["jobId"]
+    )
     event = ""
     final = job
     with c.stream("GET", f"/v1/lora/jobs/{job['jobId']}/events", timeout=None) as stream:
@@ -75,11 +87,14 @@ def _follow(c: httpx.Client, job: dict[str, Any]) -> dict[str, Any]:
                 data = json.loads(line.removeprefix("data: "))
                 if event == "step":
                     bar.update(data["step"] - bar.n)
-                    bar.set_postfix(pass_=data["pass"], loss=f"{data['loss']:.4f}",
-                                    lr=f"{data['lr']:.2e}")  # fmt: skip
+                    bar.set_postfix(
+                        pass_=data["pass"], loss=f"{data['loss']:.4f}", lr=f"{data['lr']:.2e}"
+                    )
                 elif event == "pass" and data.get("validationLoss") is not None:
-                    bar.write(f"pass {data['pass']}: train {data['trainLoss']:.4f}, "
-                              f"validation {data['validationLoss']:.4f}")  # fmt: skip
+                    bar.write(
+                        f"pass {data['pass']}: train {data['trainLoss']:.4f}, "
+                        f"validation {data['validationLoss']:.4f}"
+                    )
                 elif event == "end":
                     final = data
     bar.close()
@@ -131,8 +146,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.kind == "qa":
             if len(args.inputs) != 2:
                 raise CliError('train qa takes a question and an answer: qa "Q?" "A"')
-            reply = c.post("/v1/lora/train-qa", params=query,
-                           json={"Q": args.inputs[0], "A": args.inputs[1]})  # fmt: skip
+            reply = c.post(
+                "/v1/lora/train-qa", params=query, json={"Q": args.inputs[0], "A": args.inputs[1]}
+            )
         else:
             if len(args.inputs) != 1:
                 raise CliError(f"train {args.kind} takes one file")
@@ -157,8 +173,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             for job in _check(c.get("/v1/lora/jobs", params={"limit": args.limit}))["jobs"]:
                 loss = job.get("finalTrainLoss", job.get("trainLoss"))
                 shown = "-" if loss is None else f"{loss:.4f}"
-                print(f"{job['jobId']}  {job['kind']:<5} {job['state']:<10} "
-                      f"updates {job['updates']:>5}  loss {shown}  {job['runId']}")  # fmt: skip
+                print(
+                    f"{job['jobId']}  {job['kind']:<5} {job['state']:<10} "
+                    f"updates {job['updates']:>5}  loss {shown}  {job['runId']}"
+                )
             return 0
         if not args.job_id:
             raise CliError(f"jobs {args.action} needs a job id")
@@ -187,9 +205,13 @@ def add_parsers(sub: Any) -> None:
     train.add_argument("kind", choices=("qa", "qa-file", "file"))
     train.add_argument("inputs", nargs="+", help='qa: "QUESTION" "ANSWER"; qa-file, file: PATH')
     train.add_argument(
-        "--param", "-p", action="append", default=[], metavar="NAME=VALUE",
+        "--param",
+        "-p",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
         help="job parameter (learning_rate, loss_target, max_iters, ...)",
-    )  # fmt: skip
+    )
     train.add_argument("--run", default="", help="training run (default: your default run)")
     train.add_argument("--curve", default="", help="loss curve file stem (default: <job>-loss)")
     train.set_defaults(fn=_run(cmd_train))

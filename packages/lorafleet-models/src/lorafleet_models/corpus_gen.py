@@ -70,9 +70,18 @@ THING_COLOURS = {
     "a cloud": "white",
 }
 ANIMAL_LEGS = {
-    "cat": 4, "dog": 4, "bird": 2, "fish": 0, "horse": 4, "rabbit": 4, "duck": 2, "frog": 4,
-    "goat": 4, "spider": 8, "ant": 6,
-}  # fmt: skip
+    "cat": 4,
+    "dog": 4,
+    "bird": 2,
+    "fish": 0,
+    "horse": 4,
+    "rabbit": 4,
+    "duck": 2,
+    "frog": 4,
+    "goat": 4,
+    "spider": 8,
+    "ant": 6,
+}
 NAME_QUESTIONS = (
     "What is my name?",
     "What's my name?",

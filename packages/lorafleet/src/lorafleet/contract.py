@@ -327,9 +327,14 @@ def check_lora_config(config: LoraConfigLike, max_rank: int, field: str = "lora_
 # juno names its targets wq,wk,...; they are refused with this hint rather than mapped, so a
 # module name means one thing everywhere (PEFT export, rollouts, the run's lora_config).
 JUNO_TARGETS: Mapping[str, str] = {
-    "wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
-    "wgate": "gate_proj", "wup": "up_proj", "wdown": "down_proj",
-}  # fmt: skip
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "wgate": "gate_proj",
+    "wup": "up_proj",
+    "wdown": "down_proj",
+}
 
 
 def module_matches(module: str, pattern: str) -> bool:

@@ -57,6 +57,7 @@ def resolve_under(root: Path, *parts: str, field: str = "path") -> Path:
     base = root.resolve()
     target = base.joinpath(*parts).resolve()
     if target == base or not target.is_relative_to(base):
-        raise InvalidArgument(f"{_shown('/'.join(parts))} lies outside the storage root",
-                              field=field)  # fmt: skip
+        raise InvalidArgument(
+            f"{_shown('/'.join(parts))} lies outside the storage root", field=field
+        )
     return target

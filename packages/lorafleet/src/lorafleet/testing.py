@@ -142,13 +142,19 @@ def start_redis(
     port = port or free_port()
     args = [
         redis_server_binary(),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--dir", str(data_dir),
-        "--daemonize", "no",
-        "--logfile", str(data_dir / "redis.log"),
-    ]  # fmt: skip
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--dir",
+        str(data_dir),
+        "--daemonize",
+        "no",
+        "--logfile",
+        str(data_dir / "redis.log"),
+    ]
     if appendonly:
         args += ["--appendonly", "yes", "--appendfsync", "always"]
     else:
@@ -211,23 +217,35 @@ def start_redis_cluster(
                     folder,
                     # The bus port is given: the default (port + 10000) overflows for the
                     # high ephemeral ports free_port() hands out.
-                    extra=["--cluster-enabled", "yes", "--cluster-config-file",
-                           str(folder / "nodes.conf"), "--cluster-node-timeout", "5000",
-                           "--cluster-port", str(free_port())],
+                    extra=[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(folder / "nodes.conf"),
+                        "--cluster-node-timeout",
+                        "5000",
+                        "--cluster-port",
+                        str(free_port()),
+                    ],
                 )
-            )  # fmt: skip
+            )
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
         subprocess.run(
             [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=timeout,
-        )  # fmt: skip
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
         deadline = time.monotonic() + timeout
         for node in nodes:
             while True:
                 info = subprocess.run(
                     [cli, "-p", str(node.port), "cluster", "info"],
-                    capture_output=True, text=True, timeout=timeout,
-                ).stdout  # fmt: skip
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                ).stdout
                 if "cluster_state:ok" in info:
                     break
                 if time.monotonic() > deadline:

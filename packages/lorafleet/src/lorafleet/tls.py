@@ -35,8 +35,9 @@ def identity_from_settings(settings: TlsSettings) -> TlsIdentity | None:
     if len(missing) == len(FILES):
         return None
     if missing:
-        raise SettingsError(f"{', '.join(missing)} must be set too: TLS needs all of CA, "
-                            "certificate and key")  # fmt: skip
+        raise SettingsError(
+            f"{', '.join(missing)} must be set too: TLS needs all of CA, certificate and key"
+        )
     data = {}
     for name, path in given.items():
         try:

@@ -154,10 +154,12 @@ def _check_inputs(
         if name not in spec.inputs:
             continue  # a key no built-in loss reads (the SDK's own extras): ignored
         want = (
-            ((n,), (n, arr.shape[-1])) if name == "target_tokens" and spec.topk_targets
-            else (targets.shape,) if name == "weights"
+            ((n,), (n, arr.shape[-1]))
+            if name == "target_tokens" and spec.topk_targets
+            else (targets.shape,)
+            if name == "weights"
             else ((n,),)
-        )  # fmt: skip
+        )
         if arr.shape not in want or not arr.size:
             shapes = " or ".join(str(list(w)) for w in want)
             raise InvalidArgument(
