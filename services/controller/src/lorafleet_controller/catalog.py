@@ -80,17 +80,44 @@ class Catalog:
         rid, _, _ = parse_tinker_path(tinker_path, "path")
         now = self.clock()
         expires = now + ttl_seconds if ttl_seconds > 0 else 0
-        own = [self.keys.ckpt(tinker_path), self.keys.tenant_ckpts(tenant),
-               self.keys.run_ckpts(rid)]  # fmt: skip
-        out = named(await self.store.scripts.run(
-            "add_checkpoint", own, tinker_path, tenant, rid, now, expires,
-            "type", type, "size", size_bytes or (manifest.size_bytes if manifest else 0),
-            "public", "0", "metadata", json.dumps(user_metadata or {}, sort_keys=True),
-            "base_model", base_model, "lora", lora.SerializeToString(deterministic=True),
-            "manifest", manifest.SerializeToString() if manifest else b"",
-            "has_optimizer", "1" if has_optimizer else "0", "files_dir", files_dir,
-            "version", version, "op", operation_id,
-        ))  # fmt: skip
+        own = [
+            self.keys.ckpt(tinker_path),
+            self.keys.tenant_ckpts(tenant),
+            self.keys.run_ckpts(rid),
+        ]
+        out = named(
+            await self.store.scripts.run(
+                "add_checkpoint",
+                own,
+                tinker_path,
+                tenant,
+                rid,
+                now,
+                expires,
+                "type",
+                type,
+                "size",
+                size_bytes or (manifest.size_bytes if manifest else 0),
+                "public",
+                "0",
+                "metadata",
+                json.dumps(user_metadata or {}, sort_keys=True),
+                "base_model",
+                base_model,
+                "lora",
+                lora.SerializeToString(deterministic=True),
+                "manifest",
+                manifest.SerializeToString() if manifest else b"",
+                "has_optimizer",
+                "1" if has_optimizer else "0",
+                "files_dir",
+                files_dir,
+                "version",
+                version,
+                "op",
+                operation_id,
+            )
+        )
         return text(out["code"]) == "created"
 
     async def owner(self, tinker_path: str) -> str | None:
@@ -141,9 +168,10 @@ class Catalog:
         self, tenant: str, training_run_id: str, limit: int, offset: int
     ) -> tuple[list[CheckpointRecord], int]:
         key = (
-            self.keys.run_ckpts(training_run_id) if training_run_id
+            self.keys.run_ckpts(training_run_id)
+            if training_run_id
             else self.keys.tenant_ckpts(tenant)
-        )  # fmt: skip
+        )
         paths = [text(p) for p in await self.store.redis.zrevrange(key, 0, -1)]
         recs = []
         for path in paths:
@@ -168,9 +196,13 @@ class Catalog:
             await asyncio.to_thread(shutil.rmtree, rec.files_dir, ignore_errors=True)
 
     async def update(
-        self, tenant: str, tinker_path: str, public: bool | None, ttl_seconds: int | None,
+        self,
+        tenant: str,
+        tinker_path: str,
+        public: bool | None,
+        ttl_seconds: int | None,
         clear_ttl: bool,
-    ) -> CheckpointRecord:  # fmt: skip
+    ) -> CheckpointRecord:
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise errors.InvalidArgument(
                 "must be > 0 (use clear_ttl to remove)", field="ttl_seconds"

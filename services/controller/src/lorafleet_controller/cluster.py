@@ -45,10 +45,12 @@ def build_discovery(settings: ControllerSettings) -> Discovery | None:
     if settings.discovery == "kubernetes":
         services = {
             name: kind
-            for name, kind in ((settings.trainer_service, TRAINER),
-                               (settings.rollout_service, ROLLOUT))
+            for name, kind in (
+                (settings.trainer_service, TRAINER),
+                (settings.rollout_service, ROLLOUT),
+            )
             if name
-        }  # fmt: skip
+        }
         if not services:
             raise InvalidArgument(
                 "discovery=kubernetes needs TRAINER_SERVICE or ROLLOUT_SERVICE",
@@ -80,10 +82,13 @@ def build_elector(
 
     check_lease_timings(settings)
     return LeaderElector(
-        kube_api_client(), settings.namespace, settings.lease_name,
+        kube_api_client(),
+        settings.namespace,
+        settings.lease_name,
         settings.replica_id or socket.gethostname(),
         lease_duration=settings.lease_duration_seconds,
         renew_deadline=settings.lease_renew_deadline_seconds,
         retry_period=settings.lease_retry_period_seconds,
-        on_started_leading=on_started, on_stopped_leading=on_stopped,
-    )  # fmt: skip
+        on_started_leading=on_started,
+        on_stopped_leading=on_stopped,
+    )

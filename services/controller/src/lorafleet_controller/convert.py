@@ -111,12 +111,19 @@ def session(rec: Session) -> controller_pb2.SessionInfo:
 
 def base_model(view: BaseModelView) -> controller_pb2.BaseModelInfo:
     return controller_pb2.BaseModelInfo(
-        name=view.name, tokenizer_id=view.tokenizer_id, arch=view.arch,
-        max_context_length=view.max_context_length, trainable=view.trainable,
-        sampleable=view.sampleable, max_rank=view.max_rank, loss_fns=view.loss_fns,
-        modules=view.modules, max_num_samples=view.max_num_samples,
-        quantization=view.quantization, vocab_size=view.vocab_size,
-    )  # fmt: skip
+        name=view.name,
+        tokenizer_id=view.tokenizer_id,
+        arch=view.arch,
+        max_context_length=view.max_context_length,
+        trainable=view.trainable,
+        sampleable=view.sampleable,
+        max_rank=view.max_rank,
+        loss_fns=view.loss_fns,
+        modules=view.modules,
+        max_num_samples=view.max_num_samples,
+        quantization=view.quantization,
+        vocab_size=view.vocab_size,
+    )
 
 
 def fleet_status(view: FleetView) -> controller_pb2.GetFleetStatusResponse:
@@ -126,14 +133,20 @@ def fleet_status(view: FleetView) -> controller_pb2.GetFleetStatusResponse:
         trainer = rep.kind == TRAINER
         resp.replicas.append(
             controller_pb2.ReplicaStatus(
-                kind=controller_pb2.REPLICA_KIND_TRAINER if trainer
+                kind=controller_pb2.REPLICA_KIND_TRAINER
+                if trainer
                 else controller_pb2.REPLICA_KIND_ROLLOUT,
-                replica_id=rep.replica_id, address=rep.address, base_model=rep.base_model,
-                healthy=rep.healthy, last_seen=rep.last_seen, num_slots=rep.num_slots,
-                slots=[registration(r) for r in rv.slots], adapters=rv.adapters,
+                replica_id=rep.replica_id,
+                address=rep.address,
+                base_model=rep.base_model,
+                healthy=rep.healthy,
+                last_seen=rep.last_seen,
+                num_slots=rep.num_slots,
+                slots=[registration(r) for r in rv.slots],
+                adapters=rv.adapters,
                 failed=rep.failed,
             )
-        )  # fmt: skip
+        )
     resp.queued_registrations.extend(registration(r) for r in view.queued)
     resp.attention.extend(registration(r) for r in view.attention)
     resp.attention_total = view.attention_total

@@ -138,8 +138,9 @@ class Fleet:
         rest = [r for r in await self.registry.get_many(others) if r is not None]
         attention = [r for r in queued + rest if notable(r)]  # a waiting run may be unavailable
         attention.sort(key=lambda r: r.created_at, reverse=True)
-        return FleetView(await self.ledger.depth(), views, queued,
-                         attention[:ATTENTION_SHOWN], len(attention))  # fmt: skip
+        return FleetView(
+            await self.ledger.depth(), views, queued, attention[:ATTENTION_SHOWN], len(attention)
+        )
 
     async def _resident(self, address: str) -> list[str]:
         try:

@@ -190,9 +190,15 @@ class Ledger:
     ) -> str:
         """Admit a controller-made operation (the seq 0 load of create-via-load)."""
         adm = await self._admit(
-            tenant, registration_id, seq_id, kind, payload, f"internal:{kind}", None,
+            tenant,
+            registration_id,
+            seq_id,
+            kind,
+            payload,
+            f"internal:{kind}",
+            None,
             bucket=False,
-        )  # fmt: skip
+        )
         return adm.operation_id
 
     async def _admit(
@@ -214,18 +220,41 @@ class Ledger:
         born = error_json(rejection) if rejection is not None else ""
         scripts = self.store.scripts
         run = scripts.run_coalesced if s.pipeline_submits else scripts.run
-        own = [self.keys.reg(registration_id), self.keys.op(operation_id(registration_id, seq_id)),
-               self.keys.tenant(tenant)]  # fmt: skip
-        out = named(await run(
-            "submit", own, registration_id, seq_id, digest, kind, payload, self.clock(), tenant,
-            s.max_pending_per_registration, s.max_pending_per_tenant, s.max_pending_global,
-            s.max_unacked_results_per_tenant, s.max_unacked_results, born, self.window,
-            s.admission_rate_per_tenant if bucket else 0, s.admission_burst_per_tenant,
-        ))  # fmt: skip
+        own = [
+            self.keys.reg(registration_id),
+            self.keys.op(operation_id(registration_id, seq_id)),
+            self.keys.tenant(tenant),
+        ]
+        out = named(
+            await run(
+                "submit",
+                own,
+                registration_id,
+                seq_id,
+                digest,
+                kind,
+                payload,
+                self.clock(),
+                tenant,
+                s.max_pending_per_registration,
+                s.max_pending_per_tenant,
+                s.max_pending_global,
+                s.max_unacked_results_per_tenant,
+                s.max_unacked_results,
+                born,
+                self.window,
+                s.admission_rate_per_tenant if bucket else 0,
+                s.admission_burst_per_tenant,
+            )
+        )
         code = text(out["code"])
         if code in ("created", "duplicate"):
-            return Admission(text(out["operation_id"]), OpState(int(out["state"])),
-                             code == "duplicate", text(out.get("page_in")))  # fmt: skip
+            return Admission(
+                text(out["operation_id"]),
+                OpState(int(out["state"])),
+                code == "duplicate",
+                text(out.get("page_in")),
+            )
         if code == "not_found":
             raise errors.NotFound(f"no registration {registration_id!r}", field="registration_id")
         if code == "conflict":
@@ -243,9 +272,10 @@ class Ledger:
                     corrupted, field="registration_id", reason="RUN_CORRUPTED"
                 )
             raise errors.FailedPrecondition(
-                f"registration {registration_id} was retired", field="registration_id",
+                f"registration {registration_id} was retired",
+                field="registration_id",
                 reason="RETIRED",
-            )  # fmt: skip
+            )
         if code == "window":
             head = int(out["head"])
             raise errors.InvalidArgument(
@@ -324,8 +354,10 @@ class Ledger:
         h = int(head or 0)
         if seq > h:
             exists = await self.store.redis.exists(self.keys.op(operation_id(rid, h)))
-            return (f"waiting for seq_id {h}" + ("" if not exists else " to finish"),
-                    controller_pb2.WAITING_FOR_SEQUENCE)  # fmt: skip
+            return (
+                f"waiting for seq_id {h}" + ("" if not exists else " to finish"),
+                controller_pb2.WAITING_FOR_SEQUENCE,
+            )
         return "", controller_pb2.WAITING_FOR_DISPATCH
 
     async def wait(self, tenant: str, opid: str, wait_seconds: float) -> OpRecord:
@@ -358,15 +390,17 @@ class Ledger:
         return self.store.leader_epoch() if fenced else None
 
     async def claim(self, opid: str, *, fenced: bool = True) -> Claim | None:
-        out = await self.store.scripts.run("claim", [self.keys.op(opid)], opid, self.clock(),
-                                           epoch=self._epoch(fenced))  # fmt: skip
+        out = await self.store.scripts.run(
+            "claim", [self.keys.op(opid)], opid, self.clock(), epoch=self._epoch(fenced)
+        )
         return Claim.decode(out) if out else None
 
     async def claim_many(self, popped: Sequence[str], limit: int) -> list[Claim]:
         """Claim the popped ids and more ready ones, up to `limit` ids, in one round trip."""
         own = [self.keys.op(opid) for opid in popped]
-        out = await self.store.scripts.run("claim_many", own, self.clock(), limit, *popped,
-                                           epoch=self.store.leader_epoch())  # fmt: skip
+        out = await self.store.scripts.run(
+            "claim_many", own, self.clock(), limit, *popped, epoch=self.store.leader_epoch()
+        )
         return [Claim.decode(row) for row in out]
 
     async def load_claim(self, opid: str) -> Claim | None:
@@ -377,16 +411,27 @@ class Ledger:
         if op["state"] is None or int(op["state"]) != OpState.CLAIMED:
             return None
         reg_fields = ("replica", "slot", "dirty", "base_model")
-        reg = dict(zip(reg_fields, await redis.hmget(self.keys.reg(text(op["rid"])), *reg_fields),
-                       strict=True))  # fmt: skip
+        reg = dict(
+            zip(
+                reg_fields,
+                await redis.hmget(self.keys.reg(text(op["rid"])), *reg_fields),
+                strict=True,
+            )
+        )
         slot = text(reg["slot"])
         return Claim(
-            operation_id=opid, registration_id=text(op["rid"]), seq_id=int(op["seq"] or 0),
-            kind=int(op["kind"] or 0), payload=blob(op["payload"]), replica=text(reg["replica"]),
-            slot=int(slot) if slot not in ("", "-1") else -1, dirty=text(reg["dirty"]) == "1",
-            base_model=text(reg["base_model"]), tenant=text(op["tenant"]),
+            operation_id=opid,
+            registration_id=text(op["rid"]),
+            seq_id=int(op["seq"] or 0),
+            kind=int(op["kind"] or 0),
+            payload=blob(op["payload"]),
+            replica=text(reg["replica"]),
+            slot=int(slot) if slot not in ("", "-1") else -1,
+            dirty=text(reg["dirty"]) == "1",
+            base_model=text(reg["base_model"]),
+            tenant=text(op["tenant"]),
             submitted_at=float(op["submitted_at"] or 0),
-        )  # fmt: skip
+        )
 
     async def complete(
         self,
@@ -399,8 +444,9 @@ class Ledger:
         fenced: bool = True,
     ) -> bool:
         """Record an outcome; `effects` update the registration in the same transaction."""
-        (done,) = await self.complete_many([Outcome(opid, state, result, error, effects)],
-                                           fenced=fenced)  # fmt: skip
+        (done,) = await self.complete_many(
+            [Outcome(opid, state, result, error, effects)], fenced=fenced
+        )
         return done
 
     async def complete_many(
@@ -415,19 +461,30 @@ class Ledger:
             for op, field, value in o.effects:
                 flat += [op, field, value]
             own.append(self.keys.op(o.operation_id))
-        done = await self.store.scripts.run("complete", own, self.clock(), *flat,
-                                            epoch=self._epoch(fenced))  # fmt: skip
+        done = await self.store.scripts.run(
+            "complete", own, self.clock(), *flat, epoch=self._epoch(fenced)
+        )
         return [bool(x) for x in done]
 
     async def fence(
-        self, registration_id: str, new_state: RegState, error: errors.LorafleetError,
+        self,
+        registration_id: str,
+        new_state: RegState,
+        error: errors.LorafleetError,
         reason: str = "",
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Fail every open operation of a registration and move it to `new_state`."""
-        out = named(await self.store.scripts.run(
-            "fence", [self.keys.reg(registration_id)], registration_id, self.clock(),
-            new_state.value, error_json(error), reason,
-        ))  # fmt: skip
+        out = named(
+            await self.store.scripts.run(
+                "fence",
+                [self.keys.reg(registration_id)],
+                registration_id,
+                self.clock(),
+                new_state.value,
+                error_json(error),
+                reason,
+            )
+        )
         if text(out["code"]) == "not_found":
             return -1
         return int(out["failed"])
@@ -436,8 +493,13 @@ class Ledger:
         return [text(x) for x in await self.store.redis.zrange(self.keys.claimed, 0, -1)]
 
     async def repush(self, registration_id: str) -> None:
-        await self.store.scripts.run("repush", [self.keys.reg(registration_id)], registration_id,
-                                     self.clock(), epoch=self.store.leader_epoch())  # fmt: skip
+        await self.store.scripts.run(
+            "repush",
+            [self.keys.reg(registration_id)],
+            registration_id,
+            self.clock(),
+            epoch=self.store.leader_epoch(),
+        )
 
     # --- housekeeping ---------------------------------------------------------------------
     async def sweep(self, limit: int = 500) -> Swept:
@@ -455,17 +517,27 @@ class Ledger:
                 reason="CLAIM_TIMEOUT",
             )
         )
-        out = named(await self.store.scripts.run(
-            "sweep", [], now, now - s.claimed_timeout_seconds, now - s.result_ttl_seconds, limit,
-            claimed_err, epoch=epoch,
-        ))  # fmt: skip
+        out = named(
+            await self.store.scripts.run(
+                "sweep",
+                [],
+                now,
+                now - s.claimed_timeout_seconds,
+                now - s.result_ttl_seconds,
+                limit,
+                claimed_err,
+                epoch=epoch,
+            )
+        )
         sealed = 0
         cutoff = now - s.gap_timeout_seconds
         for raw in await self.store.redis.zrangebyscore(self.keys.gaps, "-inf", cutoff, 0, limit):
             rid = text(raw)
-            sealing = named(await self.store.scripts.run(
-                "seal", [self.keys.reg(rid)], rid, now, cutoff, epoch=epoch
-            ))  # fmt: skip
+            sealing = named(
+                await self.store.scripts.run(
+                    "seal", [self.keys.reg(rid)], rid, now, cutoff, epoch=epoch
+                )
+            )
             sealed += text(sealing["code"]) == "sealed"
         return Swept(int(out["claims_failed"]), int(out["results_expired"]), sealed)
 
@@ -490,5 +562,8 @@ def backpressure(scope: str, retry_after: float = 1.0) -> errors.ResourceExhaust
     metrics.BACKPRESSURE.labels(scope=scope).inc()
     return errors.ResourceExhausted(
         f"too many {BACKPRESSURE_SCOPES.get(scope, scope)}; nothing was admitted, retry the "
-        "same seq_id", retry_after=retry_after, field="seq_id", reason="BACKPRESSURE",
-    )  # fmt: skip
+        "same seq_id",
+        retry_after=retry_after,
+        field="seq_id",
+        reason="BACKPRESSURE",
+    )

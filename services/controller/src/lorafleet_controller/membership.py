@@ -109,8 +109,13 @@ class Membership:
         try:
             rep = await asyncio.wait_for(self.describe(endpoint), self.probe_timeout)
         except (errors.LorafleetError, TimeoutError) as exc:
-            log.info("probing %s %s at %s failed: %s", endpoint.kind, endpoint.replica_id,
-                     endpoint.address, exc)  # fmt: skip
+            log.info(
+                "probing %s %s at %s failed: %s",
+                endpoint.kind,
+                endpoint.replica_id,
+                endpoint.address,
+                exc,
+            )
             return None
         if (endpoint.kind, endpoint.replica_id) not in self._ready:
             return None  # it left while we were asking
@@ -128,24 +133,40 @@ class Membership:
         if endpoint.kind == TRAINER:
             t = await self.pool.trainer(endpoint.address).info(retry=False)
             replica_id, base, incarnation = t.replica_id, t.base_model, t.incarnation
-            slots, max_rank, context, loss_fns = t.num_slots, t.max_rank, t.max_context_length, \
-                list(t.loss_fns)  # fmt: skip
+            slots, max_rank, context, loss_fns = (
+                t.num_slots,
+                t.max_rank,
+                t.max_context_length,
+                list(t.loss_fns),
+            )
             samples, quantization = 0, t.quantization
         else:
             r = await self.pool.rollout(endpoint.address).info(retry=False)
             replica_id, base, incarnation = r.replica_id, r.base_model, r.incarnation
-            slots, max_rank, context, loss_fns = r.max_loaded_adapters, r.max_lora_rank, \
-                r.max_context_length, []  # fmt: skip
+            slots, max_rank, context, loss_fns = (
+                r.max_loaded_adapters,
+                r.max_lora_rank,
+                r.max_context_length,
+                [],
+            )
             samples, quantization = r.max_num_samples, r.quantization
         replica_id = replica_id or endpoint.replica_id
         old = await self.registry.replica(replica_id)
         same = old is not None and old.incarnation == incarnation and old.kind == endpoint.kind
         return Replica(
-            kind=endpoint.kind, replica_id=replica_id,
+            kind=endpoint.kind,
+            replica_id=replica_id,
             address=old.address if same and old is not None else endpoint.address,
-            base_model=base_model_name(base), num_slots=slots, incarnation=incarnation,
-            last_seen=0, healthy=True, tokenizer_id=old.tokenizer_id if old else "",
-            max_rank=max_rank, max_context_length=context, arch=old.arch if old else "",
-            loss_fns=loss_fns or (old.loss_fns if old else []), max_num_samples=samples,
+            base_model=base_model_name(base),
+            num_slots=slots,
+            incarnation=incarnation,
+            last_seen=0,
+            healthy=True,
+            tokenizer_id=old.tokenizer_id if old else "",
+            max_rank=max_rank,
+            max_context_length=context,
+            arch=old.arch if old else "",
+            loss_fns=loss_fns or (old.loss_fns if old else []),
+            max_num_samples=samples,
             quantization=quantization or quantize.NONE,
-        )  # fmt: skip
+        )

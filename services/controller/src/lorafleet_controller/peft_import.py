@@ -155,9 +155,12 @@ def parse_adapter(files: dict[str, bytes]) -> PeftAdapter:
                 field=f"files.{WEIGHTS}",
             )
     lora = common_pb2.LoraConfig(
-        rank=rank, alpha=float(alpha), dropout=float(dropout), target_modules=targets,
+        rank=rank,
+        alpha=float(alpha),
+        dropout=float(dropout),
+        target_modules=targets,
         exclude_modules=excludes,
-    )  # fmt: skip
+    )
     return PeftAdapter(str(cfg.get("base_model_name_or_path") or ""), lora)
 
 
@@ -254,9 +257,14 @@ class Importer:
             await c.finish_session(tenant, session_id, "PEFT import finished")
 
     async def _import(
-        self, tenant: str, session_id: str, name: str, base: str, adapter: PeftAdapter,
+        self,
+        tenant: str,
+        session_id: str,
+        name: str,
+        base: str,
+        adapter: PeftAdapter,
         files: dict[str, bytes],
-    ) -> tuple[str, str, str, common_pb2.LoraConfig]:  # fmt: skip
+    ) -> tuple[str, str, str, common_pb2.LoraConfig]:
         c = self.c
         meta = {"lorafleet.imported_from": adapter.base_model or base}
         rec, _ = await c.registry.create(
@@ -283,7 +291,14 @@ class Importer:
         manifest = await trainer.save_state(save_op, rec.slot, rid, name, True)
         path = str(contract.TinkerPath(rid, contract.CheckpointKind.WEIGHTS, name))
         await c.catalog.add(
-            tinker_path=path, tenant=tenant, type=TRAINING, base_model=base, lora=rec.lora,
-            manifest=manifest, has_optimizer=True, user_metadata=meta, operation_id=save_op,
-        )  # fmt: skip
+            tinker_path=path,
+            tenant=tenant,
+            type=TRAINING,
+            base_model=base,
+            lora=rec.lora,
+            manifest=manifest,
+            has_optimizer=True,
+            user_metadata=meta,
+            operation_id=save_op,
+        )
         return path, rid, base, rec.lora

@@ -117,17 +117,28 @@ class Publisher:
             kind = CheckpointKind.SAMPLER_WEIGHTS
             path = str(TinkerPath(claim.registration_id, kind, sw.name))
             await self.catalog.add(
-                tinker_path=path, tenant=claim.tenant, type=SAMPLER, base_model=reg.base_model,
-                lora=reg.lora, files_dir=folder, version=version, ttl_seconds=sw.ttl_seconds,
-                user_metadata=dict(sw.user_metadata), size_bytes=payload.size_bytes,
-            )  # fmt: skip
+                tinker_path=path,
+                tenant=claim.tenant,
+                type=SAMPLER,
+                base_model=reg.base_model,
+                lora=reg.lora,
+                files_dir=folder,
+                version=version,
+                ttl_seconds=sw.ttl_seconds,
+                user_metadata=dict(sw.user_metadata),
+                size_bytes=payload.size_bytes,
+            )
         sampler_id = ""
         if sw.sampler_session_id:
             sampler_id = sw.sampler_session_id
             await self.samplers.record(
-                sampler_id=sampler_id, tenant=claim.tenant, base_model=reg.base_model,
-                model_path=path, ref=ref, inflight=sw.kind == "inflight",
-            )  # fmt: skip
+                sampler_id=sampler_id,
+                tenant=claim.tenant,
+                base_model=reg.base_model,
+                model_path=path,
+                ref=ref,
+                inflight=sw.kind == "inflight",
+            )
         metrics.PUBLISH_LATENCY.observe(time.monotonic() - start)
         result = controller_pb2.OperationResult(
             save_weights_for_sampler=controller_pb2.SaveWeightsForSamplerResult(
@@ -196,9 +207,13 @@ class Publisher:
         await self._record_live(ref, ckpt.base_model, ckpt.lora, folder, payload.refs)
         await self.push_all(ref, ckpt.base_model, ckpt.lora, payload)
         return await self.samplers.record(
-            sampler_id=sampler_id, tenant=tenant, base_model=ckpt.base_model,
-            model_path=model_path, ref=ref, inflight=False,
-        )  # fmt: skip
+            sampler_id=sampler_id,
+            tenant=tenant,
+            base_model=ckpt.base_model,
+            model_path=model_path,
+            ref=ref,
+            inflight=False,
+        )
 
     async def _record_live(
         self,
@@ -214,10 +229,15 @@ class Publisher:
         async with self.store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(
                 self.keys.adapter(aid),
-                mapping={"files_dir": folder, "lora": lora.SerializeToString(),
-                         "base_model": base_model, "rid": ref.registration_id,
-                         "version": ref.version, "refs": shared},
-            )  # fmt: skip
+                mapping={
+                    "files_dir": folder,
+                    "lora": lora.SerializeToString(),
+                    "base_model": base_model,
+                    "rid": ref.registration_id,
+                    "version": ref.version,
+                    "refs": shared,
+                },
+            )
             pipe.zadd(self.keys.live(base_model), {aid: ref.version})
             await pipe.execute()
 
@@ -247,9 +267,12 @@ class Publisher:
             )
 
     async def _load(
-        self, address: str, ref: common_pb2.AdapterRef, lora: common_pb2.LoraConfig,
+        self,
+        address: str,
+        ref: common_pb2.AdapterRef,
+        lora: common_pb2.LoraConfig,
         payload: Payload,
-    ) -> None:  # fmt: skip
+    ) -> None:
         client = self.pool.rollout(address)
         if payload.refs:
             await client.load_shared_adapter(ref, lora, payload.refs)
@@ -290,8 +313,11 @@ class Publisher:
     async def forget(self, rid: str, base_model: str) -> None:
         """A retired registration's versions are no longer pushed to new rollouts."""
         live = self.keys.live(base_model)
-        aids = [text(a) for a in await self.store.redis.zrange(live, 0, -1)
-                if AdapterId.parse(text(a)).registration_id == rid]  # fmt: skip
+        aids = [
+            text(a)
+            for a in await self.store.redis.zrange(live, 0, -1)
+            if AdapterId.parse(text(a)).registration_id == rid
+        ]
         if aids:
             await self.store.redis.zrem(live, *aids)
 

@@ -167,21 +167,41 @@ class Registry:
     ) -> tuple[RegRecord, bool]:
         """Create the registration (idempotent on its id). Returns (record, created)."""
         rid = registration_id(session_id, model_seq_id)
-        own = [self.keys.reg(rid), self.keys.tenant(tenant), self.keys.tenant_regs(tenant),
-               self.keys.session_runs(session_id)]  # fmt: skip
-        out = named(await self.store.scripts.run(
-            "create_reg", own, rid, tenant, session_id, self.clock(),
-            0 if with_initial_load else 1, self.settings.max_registrations_per_tenant,
-            "base_model", base_model, "lora", lora.SerializeToString(deterministic=True),
-            "metadata", json.dumps(user_metadata, sort_keys=True), "optimizer", optimizer,
-        ))  # fmt: skip
+        own = [
+            self.keys.reg(rid),
+            self.keys.tenant(tenant),
+            self.keys.tenant_regs(tenant),
+            self.keys.session_runs(session_id),
+        ]
+        out = named(
+            await self.store.scripts.run(
+                "create_reg",
+                own,
+                rid,
+                tenant,
+                session_id,
+                self.clock(),
+                0 if with_initial_load else 1,
+                self.settings.max_registrations_per_tenant,
+                "base_model",
+                base_model,
+                "lora",
+                lora.SerializeToString(deterministic=True),
+                "metadata",
+                json.dumps(user_metadata, sort_keys=True),
+                "optimizer",
+                optimizer,
+            )
+        )
         code = text(out["code"])
         if code == "limit":
             raise errors.ResourceExhausted(
                 f"tenant {tenant!r} has {self.settings.max_registrations_per_tenant} live "
                 "training runs, the most it may hold; delete one or finish a session first",
-                field="model_seq_id", reason="REGISTRATION_LIMIT", retry_after=5.0,
-            )  # fmt: skip
+                field="model_seq_id",
+                reason="REGISTRATION_LIMIT",
+                retry_after=5.0,
+            )
         rec = await self.get(tenant, rid)
         if code == "exists" and rec.base_model != base_model:
             raise errors.Conflict(
@@ -225,8 +245,10 @@ class Registry:
                 for i, base in queued:
                     pipe.zrank(self.keys.regq(base), rids[i])
                 ranks = await pipe.execute()
-        positions = {i: (rank + 1 if rank is not None else 0)
-                     for (i, _), rank in zip(queued, ranks, strict=True)}  # fmt: skip
+        positions = {
+            i: (rank + 1 if rank is not None else 0)
+            for (i, _), rank in zip(queued, ranks, strict=True)
+        }
         return [
             _record(rid, raw, positions.get(i, 0)) if raw else None
             for i, (rid, raw) in enumerate(zip(rids, raws, strict=True))
@@ -252,10 +274,16 @@ class Registry:
     async def place(self, rid: str) -> Placement:
         """Place on a free slot (dispatch side: carries the leader epoch when it has one).
         `capped`: its tenant holds `max_slots_per_tenant` slots, so it waits."""
-        out = named(await self.store.scripts.run(
-            "place", [self.keys.reg(rid)], rid, self.clock(), self.settings.max_slots_per_tenant,
-            epoch=self.store.epoch,
-        ))  # fmt: skip
+        out = named(
+            await self.store.scripts.run(
+                "place",
+                [self.keys.reg(rid)],
+                rid,
+                self.clock(),
+                self.settings.max_slots_per_tenant,
+                epoch=self.store.epoch,
+            )
+        )
         code = text(out["code"])
         if code in ("placed", "bound"):
             return Placement(code, text(out["replica"]), int(out["slot"]))
@@ -264,10 +292,17 @@ class Registry:
         return Placement(code)
 
     async def bound(self, rid: str, replica: str, slot: int) -> bool:
-        out = named(await self.store.scripts.run(
-            "bound", [self.keys.reg(rid)], rid, replica, slot, self.clock(),
-            epoch=self.store.epoch,
-        ))  # fmt: skip
+        out = named(
+            await self.store.scripts.run(
+                "bound",
+                [self.keys.reg(rid)],
+                rid,
+                replica,
+                slot,
+                self.clock(),
+                epoch=self.store.epoch,
+            )
+        )
         return text(out["code"]) == "ok"
 
     async def release(self, rid: str) -> tuple[str, int, str]:
@@ -295,13 +330,21 @@ class Registry:
         else:
             change = "same"
         mapping: dict[FieldT, EncodableT] = {
-            "kind": rep.kind, "address": rep.address, "base_model": rep.base_model,
-            "num_slots": rep.num_slots, "incarnation": rep.incarnation, "last_seen": now,
-            "healthy": "1", "tokenizer_id": rep.tokenizer_id, "max_rank": rep.max_rank,
-            "max_context_length": rep.max_context_length, "arch": rep.arch,
+            "kind": rep.kind,
+            "address": rep.address,
+            "base_model": rep.base_model,
+            "num_slots": rep.num_slots,
+            "incarnation": rep.incarnation,
+            "last_seen": now,
+            "healthy": "1",
+            "tokenizer_id": rep.tokenizer_id,
+            "max_rank": rep.max_rank,
+            "max_context_length": rep.max_context_length,
+            "arch": rep.arch,
             "quantization": rep.quantization,
-            "max_num_samples": rep.max_num_samples, "failed": "",
-        }  # fmt: skip
+            "max_num_samples": rep.max_num_samples,
+            "failed": "",
+        }
         if rep.loss_fns:
             mapping["loss_fns"] = json.dumps(rep.loss_fns)
         async with self.store.redis.pipeline(transaction=True) as pipe:
@@ -316,10 +359,14 @@ class Registry:
         self, replica_id: str, loss_fns: list[str], modules: list[str], vocab_size: int
     ) -> None:
         """What a trainer's GetTrainerInfo adds to its announcement (capabilities)."""
-        await self.store.redis.hset(self.keys.replica(replica_id), mapping={
-            "loss_fns": json.dumps(loss_fns), "modules": json.dumps(modules),
-            "vocab_size": vocab_size,
-        })  # fmt: skip
+        await self.store.redis.hset(
+            self.keys.replica(replica_id),
+            mapping={
+                "loss_fns": json.dumps(loss_fns),
+                "modules": json.dumps(modules),
+                "vocab_size": vocab_size,
+            },
+        )
 
     async def replica(self, replica_id: str) -> Replica | None:
         (rep,) = await self._replicas([replica_id])
@@ -360,10 +407,16 @@ class Registry:
     async def replica_lost(self, replica_id: str, reason: str) -> list[str]:
         """Mark the replica unhealthy; a trainer's registrations become UNAVAILABLE and
         re-queue. Returns them."""
-        out = named(await self.store.scripts.run(
-            "replica_lost", [self.keys.replica(replica_id), self.keys.slots(replica_id)],
-            replica_id, self.clock(), reason, epoch=self.store.epoch,
-        ))  # fmt: skip
+        out = named(
+            await self.store.scripts.run(
+                "replica_lost",
+                [self.keys.replica(replica_id), self.keys.slots(replica_id)],
+                replica_id,
+                self.clock(),
+                reason,
+                epoch=self.store.epoch,
+            )
+        )
         lost = [text(x) for x in out["affected"]]
         if text(out["code"]) == "lost":
             log.warning("%s%s", reason, f": registrations {lost} are unavailable" if lost else "")
@@ -508,8 +561,9 @@ class Placer:
                 await trainer.bind(rec.slot, rid, rec.lora)
         except errors.LorafleetError as exc:
             if terminal(exc):  # retrying would wait forever: fail the run and its callers now
-                log.warning("binding %s on %s refused (%s): the run fails", rid, rep.replica_id,
-                            exc)  # fmt: skip
+                log.warning(
+                    "binding %s on %s refused (%s): the run fails", rid, rep.replica_id, exc
+                )
                 await self.fail(rid, exc)
                 return
             log.warning("binding %s on %s failed (%s); will retry", rid, rep.replica_id, exc)
@@ -520,8 +574,14 @@ class Placer:
             seconds = time.perf_counter() - start
             metrics.PAGE_INS.inc()
             metrics.PAGE_IN_SECONDS.observe(seconds)
-            log.info("paged in %s in %.3fs on %s slot %d (paged out %.1fs)", rid, seconds,
-                     rep.replica_id, rec.slot, self.registry.clock() - rec.paged_at)  # fmt: skip
+            log.info(
+                "paged in %s in %.3fs on %s slot %d (paged out %.1fs)",
+                rid,
+                seconds,
+                rep.replica_id,
+                rec.slot,
+                self.registry.clock() - rec.paged_at,
+            )
 
     async def _prepare_slot(self, trainer: TrainerClient, rec: RegRecord) -> bool:
         """True when the trainer still holds this registration in this slot (state intact).

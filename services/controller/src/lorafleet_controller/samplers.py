@@ -61,17 +61,35 @@ class Samplers:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def record(
-        self, *, sampler_id: str, tenant: str, base_model: str, model_path: str,
-        ref: common_pb2.AdapterRef, inflight: bool,
-    ) -> SamplerRecord:  # fmt: skip
+        self,
+        *,
+        sampler_id: str,
+        tenant: str,
+        base_model: str,
+        model_path: str,
+        ref: common_pb2.AdapterRef,
+        inflight: bool,
+    ) -> SamplerRecord:
         """Record the sampler in one script unless it exists (idempotent on its id)."""
         session = contract.SamplerId.parse(sampler_id, "sampler_id").session_id
         own = [self.keys.sampler(sampler_id), self.keys.session_samplers(session)]
         await self.store.scripts.run(
-            "record_sampler", own, sampler_id, session, tenant, "base_model", base_model,
-            "model_path", model_path, "rid", ref.registration_id, "version", ref.version,
-            "inflight", "1" if inflight else "0",
-        )  # fmt: skip
+            "record_sampler",
+            own,
+            sampler_id,
+            session,
+            tenant,
+            "base_model",
+            base_model,
+            "model_path",
+            model_path,
+            "rid",
+            ref.registration_id,
+            "version",
+            ref.version,
+            "inflight",
+            "1" if inflight else "0",
+        )
         return await self.get(tenant, sampler_id)
 
     async def get(self, tenant: str, sampler_id: str) -> SamplerRecord:
@@ -98,27 +116,42 @@ class Samplers:
             raise errors.InvalidArgument("seq_id must be >= 0", field="seq_id")
         n = req.num_samples or 1  # the request's rules: lorafleet.validate_msgs.check_sample
         body = rollout_pb2.SampleRequest(
-            prompt_tokens=req.prompt_tokens, params=req.params, num_samples=n,
-            prompt_logprobs=req.prompt_logprobs, topk_prompt_logprobs=req.topk_prompt_logprobs,
-        ).SerializeToString(deterministic=True)  # fmt: skip
+            prompt_tokens=req.prompt_tokens,
+            params=req.params,
+            num_samples=n,
+            prompt_logprobs=req.prompt_logprobs,
+            topk_prompt_logprobs=req.topk_prompt_logprobs,
+        ).SerializeToString(deterministic=True)
         if len(body) > self.settings.max_payload_bytes:
             raise errors.InvalidArgument("sample request too large", field="prompt_tokens")
         opid = f"{req.sampler_id}#s{req.seq_id}"
         digest = hashlib.sha256(body).hexdigest()
         s = self.settings
-        out = named(await self.store.scripts.run(
-            "submit_sample", [self.keys.op(opid), self.keys.tenant(tenant)], opid, digest, body,
-            self.ledger.clock(), tenant, sampler.ref.registration_id, s.max_pending_per_tenant,
-            s.max_pending_global, s.max_unacked_results_per_tenant, s.max_unacked_results,
-        ))  # fmt: skip
+        out = named(
+            await self.store.scripts.run(
+                "submit_sample",
+                [self.keys.op(opid), self.keys.tenant(tenant)],
+                opid,
+                digest,
+                body,
+                self.ledger.clock(),
+                tenant,
+                sampler.ref.registration_id,
+                s.max_pending_per_tenant,
+                s.max_pending_global,
+                s.max_unacked_results_per_tenant,
+                s.max_unacked_results,
+            )
+        )
         code = text(out["code"])
         if code == "not_found":
             raise errors.NotFound(f"no sampler {req.sampler_id!r}", field="sampler_id")
         if code == "conflict":
             raise errors.Conflict(
                 f"seq_id {req.seq_id} of {req.sampler_id} was used with another request",
-                field="seq_id", reason="PAYLOAD_CONFLICT",
-            )  # fmt: skip
+                field="seq_id",
+                reason="PAYLOAD_CONFLICT",
+            )
         if code == "backpressure":
             raise backpressure(text(out["scope"]))
         seq_ids = [f"{opid}:{i}" for i in range(n)]
@@ -155,13 +188,18 @@ class Samplers:
             await self.ledger.complete(opid, OpState.FAILED, error=exc, fenced=False)
         except Exception as exc:
             log.exception("sample %s failed", opid)
-            await self.ledger.complete(opid, OpState.FAILED, error=errors.Internal(str(exc)),
-                                       fenced=False)  # fmt: skip
+            await self.ledger.complete(
+                opid, OpState.FAILED, error=errors.Internal(str(exc)), fenced=False
+            )
         else:
             result = controller_pb2.OperationResult(sample=output)
-            await self.ledger.complete(opid, OpState.SUCCEEDED, result.SerializeToString(),
-                                       effects=sample_effects(claim.payload, output),
-                                       fenced=False)  # fmt: skip
+            await self.ledger.complete(
+                opid,
+                OpState.SUCCEEDED,
+                result.SerializeToString(),
+                effects=sample_effects(claim.payload, output),
+                fenced=False,
+            )
 
     async def _sample(self, opid: str, claim: Claim) -> common_pb2.SampleOutput:
         sampler_id = opid.rsplit("#s", 1)[0]
@@ -176,8 +214,9 @@ class Samplers:
         req = rollout_pb2.SampleRequest.FromString(claim.payload)
         req.request_id = opid
         req.adapter.CopyFrom(ref)
-        rollouts = [r for r in await self.registry.replicas(ROLLOUT, sampler.base_model)
-                    if r.healthy]  # fmt: skip
+        rollouts = [
+            r for r in await self.registry.replicas(ROLLOUT, sampler.base_model) if r.healthy
+        ]
         if not rollouts:
             raise errors.Unavailable(
                 f"no healthy rollout replica serves {sampler.base_model!r}", field="sampler_id"

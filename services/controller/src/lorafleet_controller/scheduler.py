@@ -54,8 +54,10 @@ from lorafleet_controller.usage import forward_effects, optim_effects
 
 log = logging.getLogger(__name__)
 
-KIND_NAMES = {v.number: v.name.removeprefix("OPERATION_KIND_").lower()
-              for v in controller_pb2.OperationKind.DESCRIPTOR.values}  # fmt: skip
+KIND_NAMES = {
+    v.number: v.name.removeprefix("OPERATION_KIND_").lower()
+    for v in controller_pb2.OperationKind.DESCRIPTOR.values
+}
 
 Effects = list[tuple[str, str, Any]]
 CLAIM_BATCH = 64  # ready operations claimed per round trip
@@ -65,8 +67,14 @@ BATCH_PER_TENANT = 8
 K = controller_pb2
 # Kinds a lost contact leaves in doubt (re-sent under their id, never failed): everything the
 # trainer executes by operation id. Publishing also involves rollouts and fails as before.
-TRAINER_KINDS = frozenset({*DATA_KINDS, K.OPERATION_KIND_OPTIM_STEP, K.OPERATION_KIND_SAVE_STATE,
-                           K.OPERATION_KIND_LOAD_STATE})  # fmt: skip
+TRAINER_KINDS = frozenset(
+    {
+        *DATA_KINDS,
+        K.OPERATION_KIND_OPTIM_STEP,
+        K.OPERATION_KIND_SAVE_STATE,
+        K.OPERATION_KIND_LOAD_STATE,
+    }
+)
 # The trainer does not hold the slot (any more), or is not the process the claim was sent to.
 LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH", "STALE_INCARNATION"})
 PublishFn = Callable[
@@ -205,8 +213,9 @@ class Scheduler:
         # (a stale claim and its re-claim in one call would both run before either is
         # recorded in the trainer's dedup).
         held = await asyncio.gather(*(self._still_holds(claim) for claim in batch))
-        batch = list({c.operation_id: c for c, holds in zip(batch, held, strict=True) if holds}
-                     .values())  # fmt: skip
+        batch = list(
+            {c.operation_id: c for c, holds in zip(batch, held, strict=True) if holds}.values()
+        )
         if not batch:
             return
         items = []
@@ -221,10 +230,12 @@ class Scheduler:
                 fb.forward_only = True
             items.append(
                 trainer_pb2.ForwardBackwardItem(
-                    operation_id=claim.operation_id, slot=claim.slot,
-                    registration_id=claim.registration_id, input=fb,
+                    operation_id=claim.operation_id,
+                    slot=claim.slot,
+                    registration_id=claim.registration_id,
+                    input=fb,
                 )
-            )  # fmt: skip
+            )
         try:
             resp = await self.pool.trainer(rep.address).forward_backward(
                 items, incarnation=rep.incarnation
@@ -246,14 +257,16 @@ class Scheduler:
                 outcomes.append(out)
         if doubted:
             self.doubt(doubted, errors.FailedPrecondition("the trainer lost the slot"))
-        await self._keep_applied([c for c, o in zip(done, outcomes, strict=True)
-                                  if o.state == OpState.SUCCEEDED])  # fmt: skip
+        await self._keep_applied(
+            [c for c, o in zip(done, outcomes, strict=True) if o.state == OpState.SUCCEEDED]
+        )
         if done:
             await self._record(done, outcomes)
 
     async def _fail_all(self, batch: Sequence[Claim], exc: errors.LorafleetError) -> None:
-        await self._record(batch, [Outcome(c.operation_id, OpState.FAILED, error=exc)
-                                   for c in batch])  # fmt: skip
+        await self._record(
+            batch, [Outcome(c.operation_id, OpState.FAILED, error=exc) for c in batch]
+        )
 
     async def _record(self, batch: Sequence[Claim], outcomes: list[Outcome]) -> None:
         """Every outcome of a batch in one ledger call."""
@@ -303,9 +316,12 @@ class Scheduler:
         kind = claim.kind
         if kind == controller_pb2.OPERATION_KIND_OPTIM_STEP:
             resp = await trainer.optim_step(
-                claim.operation_id, claim.slot, claim.registration_id, payload.optim_step,
+                claim.operation_id,
+                claim.slot,
+                claim.registration_id,
+                payload.optim_step,
                 incarnation=rep.incarnation,
-            )  # fmt: skip
+            )
             out = resp.output
             await self._keep_applied([claim])
             if resp.HasField("snapshot"):
@@ -333,9 +349,12 @@ class Scheduler:
         raise errors.InvalidArgument(f"unsupported operation kind {kind}", field="payload")
 
     async def _save_state(
-        self, claim: Claim, save: controller_pb2.SaveStatePayload, trainer: TrainerClient,
+        self,
+        claim: Claim,
+        save: controller_pb2.SaveStatePayload,
+        trainer: TrainerClient,
         incarnation: str,
-    ) -> tuple[controller_pb2.OperationResult, Effects]:  # fmt: skip
+    ) -> tuple[controller_pb2.OperationResult, Effects]:
         path = str(TinkerPath(claim.registration_id, CheckpointKind.WEIGHTS, save.name))
         owner = await self.catalog.owner(path)
         if owner is not None and owner != claim.operation_id:
@@ -343,34 +362,52 @@ class Scheduler:
                 f"{path} already exists (named states are immutable)", field="name"
             )
         manifest = await trainer.save_state(
-            claim.operation_id, claim.slot, claim.registration_id, save.name, True,
+            claim.operation_id,
+            claim.slot,
+            claim.registration_id,
+            save.name,
+            True,
             incarnation=incarnation,
-        )  # fmt: skip
+        )
         reg = await self.registry.get_any(claim.registration_id)
         assert reg is not None
         await self.catalog.add(
-            tinker_path=path, tenant=claim.tenant, type=TRAINING, base_model=reg.base_model,
-            lora=reg.lora, manifest=manifest, has_optimizer=True, ttl_seconds=save.ttl_seconds,
-            user_metadata=dict(save.user_metadata), operation_id=claim.operation_id,
-        )  # fmt: skip
+            tinker_path=path,
+            tenant=claim.tenant,
+            type=TRAINING,
+            base_model=reg.base_model,
+            lora=reg.lora,
+            manifest=manifest,
+            has_optimizer=True,
+            ttl_seconds=save.ttl_seconds,
+            user_metadata=dict(save.user_metadata),
+            operation_id=claim.operation_id,
+        )
         result = controller_pb2.OperationResult(
             save_state=controller_pb2.SaveStateResult(path=path)
         )
         return result, [("set", "last_checkpoint", path)]
 
     async def _load_state(
-        self, claim: Claim, load: controller_pb2.LoadStatePayload, trainer: TrainerClient,
+        self,
+        claim: Claim,
+        load: controller_pb2.LoadStatePayload,
+        trainer: TrainerClient,
         incarnation: str,
-    ) -> tuple[controller_pb2.OperationResult, Effects]:  # fmt: skip
+    ) -> tuple[controller_pb2.OperationResult, Effects]:
         ckpt = await self.catalog.get(claim.tenant, load.path)
         if ckpt.type != TRAINING:
             raise errors.InvalidArgument(
                 "only tinker://.../weights/<name> checkpoints can be loaded", field="path"
             )
         await trainer.load_state(
-            claim.operation_id, claim.slot, claim.registration_id, ckpt.manifest,
-            load.with_optimizer, incarnation=incarnation,
-        )  # fmt: skip
+            claim.operation_id,
+            claim.slot,
+            claim.registration_id,
+            ckpt.manifest,
+            load.with_optimizer,
+            incarnation=incarnation,
+        )
         await self._keep_applied([claim])
         result = controller_pb2.OperationResult(
             load_state=controller_pb2.LoadStateResult(
@@ -389,8 +426,7 @@ class Scheduler:
 
     def doubt(self, claims: Sequence[Claim], cause: BaseException) -> None:
         """Claims whose outcome is unknown: never failed, asked again (see the module doc)."""
-        log.warning("%d operation(s) in doubt (%s); asking the trainer again",
-                    len(claims), cause)  # fmt: skip
+        log.warning("%d operation(s) in doubt (%s); asking the trainer again", len(claims), cause)
         self.spawn(self._ask_again(list(claims)))
 
     async def _ask_again(self, claims: list[Claim]) -> None:
@@ -420,9 +456,11 @@ class Scheduler:
             return True
         reg = await self.registry.get_any(claim.registration_id)
         return (
-            reg is not None and reg.state == RegState.READY
-            and reg.replica == claim.replica and reg.slot == claim.slot
-        )  # fmt: skip
+            reg is not None
+            and reg.state == RegState.READY
+            and reg.replica == claim.replica
+            and reg.slot == claim.slot
+        )
 
     # --- outcomes -------------------------------------------------------------------------
     async def _finish(

@@ -74,9 +74,11 @@ class ControllerSettings:
         max=10_000_000,
     )
     max_pending_global: int = setting(
-        65536, doc="Open operations across every tenant (the fleet's ceiling).", min=1,
+        65536,
+        doc="Open operations across every tenant (the fleet's ceiling).",
+        min=1,
         max=10_000_000,
-    )  # fmt: skip
+    )
     max_pending_per_tenant: int = setting(
         4096, doc="Open operations of one tenant.", min=1, max=10_000_000
     )
@@ -156,9 +158,11 @@ class ControllerSettings:
         max=1_000_000,
     )
     sweep_interval_seconds: float = setting(
-        0.5, doc="How often the sweeper looks for gaps, stale claims and expired results.",
-        min=0.01, max=60.0,
-    )  # fmt: skip
+        0.5,
+        doc="How often the sweeper looks for gaps, stale claims and expired results.",
+        min=0.01,
+        max=60.0,
+    )
     max_payload_bytes: int = setting(
         16 * 1024 * 1024, doc="Largest serialized operation payload.", min=1024, max=1 << 30
     )
@@ -205,14 +209,20 @@ class ControllerSettings:
     )
     lease_name: str = setting("lorafleet-controller", doc="Name of the leader Lease.")
     lease_duration_seconds: float = setting(
-        15.0, doc="A candidate takes over a lease not renewed for this long.", min=1.0,
+        15.0,
+        doc="A candidate takes over a lease not renewed for this long.",
+        min=1.0,
         max=3600.0,
-    )  # fmt: skip
+    )
     lease_renew_deadline_seconds: float = setting(
-        10.0, doc="The leader steps down when it could not renew for this long (< duration).",
-        min=0.1, max=3600.0,
-    )  # fmt: skip
+        10.0,
+        doc="The leader steps down when it could not renew for this long (< duration).",
+        min=0.1,
+        max=3600.0,
+    )
     lease_retry_period_seconds: float = setting(
-        2.0, doc="Interval between acquire/renew attempts (< renew deadline).", min=0.05,
+        2.0,
+        doc="Interval between acquire/renew attempts (< renew deadline).",
+        min=0.05,
         max=600.0,
-    )  # fmt: skip
+    )

@@ -65,9 +65,14 @@ class Tenancy:
         async with self.store.redis.pipeline(transaction=True) as pipe:
             pipe.hset(
                 self.keys.api_key(key_id),
-                mapping={"tenant": tenant, "label": label, "created_at": self.clock(),
-                         "revoked": "0", "hash": digest},
-            )  # fmt: skip
+                mapping={
+                    "tenant": tenant,
+                    "label": label,
+                    "created_at": self.clock(),
+                    "revoked": "0",
+                    "hash": digest,
+                },
+            )
             pipe.set(self.keys.key_hash(digest), key_id)
             pipe.sadd(self.keys.tenant_keys(tenant), key_id)
             await pipe.execute()
@@ -98,9 +103,14 @@ class Tenancy:
             raw = await self.store.redis.hgetall(self.keys.api_key(key_id))
             if raw:
                 out.append(
-                    ApiKey(key_id, text(raw[b"tenant"]), text(raw.get(b"label")),
-                           float(raw[b"created_at"]), raw.get(b"revoked") == b"1")
-                )  # fmt: skip
+                    ApiKey(
+                        key_id,
+                        text(raw[b"tenant"]),
+                        text(raw.get(b"label")),
+                        float(raw[b"created_at"]),
+                        raw.get(b"revoked") == b"1",
+                    )
+                )
         return out
 
     async def revoke_key(self, key_id: str) -> None:
@@ -117,8 +127,11 @@ class Tenancy:
             for session_id in ids:
                 pipe.hmget(self.keys.session(session_id), "tenant", "finished")
             rows = await pipe.execute()
-        return [(text(tenant), sid) for (tenant, finished), sid in zip(rows, ids, strict=True)
-                if tenant is not None and finished != b"1"]  # fmt: skip
+        return [
+            (text(tenant), sid)
+            for (tenant, finished), sid in zip(rows, ids, strict=True)
+            if tenant is not None and finished != b"1"
+        ]
 
     # --- sessions -------------------------------------------------------------------------
     async def create_session(
@@ -143,13 +156,18 @@ class Tenancy:
             pipe.hset(
                 self.keys.session(session_id),
                 mapping={
-                    "tenant": tenant, "tags": json.dumps(tags),
+                    "tenant": tenant,
+                    "tags": json.dumps(tags),
                     "metadata": json.dumps(user_metadata, sort_keys=True),
-                    "sdk_version": sdk_version, "project_id": project_id,
-                    "display_name": display_name, "created_at": now, "finished": "0",
-                    "last_heartbeat": now, "key_id": key_id,
+                    "sdk_version": sdk_version,
+                    "project_id": project_id,
+                    "display_name": display_name,
+                    "created_at": now,
+                    "finished": "0",
+                    "last_heartbeat": now,
+                    "key_id": key_id,
                 },
-            )  # fmt: skip
+            )
             if key_id:
                 pipe.sadd(self.keys.key_sessions(key_id), session_id)
             pipe.zadd(self.keys.tenant_sessions(tenant), {session_id: now})
@@ -188,8 +206,9 @@ class Tenancy:
     async def finish(self, tenant: str, session_id: str, reason: str) -> None:
         await self.check_session(tenant, session_id)
         async with self.store.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.session(session_id),
-                      mapping={"finished": "1", "finish_reason": reason})  # fmt: skip
+            pipe.hset(
+                self.keys.session(session_id), mapping={"finished": "1", "finish_reason": reason}
+            )
             pipe.zrem(self.keys.sessions_live, session_id)
             await pipe.execute()
 

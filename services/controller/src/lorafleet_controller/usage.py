@@ -37,9 +37,13 @@ from lorafleet_controller.store import Store, text
 
 Effects = list[tuple[str, str, Any]]
 COUNTERS = (
-    "tokens_trained", "tokens_forward", "tokens_sampled", "tokens_prompt", "optim_steps",
+    "tokens_trained",
+    "tokens_forward",
+    "tokens_sampled",
+    "tokens_prompt",
+    "optim_steps",
     "adapter_seconds",
-)  # fmt: skip
+)
 MAX_TICK_SECONDS = 60.0  # a longer gap between sweeps (no leader, a pause) is not billed
 
 
@@ -135,11 +139,14 @@ class Usage:
         for t, fields, ps in zip(tenants, counts, paths, strict=True):
             f = {text(k): text(v) for k, v in fields.items()}
             stored = sum(int(text(next(sizes)) or 0) for _ in ps)
-            out.append(controller_pb2.TenantUsage(
-                tenant=t, adapter_seconds=float(f.get("adapter_seconds", 0)),
-                stored_bytes=stored,
-                **{k: int(f.get(k, 0)) for k in COUNTERS if k != "adapter_seconds"},
-            ))  # fmt: skip
+            out.append(
+                controller_pb2.TenantUsage(
+                    tenant=t,
+                    adapter_seconds=float(f.get("adapter_seconds", 0)),
+                    stored_bytes=stored,
+                    **{k: int(f.get(k, 0)) for k in COUNTERS if k != "adapter_seconds"},
+                )
+            )
         return out
 
 
@@ -161,9 +168,10 @@ class _UsageCollector(Collector):
                 fam.add_metric([row.tenant], getattr(row, name))
             yield fam
         gauge = GaugeMetricFamily(
-            "lorafleet_tenant_stored_bytes", "Bytes of the tenant's stored checkpoints.",
+            "lorafleet_tenant_stored_bytes",
+            "Bytes of the tenant's stored checkpoints.",
             labels=["tenant"],
-        )  # fmt: skip
+        )
         for row in rows:
             gauge.add_metric([row.tenant], row.stored_bytes)
         yield gauge

@@ -105,8 +105,10 @@ async def evaluate(ex: Executor, units: Sequence[Unit]) -> float:
     """Token-mean loss of the units, forward only (no dropout, nothing accumulated)."""
     chunks = [c for u in units for c in u.chunks]
     tokens = sum(c.prediction_tokens for c in chunks)
-    pending = [await ex.forward_backward(chunks[i : i + EVAL_BATCH], tokens, True)
-               for i in range(0, len(chunks), EVAL_BATCH)]  # fmt: skip
+    pending = [
+        await ex.forward_backward(chunks[i : i + EVAL_BATCH], tokens, True)
+        for i in range(0, len(chunks), EVAL_BATCH)
+    ]
     return sum([await loss for loss in pending]) / tokens
 
 
@@ -131,8 +133,9 @@ async def train_pass(
     for group in plan.pass_groups(number, p.seed, p.gradient_accumulation):
         n = sum(c.prediction_tokens for c in group)
         loss = await ex.forward_backward(group, n, False)
-        lr = learning_rate(p.schedule, p.learning_rate, cur.updates + 1, total_updates,
-                           p.warmup_steps, p.min_lr)  # fmt: skip
+        lr = learning_rate(
+            p.schedule, p.learning_rate, cur.updates + 1, total_updates, p.warmup_steps, p.min_lr
+        )
         step = await ex.optim_step(lr, p)
         cur.updates += 1
         inflight.append((n, {"pass": number, "update": cur.updates, "lr": lr}, loss, step))
@@ -161,8 +164,9 @@ async def run(job_id: str, plan: Plan, p: JobParams, ex: Executor, cur: Cursor) 
                 cur.best_path = await ex.save_state(f"{job_id}-best-{number}")
         cur.passes = number
         cur.stop_reason = cur.stopper.decide(p, number, cur.train_loss, cur.validation_loss)
-        cur.history.append({"pass": number, "train_loss": cur.train_loss,
-                            "validation_loss": cur.validation_loss})  # fmt: skip
+        cur.history.append(
+            {"pass": number, "train_loss": cur.train_loss, "validation_loss": cur.validation_loss}
+        )
         await ex.checkpoint(cur)
     if cur.best_path:
         await ex.load_state(cur.best_path)

@@ -76,17 +76,33 @@ class Records:
         self.clock = clock
 
     async def create(
-        self, job_id: str, tenant: str, kind: str, rid: str, base_model: str,
-        params: dict[str, str], data: dict[str, Any], max_updates: int,
-    ) -> JobRecord:  # fmt: skip
+        self,
+        job_id: str,
+        tenant: str,
+        kind: str,
+        rid: str,
+        base_model: str,
+        params: dict[str, str],
+        data: dict[str, Any],
+        max_updates: int,
+    ) -> JobRecord:
         now = self.clock()
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.job(job_id), mapping={
-                "tenant": tenant, "kind": kind, "rid": rid, "base_model": base_model,
-                "state": JobState.QUEUED.value, "params": json.dumps(params),
-                "data": json.dumps(data), "max_updates": max_updates, "created_at": now,
-                "version": 1,
-            })  # fmt: skip
+            pipe.hset(
+                self.keys.job(job_id),
+                mapping={
+                    "tenant": tenant,
+                    "kind": kind,
+                    "rid": rid,
+                    "base_model": base_model,
+                    "state": JobState.QUEUED.value,
+                    "params": json.dumps(params),
+                    "data": json.dumps(data),
+                    "max_updates": max_updates,
+                    "created_at": now,
+                    "version": 1,
+                },
+            )
             pipe.zadd(self.keys.tenant_jobs(tenant), {job_id: now})
             pipe.rpush(self.keys.run_jobs(rid), job_id)
             pipe.sadd(self.keys.jobs_open, job_id)
@@ -147,8 +163,9 @@ class Records:
 
     async def update(self, job_id: str, **fields: Any) -> None:
         """Write fields (dicts as JSON), bump the version and wake watchers."""
-        mapping: dict[Any, Any] = {k: json.dumps(v) if isinstance(v, dict | list) else v
-                                   for k, v in fields.items()}  # fmt: skip
+        mapping: dict[Any, Any] = {
+            k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in fields.items()
+        }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.job(job_id), mapping=mapping)
             pipe.hincrby(self.keys.job(job_id), "version", 1)
@@ -157,8 +174,9 @@ class Records:
 
     async def finish(self, rec: JobRecord, state: JobState, **fields: Any) -> None:
         """End a job: its state, its last fields, and out of the run's queue."""
-        mapping: dict[Any, Any] = {k: json.dumps(v) if isinstance(v, dict | list) else v
-                                   for k, v in fields.items()}  # fmt: skip
+        mapping: dict[Any, Any] = {
+            k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in fields.items()
+        }
         mapping.update(state=state.value, finished_at=self.clock(), live="[]")
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.job(rec.job_id), mapping=mapping)

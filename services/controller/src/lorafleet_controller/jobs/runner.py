@@ -51,8 +51,12 @@ class JobCancelled(Exception):
 
 
 def job_error(exc: errors.LorafleetError) -> dict[str, str]:
-    return {"category": exc.category, "field": exc.field, "message": exc.message,
-            "reason": exc.reason or type(exc).__name__}  # fmt: skip
+    return {
+        "category": exc.category,
+        "field": exc.field,
+        "message": exc.message,
+        "reason": exc.reason or type(exc).__name__,
+    }
 
 
 def _tensor(
@@ -97,9 +101,12 @@ class LedgerExecutor:
 
     async def _submit(self, payload: pb.OperationPayload) -> str:
         """Admit the job's next operation (retrying backpressure); its operation id."""
-        req = pb.SubmitOperationRequest(tenant=self.rec.tenant,
-                                        registration_id=self.rec.registration_id,
-                                        seq_id=self.seq, payload=payload)  # fmt: skip
+        req = pb.SubmitOperationRequest(
+            tenant=self.rec.tenant,
+            registration_id=self.rec.registration_id,
+            seq_id=self.seq,
+            payload=payload,
+        )
         while True:
             await self._check_cancel()
             try:
@@ -123,8 +130,9 @@ class LedgerExecutor:
             err = op.error or {}
             raise errors.FailedPrecondition(
                 f"operation {opid} ended {op.state.label}: {err.get('message', 'no result')}",
-                field=err.get("field", ""), reason=err.get("reason", "OPERATION_FAILED"),
-            )  # fmt: skip
+                field=err.get("field", ""),
+                reason=err.get("reason", "OPERATION_FAILED"),
+            )
         return pb.OperationResult.FromString(op.result)
 
     async def _check_cancel(self) -> None:
@@ -160,11 +168,16 @@ class LedgerExecutor:
         self, chunks: Sequence[units.Chunk], group_tokens: int, forward_only: bool
     ) -> asyncio.Task[float]:
         fb = common_pb2.ForwardBackwardInput(
-            data=[datum(c) for c in chunks], loss_fn="cross_entropy",
-            forward_only=forward_only, group_tokens=0 if forward_only else group_tokens,
-        )  # fmt: skip
-        payload = pb.OperationPayload(forward=fb) if forward_only else \
-            pb.OperationPayload(forward_backward=fb)  # fmt: skip
+            data=[datum(c) for c in chunks],
+            loss_fn="cross_entropy",
+            forward_only=forward_only,
+            group_tokens=0 if forward_only else group_tokens,
+        )
+        payload = (
+            pb.OperationPayload(forward=fb)
+            if forward_only
+            else pb.OperationPayload(forward_backward=fb)
+        )
         opid = await self._submit(payload)
 
         async def loss() -> float:
@@ -174,13 +187,16 @@ class LedgerExecutor:
 
     async def optim_step(self, lr: float, p: JobParams) -> asyncio.Task[None]:
         adam = common_pb2.AdamParams(
-            learning_rate=lr, beta1=contract.ADAM_DEFAULTS["beta1"],
-            beta2=contract.ADAM_DEFAULTS["beta2"], eps=contract.ADAM_DEFAULTS["eps"],
+            learning_rate=lr,
+            beta1=contract.ADAM_DEFAULTS["beta1"],
+            beta2=contract.ADAM_DEFAULTS["beta2"],
+            eps=contract.ADAM_DEFAULTS["eps"],
             weight_decay=p.weight_decay,
             # explicit, so 0 means no clipping even on a run with max_grad_norm_default;
             # decay on A only, whoever created the run (juno's definition)
-            grad_clip_norm=p.max_grad_norm, a_only_weight_decay=True,
-        )  # fmt: skip
+            grad_clip_norm=p.max_grad_norm,
+            a_only_weight_decay=True,
+        )
         opid = await self._submit(pb.OperationPayload(optim_step=adam))
 
         async def applied() -> None:
@@ -227,9 +243,15 @@ class JobRunner:
 
     # --- requests ---------------------------------------------------------------------------
     async def create(
-        self, tenant: str, kind: JobKind, rid: str, base_model: str, raw: dict[str, str],
-        pairs: Sequence[data.Pair], documents: Sequence[str],
-    ) -> JobRecord:  # fmt: skip
+        self,
+        tenant: str,
+        kind: JobKind,
+        rid: str,
+        base_model: str,
+        raw: dict[str, str],
+        pairs: Sequence[data.Pair],
+        documents: Sequence[str],
+    ) -> JobRecord:
         """Validate the whole request, then record and queue the job. Requests on a
         tenant's default run are serialised, so concurrent first jobs share one run."""
         if rid:
@@ -239,9 +261,15 @@ class JobRunner:
             return await self._create(tenant, kind, rid, base_model, raw, pairs, documents)
 
     async def _create(
-        self, tenant: str, kind: JobKind, rid: str, base_model: str, raw: dict[str, str],
-        pairs: Sequence[data.Pair], documents: Sequence[str],
-    ) -> JobRecord:  # fmt: skip
+        self,
+        tenant: str,
+        kind: JobKind,
+        rid: str,
+        base_model: str,
+        raw: dict[str, str],
+        pairs: Sequence[data.Pair],
+        documents: Sequence[str],
+    ) -> JobRecord:
         p = params.parse(kind, raw)
         if kind == JobKind.QA:
             data.check_pairs(pairs)
@@ -275,11 +303,19 @@ class JobRunner:
         if reg is None:
             reg = await self._create_default(tenant, base, p)
         job_id = f"job-{uuid.uuid4().hex[:20]}"
-        max_updates = 0 if plan is None else \
-            p.max_iters * plan.updates_per_pass(p.gradient_accumulation)  # fmt: skip
-        rec = await self.records.create(job_id, tenant, kind.value, reg.registration_id,
-                                        reg.base_model, stored_params(kind, p), stored,
-                                        max_updates)  # fmt: skip
+        max_updates = (
+            0 if plan is None else p.max_iters * plan.updates_per_pass(p.gradient_accumulation)
+        )
+        rec = await self.records.create(
+            job_id,
+            tenant,
+            kind.value,
+            reg.registration_id,
+            reg.base_model,
+            stored_params(kind, p),
+            stored,
+            max_updates,
+        )
         self._kick(reg.registration_id)
         return rec
 
@@ -306,13 +342,20 @@ class JobRunner:
     ) -> None:
         """A job on an existing run (or the state the default run resumes) may not ask for a
         different adapter shape."""
-        have = {"rank": lora.rank, "alpha": contract.effective_alpha(lora.alpha),
-                "dropout": round(lora.dropout, 6),
-                "lora_plus_ratio": contract.b_lr_ratio(lora.lora_plus_ratio),
-                "targets": tuple(lora.target_modules)}  # fmt: skip
-        want = {"rank": p.rank, "alpha": p.alpha, "dropout": round(p.dropout, 6),
-                "lora_plus_ratio": p.lora_plus_ratio,
-                "targets": tuple(p.lora_targets)}  # fmt: skip
+        have = {
+            "rank": lora.rank,
+            "alpha": contract.effective_alpha(lora.alpha),
+            "dropout": round(lora.dropout, 6),
+            "lora_plus_ratio": contract.b_lr_ratio(lora.lora_plus_ratio),
+            "targets": tuple(lora.target_modules),
+        }
+        want = {
+            "rank": p.rank,
+            "alpha": p.alpha,
+            "dropout": round(p.dropout, 6),
+            "lora_plus_ratio": p.lora_plus_ratio,
+            "targets": tuple(p.lora_targets),
+        }
         for name in params.LORA_SHAPE:
             if name in raw and have[name] is not None and have[name] != want[name]:
                 raise errors.InvalidArgument(
@@ -357,8 +400,10 @@ class JobRunner:
         """The base model's tokenizer, streamed from a trainer that serves the model (kept
         while that trainer process lives), and the model's positions (the fewest any of its
         trainers has): the controller itself loads nothing by name."""
-        trainers = sorted((r for r in await self.host.registry.replicas(TRAINER, base_model)
-                           if r.healthy), key=lambda r: r.replica_id)  # fmt: skip
+        trainers = sorted(
+            (r for r in await self.host.registry.replicas(TRAINER, base_model) if r.healthy),
+            key=lambda r: r.replica_id,
+        )
         if not trainers:
             raise errors.Unavailable(f"no trainer of {base_model!r} is up", field="base_model")
         rep = trainers[0]
@@ -378,11 +423,25 @@ class JobRunner:
         codec, positions = await self._codec(base_model)
         if kind == JobKind.QA:
             pairs = [data.Pair(q, a) for q, a in stored["pairs"]]
-            return await asyncio.to_thread(units.qa_plan, codec, pairs, p.validation_split,
-                                           p.seed, p.max_train_tokens, positions)  # fmt: skip
-        return await asyncio.to_thread(units.text_plan, codec, stored["documents"],
-                                       p.chunk_tokens, p.validation_split, p.seed,
-                                       p.max_train_tokens, positions)  # fmt: skip
+            return await asyncio.to_thread(
+                units.qa_plan,
+                codec,
+                pairs,
+                p.validation_split,
+                p.seed,
+                p.max_train_tokens,
+                positions,
+            )
+        return await asyncio.to_thread(
+            units.text_plan,
+            codec,
+            stored["documents"],
+            p.chunk_tokens,
+            p.validation_split,
+            p.seed,
+            p.max_train_tokens,
+            positions,
+        )
 
     async def _create_default(self, tenant: str, base_model: str, p: JobParams) -> RegRecord:
         """The tenant's default run: a fresh adapter of the job's shape, or, when the last
@@ -392,16 +451,24 @@ class JobRunner:
             tenant, [JOBS_TAG], {}, "", "", "managed training jobs"
         )
         lora = common_pb2.LoraConfig(
-            rank=p.rank, alpha=p.alpha, dropout=p.dropout, seed=p.seed,
-            target_modules=p.lora_targets, lora_plus_ratio=p.lora_plus_ratio,
-        )  # fmt: skip
+            rank=p.rank,
+            alpha=p.alpha,
+            dropout=p.dropout,
+            seed=p.seed,
+            target_modules=p.lora_targets,
+            lora_plus_ratio=p.lora_plus_ratio,
+        )
         req = pb.CreateRegistrationRequest(
-            tenant=tenant, session_id=session, model_seq_id=0, base_model=base_model,
-            lora_config=lora, initial_checkpoint=previous.get("checkpoint", ""),
+            tenant=tenant,
+            session_id=session,
+            model_seq_id=0,
+            base_model=base_model,
+            lora_config=lora,
+            initial_checkpoint=previous.get("checkpoint", ""),
             # with its Adam moments and step count: giving the slot back between jobs
             # (`_release_default`) changes nothing the next job computes
             initial_with_optimizer=True,
-        )  # fmt: skip
+        )
         reg, _ = await self.host.create_registration(req)
         await self.records.set_default_run(tenant, rid=reg.registration_id, checkpoint="")
         return reg
@@ -440,8 +507,7 @@ class JobRunner:
             try:
                 rec = await self.records.get_any(queue[0])
             except errors.NotFound:
-                await self.host.store.redis.lrem(self.records.keys.run_jobs(rid), 0,
-                                                       queue[0])  # fmt: skip
+                await self.host.store.redis.lrem(self.records.keys.run_jobs(rid), 0, queue[0])
                 continue
             try:
                 state = await self._execute(rec)
@@ -449,8 +515,9 @@ class JobRunner:
                 raise
             except Exception as exc:  # a bug must fail the job, not wedge the run's queue
                 log.exception("job %s failed", rec.job_id)
-                await self.records.finish(rec, JobState.FAILED,
-                                          error=job_error(errors.Internal(str(exc))))  # fmt: skip
+                await self.records.finish(
+                    rec, JobState.FAILED, error=job_error(errors.Internal(str(exc)))
+                )
                 continue
             if state == JobState.SUCCEEDED:
                 await self._release_default(rec)
@@ -491,8 +558,12 @@ class JobRunner:
             if reg is None:
                 raise errors.NotFound(f"no run {rec.registration_id}", field="registration_id")
             cursor = loop.Cursor(seq=reg.max_seq + 1)
-            await self.records.update(rec.job_id, state=JobState.RUNNING.value,
-                                      started_at=time.time(), cursor=cursor.to_dict())  # fmt: skip
+            await self.records.update(
+                rec.job_id,
+                state=JobState.RUNNING.value,
+                started_at=time.time(),
+                cursor=cursor.to_dict(),
+            )
         else:
             cursor = loop.Cursor.from_dict(rec.cursor)
         p = params.parse(kind, rec.params)
@@ -521,8 +592,7 @@ class JobRunner:
             await self.records.finish(rec, JobState.FAILED, error=job_error(exc))
             return JobState.FAILED
         await ex.ack()
-        await self.records.finish(rec, JobState.SUCCEEDED, result=result,
-                                  cursor=cursor.to_dict())  # fmt: skip
+        await self.records.finish(rec, JobState.SUCCEEDED, result=result, cursor=cursor.to_dict())
         default = await self.records.default_run(rec.tenant)
         if default.get("rid") == rec.registration_id:
             await self.records.set_default_run(rec.tenant, checkpoint=path)

@@ -21,8 +21,11 @@ class HfCodec:
         self._tok = tokenizer
         self.chat_template: str | None = tokenizer.chat_template or None
         specials = set(tokenizer.all_special_tokens)
-        specials.update(str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
-                        if getattr(t, "special", False))  # fmt: skip
+        specials.update(
+            str(t)
+            for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+            if getattr(t, "special", False)
+        )
         self.special_tokens: Sequence[str] = sorted(specials)
 
     def encode(self, text: str) -> list[int]:

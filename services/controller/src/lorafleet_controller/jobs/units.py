@@ -156,9 +156,10 @@ def qa_chunk(codec: Codec, question: str, answer: str) -> Chunk:
     at = completion.find(answer)
     if at < 0:
         raise FailedPrecondition(
-            "the chat template changes the answer text", field="base_model",
+            "the chat template changes the answer text",
+            field="base_model",
             reason="UNSUPPORTED_CHAT_TEMPLATE",
-        )  # fmt: skip
+        )
     after = at + len(answer)
     ends = [(completion.find(t, after), t) for t in codec.special_tokens if t]
     ends = [(i, t) for i, t in ends if i >= 0]
@@ -302,9 +303,14 @@ def qa_plan(
 
 
 def text_plan(
-    codec: Codec, documents: Sequence[str], chunk_tokens: int, fraction: float, seed: int,
-    budget: int, positions: int,
-) -> Plan:  # fmt: skip
+    codec: Codec,
+    documents: Sequence[str],
+    chunk_tokens: int,
+    fraction: float,
+    seed: int,
+    budget: int,
+    positions: int,
+) -> Plan:
     check_chunk_tokens(chunk_tokens, positions)  # before the documents are tokenised
     units = document_units(codec, documents, chunk_tokens, positions)
     train, validation = split(units, fraction, seed)

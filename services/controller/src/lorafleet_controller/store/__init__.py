@@ -54,8 +54,11 @@ def connect(url: str, *, cluster: bool = False) -> Client:
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=20)
     if cluster:
         return RedisCluster.from_url(
-            url, retry=retry, socket_connect_timeout=2, health_check_interval=5,
-        )  # fmt: skip
+            url,
+            retry=retry,
+            socket_connect_timeout=2,
+            health_check_interval=5,
+        )
     return aioredis.from_url(
         url,
         retry=retry,

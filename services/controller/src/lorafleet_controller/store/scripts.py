@@ -37,20 +37,65 @@ FLEET_KEYS: dict[str, tuple[str, ...]] = {
     "ack": ("unacked", "results", "depth"),
     "claim": ("claimed", "depth"),
     "claim_many": ("ready_ctl", "ready_data", "claimed", "depth"),
-    "complete": ("claimed", "results", "pending", "unacked", "depth", "open_samples", "gaps",
-                 "ready_ctl", "ready_data"),
-    "sweep": ("claimed", "results", "retired", "pending", "unacked", "depth", "open_samples",
-              "gaps", "ready_ctl", "ready_data"),
-    "seal": ("gaps", "results", "unacked", "pending", "depth", "claimed", "ready_ctl",
-             "ready_data"),
-    "fence": ("retired", "claimed", "results", "pending", "unacked", "depth", "gaps",
-              "ready_ctl", "ready_data"),
+    "complete": (
+        "claimed",
+        "results",
+        "pending",
+        "unacked",
+        "depth",
+        "open_samples",
+        "gaps",
+        "ready_ctl",
+        "ready_data",
+    ),
+    "sweep": (
+        "claimed",
+        "results",
+        "retired",
+        "pending",
+        "unacked",
+        "depth",
+        "open_samples",
+        "gaps",
+        "ready_ctl",
+        "ready_data",
+    ),
+    "seal": (
+        "gaps",
+        "results",
+        "unacked",
+        "pending",
+        "depth",
+        "claimed",
+        "ready_ctl",
+        "ready_data",
+    ),
+    "fence": (
+        "retired",
+        "claimed",
+        "results",
+        "pending",
+        "unacked",
+        "depth",
+        "gaps",
+        "ready_ctl",
+        "ready_data",
+    ),
     "create_reg": ("regs",),
     "place": ("binding",),
     "bound": ("binding", "gaps", "ready_ctl", "ready_data"),
     "release": ("binding",),
-    "replica_lost": ("binding", "claimed", "results", "pending", "unacked", "depth", "gaps",
-                     "ready_ctl", "ready_data"),
+    "replica_lost": (
+        "binding",
+        "claimed",
+        "results",
+        "pending",
+        "unacked",
+        "depth",
+        "gaps",
+        "ready_ctl",
+        "ready_data",
+    ),
     "repush": ("gaps", "ready_ctl", "ready_data"),
     "page_begin": ("paging",),
     "page_end": ("paging",),
@@ -58,7 +103,7 @@ FLEET_KEYS: dict[str, tuple[str, ...]] = {
     "record_sampler": (),
     "add_checkpoint": ("ckpt_ttl",),
     "publish_version": (),
-}  # fmt: skip
+}
 NAMES = tuple(FLEET_KEYS)
 
 
@@ -124,8 +169,9 @@ class Scripts:
     async def run(self, name: str, own: Sequence[str], *args: Any, epoch: int | None = None) -> Any:
         """Run one script; `epoch` fences it (refused once a newer leader took over)."""
         try:
-            return await self._scripts[name](keys=self._keys(name, own),
-                                             args=self._argv(epoch, args))  # fmt: skip
+            return await self._scripts[name](
+                keys=self._keys(name, own), args=self._argv(epoch, args)
+            )
         except ResponseError as exc:
             raise _stale(exc) from None
 
