@@ -59,8 +59,9 @@ class Domain:
     async def restart(self, **overrides: Any) -> Domain:
         """A fresh set of domain objects on the same Redis (a controller restart)."""
         await self.notifier.stop()
-        return await build(self.store.redis, dataclasses.replace(self.settings, **overrides),
-                           self.clock)  # fmt: skip
+        return await build(
+            self.store.redis, dataclasses.replace(self.settings, **overrides), self.clock
+        )
 
 
 async def build(client: Client, settings: ControllerSettings, clock: Clock) -> Domain:
@@ -86,11 +87,17 @@ def redis_url(request: pytest.FixtureRequest) -> tuple[str, bool]:
 async def domain(redis_url: tuple[str, bool]) -> AsyncIterator[Domain]:
     url, cluster = redis_url
     settings = ControllerSettings(
-        redis_url=url, redis_cluster=cluster, max_pending_per_registration=8,
-        max_unacked_results=20, max_unacked_results_per_tenant=20, max_pending_global=50,
-        max_pending_per_tenant=50, gap_timeout_seconds=5, claimed_timeout_seconds=10,
+        redis_url=url,
+        redis_cluster=cluster,
+        max_pending_per_registration=8,
+        max_unacked_results=20,
+        max_unacked_results_per_tenant=20,
+        max_pending_global=50,
+        max_pending_per_tenant=50,
+        gap_timeout_seconds=5,
+        claimed_timeout_seconds=10,
         result_ttl_seconds=100,
-    )  # fmt: skip
+    )
     client = connect(url, cluster=cluster)
     d = await build(client, settings, Clock())
     try:

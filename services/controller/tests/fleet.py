@@ -84,9 +84,14 @@ def trainer_proc(
 
 
 def rollout_proc(
-    model: Path, controller_port: int, root: Path, replica: str, *, port: int = 0,
+    model: Path,
+    controller_port: int,
+    root: Path,
+    replica: str,
+    *,
+    port: int = 0,
     register: bool = True,
-) -> Proc:  # fmt: skip
+) -> Proc:
     """A rollout; `register=False` leaves it to the controller's discovery to find it."""
     port = port or free_port()
     e = child_env(
@@ -161,9 +166,10 @@ async def wait_done(client: Client, tenant: str, opid: str, within: float = WAIT
     deadline = asyncio.get_running_loop().time() + within
     while True:
         resp = await client(
-            "GetOperation", K.GetOperationRequest(tenant=tenant, operation_id=opid, wait_seconds=5),
+            "GetOperation",
+            K.GetOperationRequest(tenant=tenant, operation_id=opid, wait_seconds=5),
             deadline=15,
-        )  # fmt: skip
+        )
         op = resp.operation  # type: ignore[attr-defined]
         if op.state not in (K.OPERATION_STATE_QUEUED, K.OPERATION_STATE_CLAIMED):
             return op

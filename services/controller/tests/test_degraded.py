@@ -41,10 +41,18 @@ async def client(redis_server: RedisServer, tmp_path: Path) -> AsyncIterator[Cli
 
 
 async def _register(client: Client, incarnation: str) -> None:
-    await client("RegisterReplica", K.RegisterReplicaRequest(
-        kind=K.REPLICA_KIND_TRAINER, replica_id="trainer-x", address=f"127.0.0.1:{free_port()}",
-        base_model="m", num_slots=1, incarnation=incarnation, max_rank=8,
-    ))  # fmt: skip
+    await client(
+        "RegisterReplica",
+        K.RegisterReplicaRequest(
+            kind=K.REPLICA_KIND_TRAINER,
+            replica_id="trainer-x",
+            address=f"127.0.0.1:{free_port()}",
+            base_model="m",
+            num_slots=1,
+            incarnation=incarnation,
+            max_rank=8,
+        ),
+    )
 
 
 async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
@@ -54,17 +62,29 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
     sid = (await client("CreateSession", K.CreateSessionRequest(tenant="t"))).session_id  # type: ignore[attr-defined]
     runs = []
     for seq in range(2):  # the first takes the slot (its bind is retried), the second waits
-        reg = await client("CreateRegistration", K.CreateRegistrationRequest(
-            tenant="t", session_id=sid, model_seq_id=seq, base_model="m",
-            lora_config=common_pb2.LoraConfig(rank=4),
-        ))  # fmt: skip
+        reg = await client(
+            "CreateRegistration",
+            K.CreateRegistrationRequest(
+                tenant="t",
+                session_id=sid,
+                model_seq_id=seq,
+                base_model="m",
+                lora_config=common_pb2.LoraConfig(rank=4),
+            ),
+        )
         runs.append(reg.registration.registration_id)  # type: ignore[attr-defined]
     status = await client("GetFleetStatus", K.GetFleetStatusRequest())
     assert [r.registration_id for r in status.queued_registrations] == [runs[1]]  # type: ignore[attr-defined]
     assert status.attention_total == 0  # type: ignore[attr-defined]
-    submitted = await client("SubmitOperation", K.SubmitOperationRequest(
-        tenant="t", registration_id=runs[1], seq_id=1, payload=fb_payload([1, 2, 3]),
-    ))  # fmt: skip
+    submitted = await client(
+        "SubmitOperation",
+        K.SubmitOperationRequest(
+            tenant="t",
+            registration_id=runs[1],
+            seq_id=1,
+            payload=fb_payload([1, 2, 3]),
+        ),
+    )
     opid = submitted.operation_id  # type: ignore[attr-defined]
     op = (
         await client("GetOperation", K.GetOperationRequest(tenant="t", operation_id=opid))
@@ -83,14 +103,26 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
     assert f"trainer-x (failed: {REASON})" in op.error.message
     # Later calls on the run, and new runs, are refused with the same reason at once.
     with pytest.raises(errors.Unavailable, match="trainer-x"):
-        await client("SubmitOperation", K.SubmitOperationRequest(
-            tenant="t", registration_id=runs[1], seq_id=2, payload=fb_payload([1, 2, 3]),
-        ))  # fmt: skip
+        await client(
+            "SubmitOperation",
+            K.SubmitOperationRequest(
+                tenant="t",
+                registration_id=runs[1],
+                seq_id=2,
+                payload=fb_payload([1, 2, 3]),
+            ),
+        )
     with pytest.raises(errors.Unavailable, match=f"trainer-x \\(failed: {REASON}"):
-        await client("CreateRegistration", K.CreateRegistrationRequest(
-            tenant="t", session_id=sid, model_seq_id=2, base_model="m",
-            lora_config=common_pb2.LoraConfig(rank=4),
-        ))  # fmt: skip
+        await client(
+            "CreateRegistration",
+            K.CreateRegistrationRequest(
+                tenant="t",
+                session_id=sid,
+                model_seq_id=2,
+                base_model="m",
+                lora_config=common_pb2.LoraConfig(rank=4),
+            ),
+        )
 
     status = await client("GetFleetStatus", K.GetFleetStatusRequest())
     (replica,) = status.replicas  # type: ignore[attr-defined]
@@ -107,9 +139,15 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
     await redis.hset(keys.reg(runs[1]), "state", RegState.PAGED.value)
     await redis.zrem(keys.regq("m"), runs[1])
     await redis.aclose()
-    submitted = await client("SubmitOperation", K.SubmitOperationRequest(
-        tenant="t", registration_id=runs[1], seq_id=2, payload=fb_payload([1, 2, 3]),
-    ))  # fmt: skip
+    submitted = await client(
+        "SubmitOperation",
+        K.SubmitOperationRequest(
+            tenant="t",
+            registration_id=runs[1],
+            seq_id=2,
+            payload=fb_payload([1, 2, 3]),
+        ),
+    )
     opid = submitted.operation_id  # type: ignore[attr-defined]
     request = K.GetOperationRequest(tenant="t", operation_id=opid, wait_seconds=5)
     op = (await client("GetOperation", request)).operation  # type: ignore[attr-defined]

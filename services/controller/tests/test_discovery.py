@@ -404,15 +404,18 @@ async def test_two_electors_never_both_lead(apiserver, redis_server):
     (fenced by the leader epoch); the store's record of who completed each operation must
     show leadership terms one after the other, never interleaved."""
     settings = ControllerSettings(
-        redis_url=redis_server.url, max_pending_per_registration=100_000,
-        max_unacked_results_per_tenant=1_000_000, max_pending_per_tenant=1_000_000,
-    )  # fmt: skip
+        redis_url=redis_server.url,
+        max_pending_per_registration=100_000,
+        max_unacked_results_per_tenant=1_000_000,
+        max_pending_per_tenant=1_000_000,
+    )
     client = connect(redis_server.url)
     setup = Store(client, settings.key_prefix)
     rid = await ready_registration(setup, settings)
     log: list = []
-    actors = {who: Actor(who, Store(client, settings.key_prefix), settings, rid)
-              for who in ("a", "b")}  # fmt: skip
+    actors = {
+        who: Actor(who, Store(client, settings.key_prefix), settings, rid) for who in ("a", "b")
+    }
     electors = []
     for who, actor in actors.items():
 
@@ -425,9 +428,14 @@ async def test_two_electors_never_both_lead(apiserver, redis_server):
             await actor.stopped()
 
         actor.elector = LeaderElector(
-            apiserver.api_client(who), NS, LEASE, who, on_started_leading=started,
-            on_stopped_leading=stopped, **FAST,
-        )  # fmt: skip
+            apiserver.api_client(who),
+            NS,
+            LEASE,
+            who,
+            on_started_leading=started,
+            on_stopped_leading=stopped,
+            **FAST,
+        )
         electors.append(actor.elector)
     tasks = [asyncio.create_task(e.run()) for e in electors]
     try:

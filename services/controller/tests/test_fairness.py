@@ -26,8 +26,10 @@ async def run_head(d: Domain, rid: str, seq: int) -> None:
 
 async def test_a_flood_of_unretrieved_results_refuses_only_its_tenant(domain: Domain) -> None:
     d = await domain.restart(
-        max_unacked_results_per_tenant=6, max_unacked_results=100, max_pending_per_tenant=6,
-    )  # fmt: skip
+        max_unacked_results_per_tenant=6,
+        max_unacked_results=100,
+        max_pending_per_tenant=6,
+    )
     flooder = await d.ready_registration(tenant="b", session="sb")
     for seq in range(1, 7):  # B's forward results are never retrieved
         await d.ledger.submit("b", flooder, seq, FORWARD, b"f", f"f{seq}")
@@ -107,8 +109,11 @@ async def test_a_tenants_step_is_batched_before_another_tenants_backlog_drains(
 
 def test_limits_are_settings() -> None:
     names = {f.name for f in dataclasses.fields(ControllerSettings)}
-    assert {"max_pending_per_tenant", "max_unacked_results_per_tenant",
-            "max_registrations_per_tenant"} <= names  # fmt: skip
+    assert {
+        "max_pending_per_tenant",
+        "max_unacked_results_per_tenant",
+        "max_registrations_per_tenant",
+    } <= names
 
 
 async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_leave_no_trace(
@@ -119,9 +124,10 @@ async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_lea
     is its own; a refusal is backpressure that writes nothing, so its retry is a first
     admission and seq_id order holds."""
     d = await domain.restart(
-        admission_rate_per_tenant=2.0, admission_burst_per_tenant=3,
+        admission_rate_per_tenant=2.0,
+        admission_burst_per_tenant=3,
         max_pending_per_registration=64,
-    )  # fmt: skip
+    )
     b = await d.ready_registration(tenant="b", session="sb")
     a = await d.ready_registration(tenant="a", session="sa")
     for seq in (1, 2, 3):  # the burst
@@ -130,10 +136,15 @@ async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_lea
 
     async def trace() -> tuple[object, ...]:
         r, k = d.client, d.store.keys
-        return (await r.hgetall(k.reg(b)), await r.hgetall(k.tenant("b")),
-                await r.exists(k.op(f"{b}#4")), await r.get(k.pending),
-                await r.llen(k.ready_ctl), await r.llen(k.ready_data),
-                await r.hgetall(k.depth))  # fmt: skip
+        return (
+            await r.hgetall(k.reg(b)),
+            await r.hgetall(k.tenant("b")),
+            await r.exists(k.op(f"{b}#4")),
+            await r.get(k.pending),
+            await r.llen(k.ready_ctl),
+            await r.llen(k.ready_data),
+            await r.hgetall(k.depth),
+        )
 
     before = await trace()
     with pytest.raises(errors.ResourceExhausted) as refused:
@@ -184,8 +195,9 @@ async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_lea
 
 
 async def test_admission_rate_zero_means_no_bucket(domain: Domain) -> None:
-    d = await domain.restart(admission_rate_per_tenant=0.0, admission_burst_per_tenant=1,
-                             max_pending_per_registration=64)  # fmt: skip
+    d = await domain.restart(
+        admission_rate_per_tenant=0.0, admission_burst_per_tenant=1, max_pending_per_registration=64
+    )
     b = await d.ready_registration(tenant="b", session="sb")
     for seq in range(1, 11):
         await d.ledger.submit("b", b, seq, FORWARD, b"f", f"f{seq}")
@@ -195,9 +207,12 @@ async def test_admission_rate_zero_means_no_bucket(domain: Domain) -> None:
 
 @pytest.mark.parametrize(
     ("var", "raw"),
-    [("ADMISSION_RATE_PER_TENANT", "-1"), ("ADMISSION_RATE_PER_TENANT", "fast"),
-     ("ADMISSION_BURST_PER_TENANT", "0")],
-)  # fmt: skip
+    [
+        ("ADMISSION_RATE_PER_TENANT", "-1"),
+        ("ADMISSION_RATE_PER_TENANT", "fast"),
+        ("ADMISSION_BURST_PER_TENANT", "0"),
+    ],
+)
 def test_admission_bucket_settings_are_validated_naming_the_variable(var: str, raw: str) -> None:
     with pytest.raises(SettingsError, match=PREFIX + var):
         load_settings(ControllerSettings, PREFIX, {PREFIX + var: raw})

@@ -37,8 +37,9 @@ async def test_status_shows_slot_holders_and_the_runs_to_look_at(domain: Domain)
     done = errors.FailedPrecondition("session finished", reason="SESSION_FINISHED")
     await domain.ledger.fence(finished, RegState.RETIRED, done)
     refusal = errors.InvalidArgument("no module zz_proj", field="lora_config.target_modules")
-    await domain.client.hset(domain.store.keys.reg(failed), "failed",
-                             contract.run_failure_json(failed, refusal))  # fmt: skip
+    await domain.client.hset(
+        domain.store.keys.reg(failed), "failed", contract.run_failure_json(failed, refusal)
+    )
     await domain.ledger.fence(failed, RegState.RETIRED, refusal)
     await domain.client.hset(domain.store.keys.reg(corrupted), "corrupted", "snapshot 3 is gone")
     await domain.ledger.fence(corrupted, RegState.RETIRED, done)

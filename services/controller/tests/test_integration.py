@@ -75,11 +75,15 @@ class Fleet:
         resp = await self.client(
             "CreateRegistration",
             K.CreateRegistrationRequest(
-                tenant=T, session_id=session, model_seq_id=seq, base_model=self.base_model,
-                lora_config=common_pb2.LoraConfig(rank=4, seed=seed, train_attn=True,
-                                                  train_mlp=True),
+                tenant=T,
+                session_id=session,
+                model_seq_id=seq,
+                base_model=self.base_model,
+                lora_config=common_pb2.LoraConfig(
+                    rank=4, seed=seed, train_attn=True, train_mlp=True
+                ),
             ),
-        )  # fmt: skip
+        )
         rid = resp.registration.registration_id  # type: ignore[attr-defined]
         self.rids.append(rid)
         return rid
@@ -91,8 +95,9 @@ class Fleet:
         )
 
     async def slot_of(self, rid: str) -> trainer_pb2.SlotInfo:
-        resp = await trainer_stub(self.trainer.port).ListSlots(trainer_pb2.ListSlotsRequest(),
-                                                                 timeout=5)  # fmt: skip
+        resp = await trainer_stub(self.trainer.port).ListSlots(
+            trainer_pb2.ListSlotsRequest(), timeout=5
+        )
         return next(s for s in resp.slots if s.registration_id == rid)
 
     async def release(self) -> None:
@@ -270,8 +275,9 @@ async def test_delete_fences_and_frees_the_slot_for_the_queue(fleet: Fleet) -> N
         await fleet.submit(rids[0], 3, fb_payload(TOKENS))
     op = await wait_done(fleet.client, T, waiting.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED  # type: ignore[attr-defined]
-    resp = await trainer_stub(fleet.trainer.port).ListSlots(trainer_pb2.ListSlotsRequest(),
-                                                            timeout=5)  # fmt: skip
+    resp = await trainer_stub(fleet.trainer.port).ListSlots(
+        trainer_pb2.ListSlotsRequest(), timeout=5
+    )
     bound = {s.registration_id for s in resp.slots if s.registration_id}
     assert bound == set(rids[1:])
 
@@ -293,8 +299,9 @@ async def test_finishing_a_session_frees_its_slots_for_the_queue(fleet: Fleet) -
     assert op.error.reason == "SESSION_FINISHED"  # type: ignore[attr-defined]
     op = await wait_done(fleet.client, T, waiting.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED  # type: ignore[attr-defined]
-    resp = await trainer_stub(fleet.trainer.port).ListSlots(trainer_pb2.ListSlotsRequest(),
-                                                            timeout=5)  # fmt: skip
+    resp = await trainer_stub(fleet.trainer.port).ListSlots(
+        trainer_pb2.ListSlotsRequest(), timeout=5
+    )
     assert {s.registration_id for s in resp.slots if s.registration_id} == {waiting_rid}
 
 
@@ -308,10 +315,16 @@ async def test_a_run_its_trainer_refuses_fails_and_frees_its_slot(fleet: Fleet) 
     bad = f"{sid}:train:3"
     fleet.rids.append(bad)
     with pytest.raises(errors.InvalidArgument) as refused:
-        await fleet.client("CreateRegistration", K.CreateRegistrationRequest(
-            tenant=T, session_id=sid, model_seq_id=3, base_model=fleet.base_model,
-            lora_config=common_pb2.LoraConfig(rank=4, target_modules=["zz_proj"]),
-        ))  # fmt: skip
+        await fleet.client(
+            "CreateRegistration",
+            K.CreateRegistrationRequest(
+                tenant=T,
+                session_id=sid,
+                model_seq_id=3,
+                base_model=fleet.base_model,
+                lora_config=common_pb2.LoraConfig(rank=4, target_modules=["zz_proj"]),
+            ),
+        )
     assert refused.value.reason == "RUN_FAILED" and "zz_proj" in str(refused.value)
     rid = await fleet.registration(sid, 4)  # the last slot is free again: it binds at once
     status = await fleet.client("GetFleetStatus", K.GetFleetStatusRequest())

@@ -234,8 +234,7 @@ def test_constant_schedule():
 def test_warmup_cosine_follows_the_formula_per_update():
     # peak 1e-3, warmup 2, 6 updates, floor 1e-4; values worked out by hand.
     expected = [5e-4, 1e-3, 8.681980515e-4, 5.5e-4, 2.318019485e-4, 1e-4]
-    got = [schedule.learning_rate(Schedule.WARMUP_COSINE, 1e-3, u, 6, 2, 1e-4)
-           for u in range(1, 7)]  # fmt: skip
+    got = [schedule.learning_rate(Schedule.WARMUP_COSINE, 1e-3, u, 6, 2, 1e-4) for u in range(1, 7)]
     assert got == pytest.approx(expected, rel=1e-9)
     no_warmup = schedule.learning_rate(Schedule.WARMUP_COSINE, 1.0, 1, 4, 0, 0.0)
     assert no_warmup == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
@@ -286,8 +285,7 @@ def test_defaults_follow_juno():
     qa = params.parse(JobKind.QA, {})
     text = params.parse(JobKind.TEXT, {})
     assert (qa.loss_target, text.loss_target) == (1.2, 1.8)
-    assert (qa.max_iters, qa.early_stop, text.chunk_tokens, qa.max_grad_norm) == (50, 0.25, 32,
-                                                                                   1.0)  # fmt: skip
+    assert (qa.max_iters, qa.early_stop, text.chunk_tokens, qa.max_grad_norm) == (50, 0.25, 32, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -315,8 +313,14 @@ def test_bad_parameters_are_refused_naming_the_field(kind, raw, field):
 
 
 def test_stored_parameters_parse_back_to_the_same_values():
-    raw = {"learning_rate": "0.003", "targets": "q_proj,v_proj", "schedule": "warmup_cosine",
-           "warmup_steps": "3", "validation_split": "0.25", "seed": "9"}  # fmt: skip
+    raw = {
+        "learning_rate": "0.003",
+        "targets": "q_proj,v_proj",
+        "schedule": "warmup_cosine",
+        "warmup_steps": "3",
+        "validation_split": "0.25",
+        "seed": "9",
+    }
     for kind in (JobKind.QA, JobKind.TEXT):
         p = params.parse(kind, raw)
         assert params.parse(kind, stored_params(kind, p)) == p

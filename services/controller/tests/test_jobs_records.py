@@ -13,16 +13,20 @@ from lorafleet_controller.jobs.records import JobState, Records
 
 
 async def make(records: Records, job_id: str, tenant: str = "t1", rid: str = "s:train:0"):
-    return await records.create(job_id, tenant, "qa", rid, "tiny", {"rank": "8"},
-                                {"pairs": [["q", "a"]]}, 40)  # fmt: skip
+    return await records.create(
+        job_id, tenant, "qa", rid, "tiny", {"rank": "8"}, {"pairs": [["q", "a"]]}, 40
+    )
 
 
 async def test_a_job_is_stored_whole_and_scoped_to_its_tenant(domain) -> None:
     records = Records(domain.store, domain.notifier)
     rec = await make(records, "job-1")
     assert (rec.state, rec.params, rec.data, rec.max_updates) == (
-        JobState.QUEUED, {"rank": "8"}, {"pairs": [["q", "a"]]}, 40,
-    )  # fmt: skip
+        JobState.QUEUED,
+        {"rank": "8"},
+        {"pairs": [["q", "a"]]},
+        40,
+    )
     assert rec.cursor is None and rec.live == [] and not rec.cancel_requested
     assert (await records.get("t1", "job-1")) == rec
     with pytest.raises(NotFound) as err:
@@ -78,8 +82,9 @@ async def test_default_runs_per_tenant(domain) -> None:
     await records.set_default_run("t1", rid="s:train:0", checkpoint="")
     await records.set_default_run("t1", checkpoint="tinker://s:train:0/weights/x")
     assert await records.default_run("t1") == {
-        "rid": "s:train:0", "checkpoint": "tinker://s:train:0/weights/x",
-    }  # fmt: skip
+        "rid": "s:train:0",
+        "checkpoint": "tinker://s:train:0/weights/x",
+    }
     assert await records.default_run("t2") == {}
     await records.clear_default_run("t1")
     assert await records.default_run("t1") == {}

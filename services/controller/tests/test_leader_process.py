@@ -23,12 +23,18 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": server}}],
-        "users": [{"name": "fake", "user": {"token": "unused"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
-    }))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": server}}],
+                "users": [{"name": "fake", "user": {"token": "unused"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+            }
+        )
+    )
     return path
 
 
@@ -58,14 +64,20 @@ async def test_standby_is_not_ready_until_the_leader_leaves(
     for i in range(2):
         root = tmp_path / f"c{i}"
         root.mkdir()
-        procs.append(controller_proc(
-            redis_server, root, KUBECONFIG=str(config), LORAFLEET_CONTROLLER_LEADER_ELECTION="1",
-            LORAFLEET_CONTROLLER_NAMESPACE=NS, LORAFLEET_CONTROLLER_LEASE_NAME=LEASE,
-            LORAFLEET_CONTROLLER_REPLICA_ID=f"c{i}",
-            LORAFLEET_CONTROLLER_LEASE_DURATION_SECONDS="30",
-            LORAFLEET_CONTROLLER_LEASE_RENEW_DEADLINE_SECONDS="20",
-            LORAFLEET_CONTROLLER_LEASE_RETRY_PERIOD_SECONDS="0.2",
-        ))  # fmt: skip
+        procs.append(
+            controller_proc(
+                redis_server,
+                root,
+                KUBECONFIG=str(config),
+                LORAFLEET_CONTROLLER_LEADER_ELECTION="1",
+                LORAFLEET_CONTROLLER_NAMESPACE=NS,
+                LORAFLEET_CONTROLLER_LEASE_NAME=LEASE,
+                LORAFLEET_CONTROLLER_REPLICA_ID=f"c{i}",
+                LORAFLEET_CONTROLLER_LEASE_DURATION_SECONDS="30",
+                LORAFLEET_CONTROLLER_LEASE_RENEW_DEADLINE_SECONDS="20",
+                LORAFLEET_CONTROLLER_LEASE_RETRY_PERIOD_SECONDS="0.2",
+            )
+        )
     try:
         procs[0].start()
         await wait_for(procs[:1], [(True, True)], within=WAIT_SECONDS)

@@ -31,10 +31,13 @@ TRAINER_0 = "rel-lorafleet-trainer-0"
 @pytest.fixture
 def settings(redis_server: RedisServer, tmp_path: Path) -> ControllerSettings:
     return ControllerSettings(
-        redis_url=redis_server.url, storage_root=tmp_path / "storage",
-        transport_retry_seconds=0, heartbeat_timeout_seconds=3600, sweep_interval_seconds=0.05,
+        redis_url=redis_server.url,
+        storage_root=tmp_path / "storage",
+        transport_retry_seconds=0,
+        heartbeat_timeout_seconds=3600,
+        sweep_interval_seconds=0.05,
         coalesce_window_ms=0,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -113,9 +116,14 @@ async def test_only_the_lease_holder_dispatches(
     for i, who in enumerate(("a", "b")):
         c = Controller(settings, is_leader=lambda i=i: electors[i].is_leader)
         e = LeaderElector(
-            apiserver.api_client(who), NS, LEASE, who, on_started_leading=c.start_leading,
-            on_stopped_leading=c.stop_leading, **FAST,
-        )  # fmt: skip
+            apiserver.api_client(who),
+            NS,
+            LEASE,
+            who,
+            on_started_leading=c.start_leading,
+            on_stopped_leading=c.stop_leading,
+            **FAST,
+        )
         controllers.append(c)
         electors.append(e)
     for c in controllers:

@@ -19,15 +19,26 @@ PREFIX = "base_model.model.model.layers.0.self_attn"
 
 
 def _files(rank: int = 4, **config: Any) -> dict[str, bytes]:
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": 8, "target_modules": ["v_proj", "q_proj"],
-           "base_model_name_or_path": "/models/tiny-x", "bias": "none", "use_dora": False,
-           "use_rslora": False, **config}  # fmt: skip
+    cfg = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 8,
+        "target_modules": ["v_proj", "q_proj"],
+        "base_model_name_or_path": "/models/tiny-x",
+        "bias": "none",
+        "use_dora": False,
+        "use_rslora": False,
+        **config,
+    }
     tensors = {}
     for m in ("q_proj", "v_proj"):
         tensors[f"{PREFIX}.{m}.lora_A.weight"] = torch.zeros(rank, 16)
         tensors[f"{PREFIX}.{m}.lora_B.weight"] = torch.zeros(16, rank)
-    return {"adapter_config.json": json.dumps(cfg).encode(), "adapter_model.safetensors":
-            save(tensors), "README.md": b"ignored"}  # fmt: skip
+    return {
+        "adapter_config.json": json.dumps(cfg).encode(),
+        "adapter_model.safetensors": save(tensors),
+        "README.md": b"ignored",
+    }
 
 
 def test_a_plain_lora_folder_becomes_a_lora_config() -> None:

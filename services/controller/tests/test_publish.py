@@ -38,10 +38,12 @@ async def fleet_with_rollouts(
     # replica list and probes it (GetRolloutInfo) every heartbeat interval.
     static_port = free_port()
     controller = controller_proc(
-        redis, tmp_path, LORAFLEET_CONTROLLER_DISCOVERY="static",
+        redis,
+        tmp_path,
+        LORAFLEET_CONTROLLER_DISCOVERY="static",
         LORAFLEET_CONTROLLER_ROLLOUTS=f"rollout-1=127.0.0.1:{static_port}",
         LORAFLEET_CONTROLLER_HEARTBEAT_INTERVAL_SECONDS="0.5",
-    )  # fmt: skip
+    )
     procs: list[Proc] = []
     client = None
     try:
@@ -50,9 +52,15 @@ async def fleet_with_rollouts(
         procs.append(trainer)
         rollouts = [
             rollout_proc(tiny_model_dir, controller.port, tmp_path, "rollout-0"),
-            rollout_proc(tiny_model_dir, controller.port, tmp_path, "rollout-1",
-                         port=static_port, register=False),
-        ]  # fmt: skip
+            rollout_proc(
+                tiny_model_dir,
+                controller.port,
+                tmp_path,
+                "rollout-1",
+                port=static_port,
+                register=False,
+            ),
+        ]
         procs += rollouts
         for p in procs:
             p.launch()
@@ -102,10 +110,14 @@ async def test_publish_reaches_every_rollout_then_samples(
     await fleet.submit(rid, 1, fb_payload(TOKENS))
     await fleet.submit(rid, 2, optim_payload())
     publish = await fleet.submit(
-        rid, 3,
-        K.OperationPayload(save_weights_for_sampler=K.SaveWeightsForSamplerPayload(
-            name="step-1", sampler_session_id=f"{session}:sample:0", kind="snapshot")),
-    )  # fmt: skip
+        rid,
+        3,
+        K.OperationPayload(
+            save_weights_for_sampler=K.SaveWeightsForSamplerPayload(
+                name="step-1", sampler_session_id=f"{session}:sample:0", kind="snapshot"
+            )
+        ),
+    )
     op = await wait_done(fleet.client, T, publish.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
     result = op.result.save_weights_for_sampler  # type: ignore[attr-defined]
@@ -120,11 +132,14 @@ async def test_publish_reaches_every_rollout_then_samples(
     sample = await fleet.client(
         "SubmitSample",
         K.SubmitSampleRequest(
-            tenant=T, sampler_id=result.sampler_id, seq_id=1, prompt_tokens=TOKENS[:4],
+            tenant=T,
+            sampler_id=result.sampler_id,
+            seq_id=1,
+            prompt_tokens=TOKENS[:4],
             params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_k=-1, top_p=1),
             num_samples=2,
         ),
-    )  # fmt: skip
+    )
     assert len(sample.sequence_ids) == 2  # type: ignore[attr-defined]
     op = await wait_done(fleet.client, T, sample.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]

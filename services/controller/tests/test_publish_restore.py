@@ -118,9 +118,11 @@ async def train(trainer: TrainerClient, rid: str, slot: int, tag: str) -> None:
     for step in range(2):
         tokens = [(7 * step + 5 * i) % 250 + 1 for i in range(8)]
         item = trainer_pb2.ForwardBackwardItem(
-            operation_id=f"{rid}#{tag}{2 * step + 1}", slot=slot, registration_id=rid,
+            operation_id=f"{rid}#{tag}{2 * step + 1}",
+            slot=slot,
+            registration_id=rid,
             input=fb_payload(tokens).forward_backward,
-        )  # fmt: skip
+        )
         resp = await trainer.forward_backward([item])
         assert resp.results[0].WhichOneof("outcome") == "output", resp.results[0]
         await trainer.optim_step(
@@ -152,8 +154,16 @@ async def test_a_publish_retried_into_a_restore_exports_nothing_and_reruns_after
     try:
         info = await direct.info()
         base = info.base_model
-        rep = Replica("trainer", "trainer-0", f"127.0.0.1:{relay.port}", base,
-                      info.num_slots, "inc-1", clock(), True)  # fmt: skip
+        rep = Replica(
+            "trainer",
+            "trainer-0",
+            f"127.0.0.1:{relay.port}",
+            base,
+            info.num_slots,
+            "inc-1",
+            clock(),
+            True,
+        )
         await registry.register_replica(rep)
         rec, _ = await registry.create(T, "s1", 0, base, LORA, {}, "adamw", False)
         rid = rec.registration_id
@@ -166,16 +176,28 @@ async def test_a_publish_retried_into_a_restore_exports_nothing_and_reruns_after
 
         storage = shared or tmp_path / "storage"  # where a version's folder is written
         publisher = Publisher(
-            domain.store, tmp_path / "storage", registry, Catalog(domain.store, clock),
-            Samplers(domain.store, domain.ledger, registry, pool, domain.settings), pool,
-            resident_versions=2, shared_root=shared,
-        )  # fmt: skip
+            domain.store,
+            tmp_path / "storage",
+            registry,
+            Catalog(domain.store, clock),
+            Samplers(domain.store, domain.ledger, registry, pool, domain.settings),
+            pool,
+            resident_versions=2,
+            shared_root=shared,
+        )
         claim = Claim(
-            operation_id=f"{rid}#5", registration_id=rid, seq_id=5,
-            kind=K.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER, payload=b"",
-            replica=placement.replica, slot=placement.slot, dirty=False, base_model=base,
-            tenant=T, submitted_at=clock(),
-        )  # fmt: skip
+            operation_id=f"{rid}#5",
+            registration_id=rid,
+            seq_id=5,
+            kind=K.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER,
+            payload=b"",
+            replica=placement.replica,
+            slot=placement.slot,
+            dirty=False,
+            base_model=base,
+            tenant=T,
+            submitted_at=clock(),
+        )
         sw = K.SaveWeightsForSamplerPayload()
         publish = asyncio.create_task(publisher.publish(claim, sw))
         await wait_until_async(lambda: relay.accepted > 0, "the export reached the relay")

@@ -112,12 +112,14 @@ async def greedy(rollout: Proc, ref: common_pb2.AdapterRef) -> common_pb2.Sample
     try:
         return await client.sample(
             rollout_pb2.SampleRequest(
-                request_id="eq", adapter=ref, prompt_tokens=TOKENS[:5], num_samples=1,
-                params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_k=-1,
-                                                 top_p=1),
+                request_id="eq",
+                adapter=ref,
+                prompt_tokens=TOKENS[:5],
+                num_samples=1,
+                params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_k=-1, top_p=1),
                 prompt_logprobs=True,
             )
-        )  # fmt: skip
+        )
     finally:
         await client.close()
 
@@ -131,10 +133,14 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
     await fleet.submit(rid, 1, fb_payload(TOKENS))
     await fleet.submit(rid, 2, optim_payload())
     publish = await fleet.submit(
-        rid, 3,
-        K.OperationPayload(save_weights_for_sampler=K.SaveWeightsForSamplerPayload(
-            name="step-1", sampler_session_id=f"{session}:sample:0", kind="snapshot")),
-    )  # fmt: skip
+        rid,
+        3,
+        K.OperationPayload(
+            save_weights_for_sampler=K.SaveWeightsForSamplerPayload(
+                name="step-1", sampler_session_id=f"{session}:sample:0", kind="snapshot"
+            )
+        ),
+    )
     op = await wait_done(fleet.client, T, publish.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
     assert op.result.save_weights_for_sampler.version == 1  # type: ignore[attr-defined]
@@ -203,9 +209,13 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
     sampler = await fleet.client(
         "CreateSampler",
-        K.CreateSamplerRequest(tenant=T, session_id=session, sampling_session_seq_id=1,
-                               model_path=op.result.save_state.path),  # type: ignore[attr-defined]
-    )  # fmt: skip
+        K.CreateSamplerRequest(
+            tenant=T,
+            session_id=session,
+            sampling_session_seq_id=1,
+            model_path=op.result.save_state.path,
+        ),  # type: ignore[attr-defined]
+    )
     assert sampler.sampler.adapter.version == 2  # type: ignore[attr-defined]
     assert (adapter_folder(shared.resolve(), rid, 2) / "adapter_model.safetensors").is_file()
     for rollout in rollouts:
@@ -235,11 +245,16 @@ def blob_ref(path: Path) -> common_pb2.BlobRef:
 @pytest.mark.parametrize("service", ["controller", "trainer", "rollout"])
 def test_a_relative_shared_root_fails_at_start_up(service: str, tmp_path: Path) -> None:
     prefix = f"LORAFLEET_{service.upper()}_"
-    env = child_env(**{f"{prefix}SHARED_ADAPTER_ROOT": "relative/shared",
-                       f"{prefix}MODEL_PATH": str(tmp_path)})  # fmt: skip
+    env = child_env(
+        **{f"{prefix}SHARED_ADAPTER_ROOT": "relative/shared", f"{prefix}MODEL_PATH": str(tmp_path)}
+    )
     out = subprocess.run(
-        [sys.executable, "-m", f"lorafleet_{service}"], env=env, cwd=tmp_path,
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", f"lorafleet_{service}"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert f"{prefix}SHARED_ADAPTER_ROOT=relative/shared: must be an absolute path" in out.stderr

@@ -42,10 +42,19 @@ async def client(controller: Proc) -> AsyncIterator[Client]:
 
 
 async def _register(client: Client, kind: int, name: str, base: str, quantization: str) -> None:
-    await client("RegisterReplica", K.RegisterReplicaRequest(
-        kind=kind, replica_id=name, address=f"127.0.0.1:{free_port()}", base_model=base,
-        num_slots=1, incarnation="a", max_rank=8, quantization=quantization,
-    ))  # fmt: skip
+    await client(
+        "RegisterReplica",
+        K.RegisterReplicaRequest(
+            kind=kind,
+            replica_id=name,
+            address=f"127.0.0.1:{free_port()}",
+            base_model=base,
+            num_slots=1,
+            incarnation="a",
+            max_rank=8,
+            quantization=quantization,
+        ),
+    )
 
 
 async def _quantization(client: Client) -> dict[str, str]:
@@ -86,9 +95,13 @@ async def test_a_refused_replica_logs_why_and_keeps_trying(
     (not just "cannot register") and keeps retrying, never recorded meanwhile."""
     await _register(client, K.REPLICA_KIND_TRAINER, "trainer-0", "m", "int8")
     request = K.RegisterReplicaRequest(
-        kind=K.REPLICA_KIND_ROLLOUT, replica_id="rollout-0", address=f"127.0.0.1:{free_port()}",
-        base_model="m", incarnation="a", quantization="none",
-    )  # fmt: skip
+        kind=K.REPLICA_KIND_ROLLOUT,
+        replica_id="rollout-0",
+        address=f"127.0.0.1:{free_port()}",
+        base_model="m",
+        incarnation="a",
+        quantization="none",
+    )
     settings = ReplicaSettings(
         controller_address=f"127.0.0.1:{controller.port}", register_interval_seconds=0.5
     )

@@ -94,9 +94,12 @@ def test_bad_settings_and_unreachable_redis_exit_2() -> None:
         {"LORAFLEET_CONTROLLER_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"},
     ):
         proc = subprocess.run(
-            [sys.executable, "-m", "lorafleet_controller"], env=child_env(**env),
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [sys.executable, "-m", "lorafleet_controller"],
+            env=child_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 2
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
@@ -153,7 +156,8 @@ def test_the_documented_session_timeout_is_the_default() -> None:
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     stated = re.search(r"`LORAFLEET_CONTROLLER_SESSION_TIMEOUT_SECONDS` \((\d+) s\)", readme)
     assert stated is not None, "README no longer states the session timeout"
-    (field,) = [f for f in dataclasses.fields(ControllerSettings)
-                if f.name == "session_timeout_seconds"]  # fmt: skip
+    (field,) = [
+        f for f in dataclasses.fields(ControllerSettings) if f.name == "session_timeout_seconds"
+    ]
     default = field.default
     assert float(stated.group(1)) == default == 120.0

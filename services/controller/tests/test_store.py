@@ -83,19 +83,64 @@ async def test_a_deposed_leader_cannot_write(domain: Domain) -> None:
 
 # --- the README's claims about the store (issue 23: tested or removed) ---------------------
 # Redis commands that write. Python may read anything; what it writes is checked below.
-WRITES = frozenset({
-    "hset", "hsetnx", "hdel", "hincrby", "hincrbyfloat", "set", "setnx", "delete", "unlink",
-    "zadd", "zrem", "zincrby", "sadd", "srem", "smove", "lpush", "rpush", "lpop", "rpop",
-    "lrem", "lset", "ltrim", "incr", "incrby", "decr", "expire", "getdel", "rename",
-})  # fmt: skip
+WRITES = frozenset(
+    {
+        "hset",
+        "hsetnx",
+        "hdel",
+        "hincrby",
+        "hincrbyfloat",
+        "set",
+        "setnx",
+        "delete",
+        "unlink",
+        "zadd",
+        "zrem",
+        "zincrby",
+        "sadd",
+        "srem",
+        "smove",
+        "lpush",
+        "rpush",
+        "lpop",
+        "rpop",
+        "lrem",
+        "lset",
+        "ltrim",
+        "incr",
+        "incrby",
+        "decr",
+        "expire",
+        "getdel",
+        "rename",
+    }
+)
 # Key families whose records are the ledger's and the registry's state: operations, their
 # queues and counters, the registrations' indexes and queues, the slot tables (a slot's
 # holder). Writing one outside a Lua script is a transition outside a script.
-TRANSITIONS = frozenset({
-    "op", "ready_ctl", "ready_data", "claimed", "results", "depth", "pending", "unacked",
-    "gaps", "retired", "open_samples", "tenant", "regs", "tenant_regs", "session_runs",
-    "binding", "paging", "regq", "slots",
-})  # fmt: skip
+TRANSITIONS = frozenset(
+    {
+        "op",
+        "ready_ctl",
+        "ready_data",
+        "claimed",
+        "results",
+        "depth",
+        "pending",
+        "unacked",
+        "gaps",
+        "retired",
+        "open_samples",
+        "tenant",
+        "regs",
+        "tenant_regs",
+        "session_runs",
+        "binding",
+        "paging",
+        "regq",
+        "slots",
+    }
+)
 # A registration's own record: these fields are its state, its holder and its ledger
 # position; the others (why it failed or was corrupted) are annotations the scripts read.
 REG_STATE_FIELDS = frozenset(

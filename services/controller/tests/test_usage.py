@@ -45,8 +45,9 @@ async def test_usage_is_counted_once_with_the_outcome(domain: Domain) -> None:
     )
     assert await _run(domain, rid, 1, OpState.SUCCEEDED, effects)
     # A repeated completion (a re-dispatch, or the sweeper) is not recorded, nor counted.
-    assert not await domain.ledger.complete(L.operation_id(rid, 1), OpState.SUCCEEDED, b"r",
-                                            effects=effects)  # fmt: skip
+    assert not await domain.ledger.complete(
+        L.operation_id(rid, 1), OpState.SUCCEEDED, b"r", effects=effects
+    )
     (t1,) = await usage.totals("t1")
     assert (t1.tokens_trained, t1.optim_steps, t1.tokens_forward) == (12, 1, 0)
     # A vetoed step, a forward and a sample count as what they are.
@@ -57,8 +58,9 @@ async def test_usage_is_counted_once_with_the_outcome(domain: Domain) -> None:
     sample.sequences.add(tokens=[4])
     prompt = rollout_pb2.SampleRequest(prompt_tokens=[9, 9]).SerializeToString()
     assert sample_effects(prompt, sample) == [
-        ("usage", "tokens_prompt", 2), ("usage", "tokens_sampled", 4)
-    ]  # fmt: skip
+        ("usage", "tokens_prompt", 2),
+        ("usage", "tokens_sampled", 4),
+    ]
     (t2,) = await usage.totals("t2")
     assert t2.tokens_trained == 0 and [u.tenant for u in await usage.totals()] == ["t1"]
 
@@ -76,8 +78,12 @@ async def test_adapter_seconds_and_stored_bytes(domain: Domain) -> None:
     assert t1.adapter_seconds == 3.0
     catalog = Catalog(domain.store, domain.clock)
     await catalog.add(
-        tinker_path=f"tinker://{rid}/weights/a", tenant="t1", type=TRAINING, base_model="tiny",
-        lora=common_pb2.LoraConfig(rank=4), size_bytes=1234,
-    )  # fmt: skip
+        tinker_path=f"tinker://{rid}/weights/a",
+        tenant="t1",
+        type=TRAINING,
+        base_model="tiny",
+        lora=common_pb2.LoraConfig(rank=4),
+        size_bytes=1234,
+    )
     (t1,) = await usage.totals("t1")
     assert t1.stored_bytes == 1234

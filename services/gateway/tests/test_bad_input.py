@@ -73,9 +73,13 @@ def model(api: Api) -> str:
     session = api.post("/api/v1/create_session", {"tags": [], "sdk_version": "test"}).json()
     created = api.post(
         "/api/v1/create_model",
-        {"session_id": session["session_id"], "model_seq_id": 0, "base_model": base,
-         "lora_config": {"rank": 4}},
-    )  # fmt: skip
+        {
+            "session_id": session["session_id"],
+            "model_seq_id": 0,
+            "base_model": base,
+            "lora_config": {"rank": 4},
+        },
+    )
     assert created.status_code == 200, created.text
     api.result(created.json()["request_id"])
     return str(created.json()["model_id"])
@@ -89,8 +93,9 @@ def test_bad_names_are_400_on_every_route_and_write_nothing(
     fleet: Any, api: Api, model: str
 ) -> None:
     run_dir: Path = fleet.config.run_dir
-    saved = api.post("/api/v1/save_weights",
-                     {"model_id": model, "path": "good", "seq_id": api.next_seq()})  # fmt: skip
+    saved = api.post(
+        "/api/v1/save_weights", {"model_id": model, "path": "good", "seq_id": api.next_seq()}
+    )
     assert saved.status_code == 200, saved.text
     assert api.result(saved.json()["request_id"])["path"] == f"tinker://{model}/weights/good"
     before = files_under(run_dir)
@@ -99,29 +104,41 @@ def test_bad_names_are_400_on_every_route_and_write_nothing(
             ("/api/v1/save_weights", {"model_id": model, "path": name}, "path"),
             ("/api/v1/save_weights_for_sampler", {"model_id": model, "path": name}, "path"),
             ("/api/v1/save_weights_external", {"model_id": model, "path": name}, "path"),
-            ("/api/v1/load_weights", {"model_id": model,
-                                      "path": f"tinker://{model}/weights/{name}"}, "path"),
+            (
+                "/api/v1/load_weights",
+                {"model_id": model, "path": f"tinker://{model}/weights/{name}"},
+                "path",
+            ),
             ("/v1/lora/save", {"name": name}, "name"),
             ("/v1/lora/adapters/import", {"name": name, "files": {}}, "name"),
-        ]  # fmt: skip
+        ]
         for route, body, field in body_routes:
             if "model_id" in body:
                 body["seq_id"] = api.next_seq()
             reply = api.post(route, body)
             assert reply.status_code == 400, (route, name[:20], reply.text[:300])
             assert reply.json()["field"] == field, (route, name[:20], reply.json())
-        sampler = api.post("/api/v1/create_sampling_session", {
-            "session_id": model.split(":train:")[0], "sampling_session_seq_id": api.next_seq(),
-            "model_path": f"tinker://{model}/sampler_weights/{name}"})  # fmt: skip
+        sampler = api.post(
+            "/api/v1/create_sampling_session",
+            {
+                "session_id": model.split(":train:")[0],
+                "sampling_session_seq_id": api.next_seq(),
+                "model_path": f"tinker://{model}/sampler_weights/{name}",
+            },
+        )
         assert sampler.status_code == 400, (name[:20], sampler.text[:300])
         # dots percent-encoded: a client resolves a literal `..` segment before sending
         segment = quote(name, safe="").replace(".", "%2E")
         checkpoint = f"/api/v1/training_runs/{quote(model, safe='')}/checkpoints/weights/{segment}"
         for method, suffix, body in [
-            ("GET", "", None), ("DELETE", "", None), ("POST", "/publish", None),
-            ("DELETE", "/publish", None), ("PUT", "/ttl", {"ttl_seconds": 60}),
-            ("GET", "/archive", None), ("GET", "/external_weights_urls", None),
-        ]:  # fmt: skip
+            ("GET", "", None),
+            ("DELETE", "", None),
+            ("POST", "/publish", None),
+            ("DELETE", "/publish", None),
+            ("PUT", "/ttl", {"ttl_seconds": 60}),
+            ("GET", "/archive", None),
+            ("GET", "/external_weights_urls", None),
+        ]:
             reply = api.http.request(method, checkpoint + suffix, json=body)
             # a name with a separator is two path segments: no such route
             expected = 404 if "/" in name else 400
@@ -142,8 +159,11 @@ def _fb_body(model: str, seq_id: Any) -> dict[str, Any]:
             "weights": {"data": [1.0] * 4, "dtype": "float32"},
         },
     }
-    return {"model_id": model, "seq_id": seq_id,
-            "forward_backward_input": {"loss_fn": "cross_entropy", "data": [datum]}}  # fmt: skip
+    return {
+        "model_id": model,
+        "seq_id": seq_id,
+        "forward_backward_input": {"loss_fn": "cross_entropy", "data": [datum]},
+    }
 
 
 def test_the_three_500s_are_400s_naming_the_field(api: Api, model: str) -> None:
@@ -162,19 +182,28 @@ def _template(route: str, model: str, seq: int) -> dict[str, Any]:
     adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12}
     return {
         "/api/v1/forward_backward": _fb_body(model, seq),
-        "/api/v1/forward": {**_fb_body(model, seq), "forward_input":
-                            _fb_body(model, seq)["forward_backward_input"]},
+        "/api/v1/forward": {
+            **_fb_body(model, seq),
+            "forward_input": _fb_body(model, seq)["forward_backward_input"],
+        },
         "/api/v1/optim_step": {"model_id": model, "seq_id": seq, "adam_params": adam},
         "/api/v1/save_weights": {"model_id": model, "seq_id": seq, "path": f"p{seq}"},
-        "/api/v1/create_model": {"session_id": session, "model_seq_id": 900_000 + seq,
-                                 "base_model": "none", "lora_config": {"rank": 4}},
+        "/api/v1/create_model": {
+            "session_id": session,
+            "model_seq_id": 900_000 + seq,
+            "base_model": "none",
+            "lora_config": {"rank": 4},
+        },
         "/api/v1/create_session": {"tags": ["t"], "sdk_version": "x", "user_metadata": {"k": "v"}},
         "/api/v1/session_heartbeat": {"session_id": session},
         "/api/v1/retrieve_future": {"request_id": "nothing"},
-        "/api/v1/create_sampling_session": {"session_id": session,
-                                            "sampling_session_seq_id": seq, "base_model": "none"},
+        "/api/v1/create_sampling_session": {
+            "session_id": session,
+            "sampling_session_seq_id": seq,
+            "base_model": "none",
+        },
         "/v1/lora/train-qa": {"pairs": [{"Q": "q", "A": "a"}], "params": {"max_iters": "0"}},
-    }[route]  # fmt: skip
+    }[route]
 
 
 def _paths(value: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -204,18 +233,27 @@ numbers = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False),
 )
 surrogates = st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3)
-unicode_strings = st.builds(lambda a, s, b: a + s + b, st.text(max_size=5), surrogates,
-                            st.text(max_size=5))  # fmt: skip
+unicode_strings = st.builds(
+    lambda a, s, b: a + s + b, st.text(max_size=5), surrogates, st.text(max_size=5)
+)
 depths = st.integers(min_value=1, max_value=DEEP)
 bad_values = st.one_of(
     numbers.map(lambda n: ("number", n)),
     unicode_strings.map(lambda s: ("unicode", s)),
     st.tuples(depths, st.sampled_from("[{")).map(lambda d: ("deep", d)),
 )
-ROUTES = ["/api/v1/forward_backward", "/api/v1/forward", "/api/v1/optim_step",
-          "/api/v1/save_weights", "/api/v1/create_model", "/api/v1/create_session",
-          "/api/v1/session_heartbeat", "/api/v1/retrieve_future",
-          "/api/v1/create_sampling_session", "/v1/lora/train-qa"]  # fmt: skip
+ROUTES = [
+    "/api/v1/forward_backward",
+    "/api/v1/forward",
+    "/api/v1/optim_step",
+    "/api/v1/save_weights",
+    "/api/v1/create_model",
+    "/api/v1/create_session",
+    "/api/v1/session_heartbeat",
+    "/api/v1/retrieve_future",
+    "/api/v1/create_sampling_session",
+    "/v1/lora/train-qa",
+]
 
 
 def _encode(body: Any, bad: tuple[str, Any]) -> bytes:
@@ -225,8 +263,11 @@ def _encode(body: Any, bad: tuple[str, Any]) -> bytes:
         return text.replace(json.dumps(MARK), json.dumps(value)).encode()
     depth, bracket = value
     close = "]" if bracket == "[" else "}"
-    nested = ('{"a":' * depth + "1" + close * depth) if bracket == "{" else (
-        "[" * depth + "1" + close * depth)  # fmt: skip
+    nested = (
+        ('{"a":' * depth + "1" + close * depth)
+        if bracket == "{"
+        else ("[" * depth + "1" + close * depth)
+    )
     return json.dumps(body).replace(json.dumps(MARK), nested).encode()
 
 
@@ -235,10 +276,14 @@ def test_no_input_class_is_a_server_error(api: Api, model: str) -> None:
     route's body (keys included): always an answer below 500."""
     seen: dict[int, int] = {}
 
-    @given(route=st.sampled_from(ROUTES), data=st.data(), bad=bad_values,
-           in_key=st.booleans())  # fmt: skip
-    @settings(max_examples=150, deadline=None, database=None, derandomize=DERANDOMIZE,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(route=st.sampled_from(ROUTES), data=st.data(), bad=bad_values, in_key=st.booleans())
+    @settings(
+        max_examples=150,
+        deadline=None,
+        database=None,
+        derandomize=DERANDOMIZE,
+        suppress_health_check=list(HealthCheck),
+    )
     def check(route: str, data: st.DataObject, bad: tuple[str, Any], in_key: bool) -> None:
         body = _template(route, model, api.next_seq())
         at = data.draw(st.sampled_from(_paths(body)))

@@ -328,22 +328,39 @@ def test_refusals_spend_their_seq_id_schema_stage_included(client: Client, model
         ("/save_weights", {"path": "ok", "ttl_seconds": 0}, "ttl_seconds"),
         # refused by the contract's name rule
         ("/save_weights", {"path": "my ckpt"}, "path"),
-        ("/forward", {"forward_input": fb_body(model, 0, loss_fn="dimuon")["forward_input"]},
-         "forward_input.loss_fn"),
+        (
+            "/forward",
+            {"forward_input": fb_body(model, 0, loss_fn="dimuon")["forward_input"]},
+            "forward_input.loss_fn",
+        ),
         # dimuon is what Tinker (0.38) names an optimizer: refused as one too (AdamW only)
-        ("/optim_step", {"optimizer_params": {"type": "dimuon", "learning_rate": 1e-3,
-                                              "grad_clip_norm": 0.0, "beta1": 0.9}},
-         "optimizer_params"),
-    ]  # fmt: skip
+        (
+            "/optim_step",
+            {
+                "optimizer_params": {
+                    "type": "dimuon",
+                    "learning_rate": 1e-3,
+                    "grad_clip_norm": 0.0,
+                    "beta1": 0.9,
+                }
+            },
+            "optimizer_params",
+        ),
+    ]
     for path, body, field in refused:
         seq = next_seq(model)
         reply = client.post(path, {"model_id": model["model_id"], "seq_id": seq, **body})
         assert_400(reply, field)
     created = client.post(
         "/create_model",
-        {"session_id": model["session_id"], "model_seq_id": 99, "base_model": "any",
-         "lora_config": {"rank": 4}, "optimizer_config": {"type": "dimuon"}},
-    )  # fmt: skip
+        {
+            "session_id": model["session_id"],
+            "model_seq_id": 99,
+            "base_model": "any",
+            "lora_config": {"rank": 4},
+            "optimizer_config": {"type": "dimuon"},
+        },
+    )
     assert_400(created, "optimizer_config.type")
     assert "dimuon" in created.json()["detail"] and "adamw" in created.json()["detail"]
     # Each refusal spent its seq_id: the next operation runs at once, computing the same.

@@ -59,24 +59,59 @@ from lorafleet_rollout.types import LoraSpec, SampleRequest, SampleResult, Sampl
 
 #: What sglang_server.py (the real tier's launcher) passes as --lora-target-modules.
 DEFAULT_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
-)  # fmt: skip
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
 
 # --- ported from sglang 0.5.23 srt/lora/utils.py --------------------------------------------
 _PARAMS_MAPPING = {
-    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "out_proj": "out_proj",
-    "embed_tokens": "embed_tokens", "vocab_emb": "embed_tokens", "embeddings": "embed_tokens",
-    "word_embeddings": "embed_tokens", "lm_head": "lm_head", "output": "lm_head",
-    "unembed_tokens": "lm_head", "q_a_proj": "fused_qkv_a_proj_with_mqa",
-    "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa", "wq_b": "indexer.wq_b",
-    "wk": "indexer.wk", "weights_proj": "indexer.weights_proj",
-}  # fmt: skip
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "out_proj": "out_proj",
+    "embed_tokens": "embed_tokens",
+    "vocab_emb": "embed_tokens",
+    "embeddings": "embed_tokens",
+    "word_embeddings": "embed_tokens",
+    "lm_head": "lm_head",
+    "output": "lm_head",
+    "unembed_tokens": "lm_head",
+    "q_a_proj": "fused_qkv_a_proj_with_mqa",
+    "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
+    "wq_b": "indexer.wq_b",
+    "wk": "indexer.wk",
+    "weights_proj": "indexer.weights_proj",
+}
 _SUPPORTED = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
-    "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-    "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "wo_ud",
-)  # fmt: skip
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "kv_a_proj_with_mqa",
+    "q_b_proj",
+    "kv_b_proj",
+    "wq_b",
+    "wk",
+    "weights_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "embed_tokens",
+    "lm_head",
+    "qkvr",
+    "wo_ud",
+)
 
 
 def get_normalized_target_modules(target_modules: list[str] | str) -> set[str]:
@@ -548,10 +583,20 @@ def _render(
 
 def _aborted(rid: str) -> dict[str, Any]:
     """An aborted request's answer (`TokenizerManager` abort handling: no prompt_tokens)."""
-    finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None,
-              "err_type": None}  # fmt: skip
-    meta = {"id": rid, "finish_reason": finish, "weight_version": "default", "e2e_latency": 0.0,
-            "completion_tokens": 0, "output_token_logprobs": []}  # fmt: skip
+    finish = {
+        "type": "abort",
+        "message": "Abort in waiting queue",
+        "status_code": None,
+        "err_type": None,
+    }
+    meta = {
+        "id": rid,
+        "finish_reason": finish,
+        "weight_version": "default",
+        "e2e_latency": 0.0,
+        "completion_tokens": 0,
+        "output_token_logprobs": [],
+    }
     return {"text": "", "output_ids": [], "meta_info": meta}
 
 

@@ -55,8 +55,12 @@ def _build(package: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """setup.py build_ext of a package copy into its own build folder."""
     return subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--build-lib", "out", "--build-temp", "tmp"],
-        cwd=package, env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=package,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_signature_mismatch_fails_the_build(package_copy: Path) -> None:
@@ -127,8 +131,9 @@ def test_each_variant_equals_torch(variant: str) -> None:
         seg_k = torch.randn(kv_heads, 50, dim, generator=gen)
         seg_v = torch.randn(kv_heads, 50, dim, generator=gen)
         members = [4, 0, 2]  # 9 query heads: the lane path
-        call = native.shared.bind([([(seg_k, seg_v)], torch.tensor(members))], kv_heads, group,
-                                  dim, scale)  # fmt: skip
+        call = native.shared.bind(
+            [([(seg_k, seg_v)], torch.tensor(members))], kv_heads, group, dim, scale
+        )
         call(0, q, out, peak, total)
         for r in members:
             n = lengths[r]

@@ -77,23 +77,41 @@ def build(name: str, root: Path) -> Path:
     if name == "tiny-phi3":
         return ensure_model("tiny-phi3", MODELS, steps=20)  # the trainer tests' build
     common = {
-        "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True,
-        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1,
-    }  # fmt: skip
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 1,
+    }
     if name == "qwen2-moe":
         config: object = Qwen2MoeConfig(
-            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
-            num_experts_per_tok=2, shared_expert_intermediate_size=48, norm_topk_prob=False,
-            decoder_sparse_step=1, mlp_only_layers=[1],
-        )  # fmt: skip
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=6,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
     else:
         config = Phi3Config(
-            **common, intermediate_size=128, sliding_window=64,
+            **common,
+            intermediate_size=128,
+            sliding_window=64,
             original_max_position_embeddings=256,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                             "partial_rotary_factor": 0.5},
-        )  # fmt: skip
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        )
     return _random(root / name, config)
 
 
@@ -269,14 +287,18 @@ def test_the_rollout_exits_at_start_on_a_family_it_does_not_serve(tmp_path: Path
     naming the setting and the families rule's reason."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0,
-                        eos_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0
+    )
     GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
     env = child_env(LORAFLEET_ROLLOUT_MODEL_PATH=str(tmp_path / "gpt2"))
     proc = subprocess.run(
         [sys.executable, "-m", "lorafleet_rollout"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"error: LORAFLEET_ROLLOUT_MODEL_PATH={tmp_path / 'gpt2'}: ")

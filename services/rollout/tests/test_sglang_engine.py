@@ -122,17 +122,25 @@ async def test_seeded_samples_are_distinct_and_reproducible(
         await engine.close()
     # What the driver avoids: SGLang's n copies of one seeded request are all alike.
     async with httpx.AsyncClient(base_url=fake.url, timeout=120) as http:
-        sp = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 4,
-              "sampling_seed": 7}  # fmt: skip
+        sp = {
+            "max_new_tokens": 6,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "n": 4,
+            "sampling_seed": 7,
+        }
         same = await http.post(
             "/generate", json={"input_ids": list(PROMPT), "sampling_params": sp, "lora_path": None}
         )
         assert len({tuple(item["output_ids"]) for item in same.json()}) == 1
         too_big = await http.post(
             "/generate",
-            json={"input_ids": list(PROMPT), "lora_path": None,
-                  "sampling_params": {**sp, "sampling_seed": 2**63}},
-        )  # fmt: skip
+            json={
+                "input_ids": list(PROMPT),
+                "lora_path": None,
+                "sampling_params": {**sp, "sampling_seed": 2**63},
+            },
+        )
         assert too_big.status_code == 400 and "sampling_seed" in too_big.json()["error"]["message"]
 
 
@@ -189,9 +197,9 @@ async def test_retired_version_is_never_served(
         async with httpx.AsyncClient(base_url=fake.url, timeout=60) as http:
             sp = {"max_new_tokens": 4, "temperature": 0.0}
             stale = await http.post(
-                "/generate", json={"input_ids": list(PROMPT), "sampling_params": sp,
-                                   "lora_path": name},
-            )  # fmt: skip
+                "/generate",
+                json={"input_ids": list(PROMPT), "sampling_params": sp, "lora_path": name},
+            )
             assert stale.status_code == 400
             assert "Failed to implicitly load LoRA adapter" in stale.json()["error"]["message"]
             assert (await http.get("/health")).status_code == 200
@@ -216,7 +224,7 @@ async def test_fake_reloads_an_unloaded_name_as_sglang_does(
         sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
         back = await http.post(
             "/generate", json={"input_ids": list(PROMPT), "sampling_params": sp, "lora_path": "s"}
-        )  # fmt: skip
+        )
         assert back.status_code == 200
         assert back.json()["output_ids"] == reference_greedy(
             reference_model(model_dir, folder), list(PROMPT), 6
@@ -309,9 +317,12 @@ async def test_fake_enforces_the_schema(fake: FakeSGLang, model_dir: Path, tmp_p
         sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
         batch = await http.post(
             "/generate",
-            json={"input_ids": [list(PROMPT), list(PROMPT)], "sampling_params": sp,
-                  "lora_path": ["b", None]},
-        )  # fmt: skip
+            json={
+                "input_ids": [list(PROMPT), list(PROMPT)],
+                "sampling_params": sp,
+                "lora_path": ["b", None],
+            },
+        )
         assert batch.status_code == 200
         adapted, base = (item["output_ids"] for item in batch.json())
         assert adapted == reference_greedy(reference_model(model_dir, folder), list(PROMPT), 6)
@@ -330,16 +341,23 @@ async def test_fake_enforces_the_schema(fake: FakeSGLang, model_dir: Path, tmp_p
         assert missing.status_code == 400  # no lora_path: real SGLang would silently use the base
         typo = await http.post(
             "/generate",
-            json={"input_ids": list(PROMPT), "sampling_params": {**sp, "max_tokens": 3},
-                  "lora_path": None},
-        )  # fmt: skip
+            json={
+                "input_ids": list(PROMPT),
+                "sampling_params": {**sp, "max_tokens": 3},
+                "lora_path": None,
+            },
+        )
         assert typo.status_code == 400
 
         stream = await http.post(
             "/generate",
-            json={"input_ids": list(PROMPT), "sampling_params": sp, "lora_path": "b",
-                  "stream": True},
-        )  # fmt: skip
+            json={
+                "input_ids": list(PROMPT),
+                "sampling_params": sp,
+                "lora_path": "b",
+                "stream": True,
+            },
+        )
         frames = [line for line in stream.text.split("\n\n") if line]
         assert frames[-1] == "data: [DONE]" and all(f.startswith("data: ") for f in frames)
         assert len(frames) == 7

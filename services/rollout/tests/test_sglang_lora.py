@@ -123,10 +123,21 @@ def sglang_loads(folder: Path, model_dir: Path, out: Path) -> dict:
     assert python.exists(), f"no {python}: run services/rollout/tests/setup_sglang_venv.sh"
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(sglang_server.CPU_SHIMS)}
     done = subprocess.run(
-        [str(python), str(Path(__file__).with_name("sglang_loader_check.py")), str(folder),
-         str(model_dir), str(out), ",".join(DEFAULT_TARGETS), "64"],
-        env=env, capture_output=True, text=True, timeout=600, check=True,
-    )  # fmt: skip
+        [
+            str(python),
+            str(Path(__file__).with_name("sglang_loader_check.py")),
+            str(folder),
+            str(model_dir),
+            str(out),
+            ",".join(DEFAULT_TARGETS),
+            "64",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -89,9 +89,13 @@ def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Traine
     """A few real Adam steps per slot on different sequences, then PEFT export."""
     root = tmp_path_factory.mktemp("trained")
     engine = TrainerEngine.from_pretrained(
-        model_dir, device="cpu", dtype="float32", num_slots=2, max_rank=MAX_RANK,
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        num_slots=2,
+        max_rank=MAX_RANK,
         storage_root=root / "states",
-    )  # fmt: skip
+    )
     folders, specs = {}, {}
     for slot, rank in ((0, 4), (1, 8)):
         spec = TrainerLoraSpec(rank=rank, alpha=2.0 * rank, seed=slot + 1, train_unembed=True)

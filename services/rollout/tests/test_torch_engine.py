@@ -90,9 +90,12 @@ async def test_native_kernels_equal_torch(model_dir: Path, tmp_path: Path) -> No
     rows of two adapters of different ranks (fused q/k/v and gate/up, lm_head) and of none."""
     first = make_adapter(model_dir, tmp_path / "a", seed=5)
     second = make_adapter(
-        model_dir, tmp_path / "b", seed=6, rank=2,
+        model_dir,
+        tmp_path / "b",
+        seed=6,
+        rank=2,
         targets=("k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "lm_head"),
-    )  # fmt: skip
+    )
     system = tuple(range(40, 140))
     hot = SamplingSpec(12, temperature=1.0, seed=3, disable_eos_stop=True)
     adapters = [None, "r@1", "s@1"]
@@ -146,14 +149,29 @@ def test_native_shared_segments_equal_one_softmax() -> None:
         torch.randn(kv_heads, 40, dim, generator=gen),
     )
     segments = [  # (keys, values) [kv_heads, n, dim], rows
-        ((torch.randn(kv_heads, 70, dim, generator=gen),
-          torch.randn(kv_heads, 70, dim, generator=gen)), [4, 0]),
+        (
+            (
+                torch.randn(kv_heads, 70, dim, generator=gen),
+                torch.randn(kv_heads, 70, dim, generator=gen),
+            ),
+            [4, 0],
+        ),
         ((wide[0][:, 5:14], wide[1][:, 5:14]), [2]),
-        ((torch.randn(kv_heads, 3, dim, generator=gen),
-          torch.randn(kv_heads, 3, dim, generator=gen)), [1, 3]),
-        ((torch.randn(kv_heads, 21, dim, generator=gen),
-          torch.randn(kv_heads, 21, dim, generator=gen)), [6, 0, 2, 5, 3, 1]),
-    ]  # fmt: skip
+        (
+            (
+                torch.randn(kv_heads, 3, dim, generator=gen),
+                torch.randn(kv_heads, 3, dim, generator=gen),
+            ),
+            [1, 3],
+        ),
+        (
+            (
+                torch.randn(kv_heads, 21, dim, generator=gen),
+                torch.randn(kv_heads, 21, dim, generator=gen),
+            ),
+            [6, 0, 2, 5, 3, 1],
+        ),
+    ]
     out, peak, total = (torch.empty(rows, kv_heads, group, n) for n in (dim, 1, 1))
     want = torch.empty_like(out)
     for r in range(rows):
@@ -168,8 +186,11 @@ def test_native_shared_segments_equal_one_softmax() -> None:
         want[r] = torch.softmax((q[r] @ keys.transpose(-1, -2)) * scale, -1) @ values
     call = native.shared.bind(
         [([seg] * 2, torch.tensor(members)) for seg, members in segments],
-        kv_heads, group, dim, scale,
-    )  # fmt: skip
+        kv_heads,
+        group,
+        dim,
+        scale,
+    )
     before = out.clone()
     with pytest.raises(ValueError, match="decode_shared"):
         call(1, q[:6].contiguous(), out[:6], peak[:6], total[:6])  # row 6 is a segment's

@@ -31,11 +31,27 @@ def vllm_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     env = child_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_CPU_KVCACHE_SPACE="1")
     with log_path.open("w") as log:
         command = [
-            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--served-model-name", "base",
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
-            "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-        ]  # fmt: skip
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "base",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "float32",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--max-loras",
+            "2",
+        ]
         proc = subprocess.Popen(
             command,
             env=env,

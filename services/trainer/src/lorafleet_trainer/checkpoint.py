@@ -148,8 +148,10 @@ def disk_full(path: Path) -> ResourceExhausted:
     left = f"{free} bytes free" if free >= 0 else "free space unknown"
     return ResourceExhausted(
         f"no space left to write {path} ({left} on its filesystem)",
-        field="storage_root", reason="DISK_FULL", retry_after=60.0,
-    )  # fmt: skip
+        field="storage_root",
+        reason="DISK_FULL",
+        retry_after=60.0,
+    )
 
 
 def _existing(path: Path) -> Path:

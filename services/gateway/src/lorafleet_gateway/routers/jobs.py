@@ -84,5 +84,6 @@ async def job_events(job_id: str, tenant: Tenant, areas: Areas) -> StreamingResp
         async for event in events:
             yield event
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

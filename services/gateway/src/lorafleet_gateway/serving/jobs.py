@@ -72,31 +72,36 @@ def _text_params(raw: object) -> dict[str, str]:
         elif isinstance(value, list) and all(isinstance(v, str) for v in value):
             out[name] = ",".join(value)
         else:
-            raise errors.InvalidArgument("must be a number, a string or a list of strings",
-                                         field=name)  # fmt: skip
+            raise errors.InvalidArgument(
+                "must be a number, a string or a list of strings", field=name
+            )
     return out
 
 
 def _pairs(value: object, field: str = "pairs") -> list[jobs_pb2.QaPair]:
     """Shape only (an array of objects); the controller checks keys and values, naming them."""
     if not isinstance(value, list):
-        raise errors.InvalidArgument('must be a JSON array of {"Q": ..., "A": ...} objects',
-                                     field=field)  # fmt: skip
+        raise errors.InvalidArgument(
+            'must be a JSON array of {"Q": ..., "A": ...} objects', field=field
+        )
     out = []
     for i, item in enumerate(value):
         if not isinstance(item, dict):
-            raise errors.InvalidArgument('must be an object {"Q": ..., "A": ...}',
-                                         field=f"{field}[{i}]")  # fmt: skip
+            raise errors.InvalidArgument(
+                'must be an object {"Q": ..., "A": ...}', field=f"{field}[{i}]"
+            )
         unknown = sorted(set(item) - {"Q", "A"})
         if unknown:
-            raise errors.InvalidArgument(f"unknown key {unknown[0]!r} (expected Q and A)",
-                                         field=f"{field}[{i}]")  # fmt: skip
+            raise errors.InvalidArgument(
+                f"unknown key {unknown[0]!r} (expected Q and A)", field=f"{field}[{i}]"
+            )
         for key in ("Q", "A"):
             if key not in item:
                 raise errors.InvalidArgument(f"missing key {key!r}", field=f"{field}[{i}].{key}")
             if not isinstance(item[key], str):
-                raise errors.InvalidArgument(f"must be a string, got {type(item[key]).__name__}",
-                                             field=f"{field}[{i}].{key}")  # fmt: skip
+                raise errors.InvalidArgument(
+                    f"must be a string, got {type(item[key]).__name__}", field=f"{field}[{i}].{key}"
+                )
         out.append(jobs_pb2.QaPair(question=item["Q"], answer=item["A"]))
     return out
 
@@ -124,9 +129,9 @@ def _envelope(obj: dict[str, Any], data_keys: tuple[str, ...]) -> dict[str, str]
     return out
 
 
-def parse_body(route: str, body: bytes, content_type: str) -> tuple[
-    jobs_pb2.CreateJobRequest, dict[str, str]
-]:  # fmt: skip
+def parse_body(
+    route: str, body: bytes, content_type: str
+) -> tuple[jobs_pb2.CreateJobRequest, dict[str, str]]:
     """A job route's body → (the request's data, the body's params/run/base_model)."""
     ctype = content_type.split(";")[0].strip().lower()
     req = jobs_pb2.CreateJobRequest()
@@ -135,8 +140,9 @@ def parse_body(route: str, body: bytes, content_type: str) -> tuple[
         filename, data = _file_part(body, content_type)
         if route == "train-file-qa":
             if not filename.lower().endswith(".json"):
-                raise errors.InvalidArgument(f"must be a .json file, got {filename!r}",
-                                             field="file")  # fmt: skip
+                raise errors.InvalidArgument(
+                    f"must be a .json file, got {filename!r}", field="file"
+                )
             req.pairs.extend(_pairs(_json(data, "file"), "file"))
         else:
             req.documents.append(_decode(data, "file"))
@@ -157,8 +163,9 @@ def parse_body(route: str, body: bytes, content_type: str) -> tuple[
         req.pairs.extend(_pairs(value, "body"))
     elif route in ("train", "train-file"):
         if not isinstance(value, dict):
-            raise errors.InvalidArgument('must be {"text": ...} or {"documents": [...]}',
-                                         field="body")  # fmt: skip
+            raise errors.InvalidArgument(
+                'must be {"text": ...} or {"documents": [...]}', field="body"
+            )
         extra = _envelope(value, ("text", "documents"))
         if "text" in value:
             if not isinstance(value["text"], str):
@@ -217,8 +224,11 @@ def job_view(job: jobs_pb2.Job) -> lp.Job:
         "error": None,
     }
     if job.HasField("error"):
-        view["error"] = {"field": job.error.field or None, "message": job.error.message,
-                         "reason": job.error.reason}  # fmt: skip
+        view["error"] = {
+            "field": job.error.field or None,
+            "message": job.error.message,
+            "reason": job.error.reason,
+        }
     if job.state == jobs_pb2.JOB_STATE_SUCCEEDED:
         drop = TEXT_ONLY if job.kind == jobs_pb2.JOB_KIND_QA else QA_ONLY
         if not job.result.validation_unit_count:
@@ -309,8 +319,12 @@ class JobsServing:
         steps = passes = 0
         while True:
             for point in job.curve[steps:]:
-                step = {"pass": point.pass_number, "step": point.update, "loss": point.loss,
-                        "lr": point.learning_rate}  # fmt: skip
+                step = {
+                    "pass": point.pass_number,
+                    "step": point.update,
+                    "loss": point.loss,
+                    "lr": point.learning_rate,
+                }
                 yield _event("step", step)
             for summary in job.history[passes:]:
                 validation = (
