@@ -36,17 +36,21 @@ def run(model_dir: Path, windows: list, carry: bool) -> dict[str, float]:
     from lorafleet_trainer.engine import TrainerEngine
 
     with tempfile.TemporaryDirectory() as tmp:
-        engine = TrainerEngine.from_pretrained(model_dir, device="cpu", num_slots=1,
-                                               max_rank=8, storage_root=Path(tmp))  # fmt: skip
+        engine = TrainerEngine.from_pretrained(
+            model_dir, device="cpu", num_slots=1, max_rank=8, storage_root=Path(tmp)
+        )
         engine.bind(0, "r", LoraSpec(rank=8, seed=0, train_attn=True, train_mlp=True))
         computed = 0.0
         start = time.perf_counter()
         for i, w in enumerate(windows):
             if not carry:
                 engine.slots.bindings[0].carried = None
-            datum = Datum(list(w.tokens), {"target_tokens": torch.tensor(w.targets),
-                                           "weights": torch.ones(len(w.tokens))},
-                          context=list(w.context), window=True)  # fmt: skip
+            datum = Datum(
+                list(w.tokens),
+                {"target_tokens": torch.tensor(w.targets), "weights": torch.ones(len(w.tokens))},
+                context=list(w.context),
+                window=True,
+            )
             inp = ForwardBackwardInput([datum], "cross_entropy", group_tokens=len(w.tokens))
             (out,) = engine.forward_backward([ForwardBackwardItem(f"fb{i}", 0, "r", inp)])
             computed += out.metrics["forward_tokens:sum"]
@@ -75,19 +79,28 @@ def main() -> None:
     torch.set_num_threads(1)
     carried = run(model_dir, cut, carry=True)
     again = run(model_dir, cut, carry=False)
-    print(json.dumps({
-        "model": model_dir.name,
-        "positions": positions,
-        "document_tokens": args.tokens,
-        "chunk_tokens": args.chunk_tokens,
-        "windows": len(cut),
-        "carried_seconds": round(carried["seconds"], 3),
-        "recomputed_seconds": round(again["seconds"], 3),
-        "carried_forward_tokens_per_token": round(carried["forward_tokens"] / args.tokens, 4),
-        "recomputed_forward_tokens_per_token": round(again["forward_tokens"] / args.tokens, 4),
-        "speedup": round(again["seconds"] / carried["seconds"], 3),
-        "load_average_1m": os.getloadavg()[0],
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model": model_dir.name,
+                "positions": positions,
+                "document_tokens": args.tokens,
+                "chunk_tokens": args.chunk_tokens,
+                "windows": len(cut),
+                "carried_seconds": round(carried["seconds"], 3),
+                "recomputed_seconds": round(again["seconds"], 3),
+                "carried_forward_tokens_per_token": round(
+                    carried["forward_tokens"] / args.tokens, 4
+                ),
+                "recomputed_forward_tokens_per_token": round(
+                    again["forward_tokens"] / args.tokens, 4
+                ),
+                "speedup": round(again["seconds"] / carried["seconds"], 3),
+                "load_average_1m": os.getloadavg()[0],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -72,8 +72,9 @@ class Direct:
         self.slot, self.n = slot, 0
 
     async def bind(self) -> None:
-        req = trainer_pb2.BindSlotRequest(slot=self.slot, registration_id="direct",
-                                          lora_config=LORA)  # fmt: skip
+        req = trainer_pb2.BindSlotRequest(
+            slot=self.slot, registration_id="direct", lora_config=LORA
+        )
         await self.stub.BindSlot(req, timeout=60)
 
     async def step(self, fb: common_pb2.ForwardBackwardInput) -> None:
@@ -86,10 +87,14 @@ class Direct:
         )
         assert resp.results[0].WhichOneof("outcome") == "output", resp.results[0].error
         await self.stub.OptimStep(
-            trainer_pb2.OptimStepRequest(operation_id=f"step-{self.n}", slot=self.slot,
-                                         registration_id="direct", adam_params=ADAM),
+            trainer_pb2.OptimStepRequest(
+                operation_id=f"step-{self.n}",
+                slot=self.slot,
+                registration_id="direct",
+                adam_params=ADAM,
+            ),
             timeout=600,
-        )  # fmt: skip
+        )
 
 
 class ThroughController:
@@ -111,10 +116,11 @@ class ThroughController:
             await asyncio.sleep(0.1)
         session = await self.stub.CreateSession(K.CreateSessionRequest(tenant=TENANT), timeout=10)
         resp = await self.stub.CreateRegistration(
-            K.CreateRegistrationRequest(tenant=TENANT, session_id=session.session_id,
-                                        base_model=base, lora_config=LORA),
+            K.CreateRegistrationRequest(
+                tenant=TENANT, session_id=session.session_id, base_model=base, lora_config=LORA
+            ),
             timeout=60,
-        )  # fmt: skip
+        )
         self.rid = resp.registration.registration_id
         for _ in range(1200):
             reg = await self.stub.GetRegistration(
@@ -128,10 +134,11 @@ class ThroughController:
     async def _submit(self, payload: K.OperationPayload) -> str:
         self.seq += 1
         resp = await self.stub.SubmitOperation(
-            K.SubmitOperationRequest(tenant=TENANT, registration_id=self.rid, seq_id=self.seq,
-                                     payload=payload),
+            K.SubmitOperationRequest(
+                tenant=TENANT, registration_id=self.rid, seq_id=self.seq, payload=payload
+            ),
             timeout=60,
-        )  # fmt: skip
+        )
         return resp.operation_id
 
     async def _result(self, opid: str) -> None:
@@ -162,18 +169,22 @@ async def main(steps: int, warmup: int) -> dict[str, object]:
         redis = start_redis(root / "redis")
         ctl_port, tr_port = free_port(), free_port()
         ctl_env = child_env(
-            LORAFLEET_CONTROLLER_REDIS_URL=redis.url, LORAFLEET_CONTROLLER_PORT=str(ctl_port),
+            LORAFLEET_CONTROLLER_REDIS_URL=redis.url,
+            LORAFLEET_CONTROLLER_PORT=str(ctl_port),
             LORAFLEET_CONTROLLER_STORAGE_ROOT=str(root / "controller"),
             LORAFLEET_CONTROLLER_LOG_LEVEL="WARNING",
-        )  # fmt: skip
+        )
         tr_env = child_env(
-            LORAFLEET_TRAINER_PORT=str(tr_port), LORAFLEET_TRAINER_MODEL_PATH=str(model_dir),
-            LORAFLEET_TRAINER_NUM_SLOTS="2", LORAFLEET_TRAINER_MAX_RANK="64",
+            LORAFLEET_TRAINER_PORT=str(tr_port),
+            LORAFLEET_TRAINER_MODEL_PATH=str(model_dir),
+            LORAFLEET_TRAINER_NUM_SLOTS="2",
+            LORAFLEET_TRAINER_MAX_RANK="64",
             LORAFLEET_TRAINER_STORAGE_ROOT=str(root / "trainer"),
             LORAFLEET_TRAINER_TORCH_THREADS=str(torch.get_num_threads()),
             LORAFLEET_TRAINER_CONTROLLER_ADDRESS=f"127.0.0.1:{ctl_port}",
-            LORAFLEET_TRAINER_REPLICA_ID="trainer-0", LORAFLEET_TRAINER_LOG_LEVEL="WARNING",
-        )  # fmt: skip
+            LORAFLEET_TRAINER_REPLICA_ID="trainer-0",
+            LORAFLEET_TRAINER_LOG_LEVEL="WARNING",
+        )
         try:
             with (
                 service_process("lorafleet_controller", ctl_port, ctl_env, root / "c.log"),

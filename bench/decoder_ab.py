@@ -48,16 +48,21 @@ def load_baseline(path: Path) -> ModuleType:
 def build(module: ModuleType, model: Any) -> Any:
     """A decoder of `module` on `model` with ADAPTERS installed and its cache reserved."""
     dec = module.Decoder(model)
-    shapes = {n: (m.in_features, m.out_features) for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear)}  # fmt: skip
+    shapes = {
+        n: (m.in_features, m.out_features)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     for i in range(ADAPTERS):
         gen = torch.Generator().manual_seed(i)
         modules = {
-            name: (torch.randn(fan_in, RANK, generator=gen) * 0.01,
-                   torch.randn(RANK, fan_out, generator=gen) * 0.01)
+            name: (
+                torch.randn(fan_in, RANK, generator=gen) * 0.01,
+                torch.randn(RANK, fan_out, generator=gen) * 0.01,
+            )
             for name, (fan_in, fan_out) in shapes.items()
             if name.endswith(("q_proj", "v_proj", "down_proj", "lm_head"))
-        }  # fmt: skip
+        }
         dec.install(f"a{i}", dec.lay_out(AdapterWeights(RANK, modules)))
     dec.cache.reserve(ROWS, COLUMNS + 1)
     return dec
@@ -96,16 +101,26 @@ def main() -> None:
                 step(sides[name], route)
             times[name].append((time.perf_counter() - start) / args.steps)
     ratios = [c / b for c, b in zip(times["current"], times["baseline"], strict=True)]
-    print(json.dumps({
-        "bench": "decoder_ab",
-        "model": "lorafleet_models bench preset",
-        "rows": ROWS, "columns": COLUMNS, "adapters": ADAPTERS, "rank": RANK,
-        "threads": args.threads, "blocks": args.blocks, "steps_per_block": args.steps,
-        "baseline_step_ms": round(statistics.median(times["baseline"]) * 1e3, 3),
-        "current_step_ms": round(statistics.median(times["current"]) * 1e3, 3),
-        "current_over_baseline": round(statistics.median(ratios), 4),
-        "ratio_quartiles": [round(q, 4) for q in statistics.quantiles(ratios, n=4)],
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "decoder_ab",
+                "model": "lorafleet_models bench preset",
+                "rows": ROWS,
+                "columns": COLUMNS,
+                "adapters": ADAPTERS,
+                "rank": RANK,
+                "threads": args.threads,
+                "blocks": args.blocks,
+                "steps_per_block": args.steps,
+                "baseline_step_ms": round(statistics.median(times["baseline"]) * 1e3, 3),
+                "current_step_ms": round(statistics.median(times["current"]) * 1e3, 3),
+                "current_over_baseline": round(statistics.median(ratios), 4),
+                "ratio_quartiles": [round(q, 4) for q in statistics.quantiles(ratios, n=4)],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -72,9 +72,11 @@ async def run(
     args: argparse.Namespace, url: str, prefix: str, flood: bool, per_tenant: int, rate: float
 ) -> dict[str, Any]:
     settings = ControllerSettings(
-        redis_url=url, key_prefix=prefix, admission_rate_per_tenant=rate,
+        redis_url=url,
+        key_prefix=prefix,
+        admission_rate_per_tenant=rate,
         admission_burst_per_tenant=args.burst,
-    )  # fmt: skip
+    )
     client = aioredis.from_url(url)
     store = Store(client, prefix)
     await store.take_epoch()
@@ -88,9 +90,15 @@ async def run(
 
     async def ready_run(tenant: str, n: int) -> str:
         rec, _ = await registry.create(
-            tenant, f"{tenant}-session", n, "base", common_pb2.LoraConfig(rank=4), {}, "adamw",
+            tenant,
+            f"{tenant}-session",
+            n,
+            "base",
+            common_pb2.LoraConfig(rank=4),
+            {},
+            "adamw",
             False,
-        )  # fmt: skip
+        )
         placement = await registry.place(rec.registration_id)
         await registry.bound(rec.registration_id, placement.replica, placement.slot)
         return rec.registration_id
@@ -154,8 +162,12 @@ async def run(
     await asyncio.gather(*tasks)
     await notifier.stop()
     await client.aclose()
-    return {"a_step_ms": {"p50": pct(steps, 0.5), "p99": pct(steps, 0.99)},
-            "a_refused": a_refused, "b_admitted": admitted, "b_refused": refused}  # fmt: skip
+    return {
+        "a_step_ms": {"p50": pct(steps, 0.5), "p99": pct(steps, 0.99)},
+        "a_refused": a_refused,
+        "b_admitted": admitted,
+        "b_refused": refused,
+    }
 
 
 def main() -> None:
@@ -176,9 +188,13 @@ def main() -> None:
     cap, rate = args.per_tenant, args.rate
     # name -> (flood, per-tenant cap, bucket rate); fifo: no cap, every claimed operation in
     # the next batch (as before fair_batch)
-    configs = {"alone": (False, cap, rate), "alone_no_bucket": (False, cap, 0.0),
-               "flooded_fifo": (True, 1 << 30, rate), "flooded_fair_no_bucket": (True, cap, 0.0),
-               "flooded_fair": (True, cap, rate)}  # fmt: skip
+    configs = {
+        "alone": (False, cap, rate),
+        "alone_no_bucket": (False, cap, 0.0),
+        "flooded_fifo": (True, 1 << 30, rate),
+        "flooded_fair_no_bucket": (True, cap, 0.0),
+        "flooded_fair": (True, cap, rate),
+    }
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp) / "redis")
@@ -193,10 +209,13 @@ def main() -> None:
                     results[name] = asyncio.run(run(args, server.url, f"{name}{r}:", *cfg))
                     after = {who: cpu_times(pid) for who, pid in pids.items()}
                     results[name]["cpu_wait_per_run"] = {
-                        who: round((after[who][1] - before[who][1])
-                                   / max(after[who][0] - before[who][0], 1e-9), 2)
+                        who: round(
+                            (after[who][1] - before[who][1])
+                            / max(after[who][0] - before[who][0], 1e-9),
+                            2,
+                        )
                         for who in pids
-                    }  # fmt: skip
+                    }
                 rounds.append(results)
         finally:
             server.stop()

@@ -77,15 +77,26 @@ RANK, ALPHA = 16, 32
 def llama8b_config(layers: int, smoke: bool) -> LlamaConfig:
     if smoke:
         return LlamaConfig(
-            hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
-            num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
-            max_position_embeddings=2048, tie_word_embeddings=False,
-        )  # fmt: skip
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=4096,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        )
     return LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
-    )  # fmt: skip
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
 
 
 def build(config: LlamaConfig, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -232,9 +243,13 @@ def quantized_section(args, device: str, dtype: torch.dtype, work: Path) -> dict
             reference = copy.deepcopy(base)
             quantize.dequantize_in_place(reference, kind)
         engine = TrainerEngine(
-            base, base_model="llama8b-truncated", num_slots=1, max_rank=RANK,
-            storage_root=work / f"q-{kind}", quantization=kind,
-        )  # fmt: skip
+            base,
+            base_model="llama8b-truncated",
+            num_slots=1,
+            max_rank=RANK,
+            storage_root=work / f"q-{kind}",
+            quantization=kind,
+        )
         engine.bind(0, "r0", spec)
         lp = engine.forward_backward([ForwardBackwardItem("", 0, "r0", probe)])[0].logprobs[0]
         step = [0]  # fresh operation ids for every timed step
@@ -282,9 +297,14 @@ def group_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
     os.environ.update(launcher_env(0, 1, free_port()))
     kwargs = {"num_slots": 1, "max_rank": RANK, "storage_root": work / "group-states"}
     sharded, group = load_group_engine(
-        folder, GroupEnv.from_environ(), device=device, dtype=str(dtype).split(".")[-1],
-        timeout=300.0, base_model="g", **kwargs,
-    )  # fmt: skip
+        folder,
+        GroupEnv.from_environ(),
+        device=device,
+        dtype=str(dtype).split(".")[-1],
+        timeout=300.0,
+        base_model="g",
+        **kwargs,
+    )
     driver = GroupEngine(sharded, group, keepalive=30.0, on_lost=lambda exc: os._exit(3))
     plain = TrainerEngine(
         AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device),
@@ -416,9 +436,14 @@ def two_rank_main(args) -> None:
         engine, rank, backend = TrainerEngine(model, base_model="g", **kwargs), 0, "none"
     else:
         engine, group = load_group_engine(
-            args.rank_of, env, device=args.device, dtype=args.dtype, timeout=600.0,
-            base_model="g", **kwargs,
-        )  # fmt: skip
+            args.rank_of,
+            env,
+            device=args.device,
+            dtype=args.dtype,
+            timeout=600.0,
+            base_model="g",
+            **kwargs,
+        )
         rank, backend = env.rank, str(torch.distributed.get_backend())
     base = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     mine: dict = {
@@ -582,9 +607,13 @@ async def rollout_section(args, work: Path) -> dict:
             model.set_adapter(f"a{r % 8}")
             ids = torch.tensor([prompt], device=device)
             model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
     baseline_s = time.perf_counter() - start
     tokens = len(prompts) * new
     return {

@@ -92,9 +92,14 @@ def train(model: Path, device: str, work: Path, quantization: str = quantize.NON
     The trainer runs float32 on the served weights (bf16-exact on a GPU), quantized as the
     fleet's `quantization` says (its base-only logprobs then come from the same weights)."""
     engine = TrainerEngine.from_pretrained(
-        model, device=device, dtype="float32", num_slots=1, max_rank=RANK,
-        storage_root=work / f"{model.name}-{quantization}-states", quantization=quantization,
-    )  # fmt: skip
+        model,
+        device=device,
+        dtype="float32",
+        num_slots=1,
+        max_rank=RANK,
+        storage_root=work / f"{model.name}-{quantization}-states",
+        quantization=quantization,
+    )
     engine.bind(0, "reg", TrainerLoraSpec(rank=RANK, alpha=ALPHA, seed=1, train_unembed=True))
     gen = torch.Generator().manual_seed(100)
     target = [*PROMPT, *torch.randint(3, 2000, (16,), generator=gen).tolist()]
@@ -186,9 +191,15 @@ async def sglang_part(
     if isinstance(python, str):
         return {"result": python}
     server = sglang_server.SGLangServer(
-        model, free_port(), python=python, device="cuda" if cuda else "cpu",
-        max_lora_rank=RANK, max_loras_per_batch=2, max_loaded_loras=4, quantization=quantization,
-    )  # fmt: skip
+        model,
+        free_port(),
+        python=python,
+        device="cuda" if cuda else "cpu",
+        max_lora_rank=RANK,
+        max_loras_per_batch=2,
+        max_loaded_loras=4,
+        quantization=quantization,
+    )
     try:
         server.check()
     except ValueError as exc:  # the CPU profile refuses MoE models
@@ -232,9 +243,15 @@ async def vllm_part(
     started = time.monotonic()
     context = AutoConfig.from_pretrained(model).max_position_embeddings
     server = sampling_vllm.vllm_server(
-        model, 2, True, log, python=python, dtype=dtype, max_model_len=context,
+        model,
+        2,
+        True,
+        log,
+        python=python,
+        dtype=dtype,
+        max_model_len=context,
         quantization=quantization,
-    )  # fmt: skip
+    )
     with server as (url, proc):
         engine = VLLMEngine(url, model, max_lora_rank=RANK, ready_timeout=600)
         try:

@@ -89,13 +89,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         peft_job(model_dir, 1, args.rank, Path(tmp) / "warm")  # imports and caches
         before = peft_job(model_dir, args.passes, args.rank, Path(tmp) / "before")
-        config = FleetConfig(model_path=model_dir, run_dir=Path(tmp) / "fleet", trainers=1,
-                             rollouts=0, slots=2)  # fmt: skip
+        config = FleetConfig(
+            model_path=model_dir, run_dir=Path(tmp) / "fleet", trainers=1, rollouts=0, slots=2
+        )
         with Fleet(config) as fleet:
-            c = httpx.Client(base_url=fleet.base_url, headers={"X-API-Key": fleet.api_key},
-                             timeout=1800)  # fmt: skip
-            params = {"max_iters": str(args.passes), "rank": str(args.rank), "seed": "0",
-                      "learning_rate": str(LR), "loss_target": "0", "early_stop": "0"}  # fmt: skip
+            c = httpx.Client(
+                base_url=fleet.base_url, headers={"X-API-Key": fleet.api_key}, timeout=1800
+            )
+            params = {
+                "max_iters": str(args.passes),
+                "rank": str(args.rank),
+                "seed": "0",
+                "learning_rate": str(LR),
+                "loss_target": "0",
+                "early_stop": "0",
+            }
             c.post("/v1/lora/train-qa", params={**params, "max_iters": "1"}, json=PAIRS[0])
             c.post("/v1/lora/reset")  # the warm-up made the default run; start afresh
             t0 = time.perf_counter()
@@ -103,18 +111,23 @@ def main() -> None:
             fleet_seconds = time.perf_counter() - t0
         after = peft_job(model_dir, args.passes, args.rank, Path(tmp) / "after")
     peft_seconds = statistics.mean([before, after])
-    print(json.dumps({
-        "model": model_dir.name,
-        "units": job["unitCount"],
-        "passes": job["passCount"],
-        "optimizer_updates": job["optimizerUpdateCount"],
-        "fleet_job_seconds": round(fleet_seconds, 3),
-        "fleet_job_server_seconds": round(job["finishedAt"] - job["startedAt"], 3),
-        "peft_seconds_before_after": [round(before, 3), round(after, 3)],
-        "ratio_peft_over_fleet": round(peft_seconds / fleet_seconds, 3),
-        "final_train_loss": job["finalTrainLoss"],
-        "load_average_1m": os.getloadavg()[0],
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "model": model_dir.name,
+                "units": job["unitCount"],
+                "passes": job["passCount"],
+                "optimizer_updates": job["optimizerUpdateCount"],
+                "fleet_job_seconds": round(fleet_seconds, 3),
+                "fleet_job_server_seconds": round(job["finishedAt"] - job["startedAt"], 3),
+                "peft_seconds_before_after": [round(before, 3), round(after, 3)],
+                "ratio_peft_over_fleet": round(peft_seconds / fleet_seconds, 3),
+                "final_train_loss": job["finalTrainLoss"],
+                "load_average_1m": os.getloadavg()[0],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

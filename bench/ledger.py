@@ -57,12 +57,17 @@ async def run(
     args: argparse.Namespace, url: str, pipelined: bool, prefix: str
 ) -> dict[str, object]:
     settings = ControllerSettings(
-        redis_url=url, key_prefix=prefix, max_pending_per_registration=1024,
-        max_unacked_results=10_000_000, max_pending_global=10_000_000,
-        max_unacked_results_per_tenant=10_000_000, max_pending_per_tenant=10_000_000,
-        pipeline_submits=pipelined, admission_rate_per_tenant=args.admission_rate,
+        redis_url=url,
+        key_prefix=prefix,
+        max_pending_per_registration=1024,
+        max_unacked_results=10_000_000,
+        max_pending_global=10_000_000,
+        max_unacked_results_per_tenant=10_000_000,
+        max_pending_per_tenant=10_000_000,
+        pipeline_submits=pipelined,
+        admission_rate_per_tenant=args.admission_rate,
         admission_burst_per_tenant=10_000_000,
-    )  # fmt: skip
+    )
     client = aioredis.from_url(url)
     await client.config_resetstat()  # Redis's own time per script call, for this run only
     store = Store(client, settings.key_prefix)
@@ -115,8 +120,9 @@ async def run(
             claims = await ledger.claim_many([popped[1].decode()], CLAIM_BATCH)
             now = time.perf_counter()
             claim_lat.extend(now - submitted[c.operation_id] for c in claims)
-            await ledger.complete_many([L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r")
-                                        for c in claims])  # fmt: skip
+            await ledger.complete_many(
+                [L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r") for c in claims]
+            )
             for c in claims:
                 finished[c.operation_id].set()
             completed += len(claims)
@@ -138,21 +144,26 @@ async def run(
         "registrations": args.registrations,
         "ops": total,
         "consumers": args.consumers,
-        "submit_to_claimed_ms": {"p50": round(pct(claim_lat, 0.5), 3),
-                                 "p99": round(pct(claim_lat, 0.99), 3)},
-        "submit_call_ms": {"p50": round(pct(submit_lat, 0.5), 3),
-                           "p99": round(pct(submit_lat, 0.99), 3)},
+        "submit_to_claimed_ms": {
+            "p50": round(pct(claim_lat, 0.5), 3),
+            "p99": round(pct(claim_lat, 0.99), 3),
+        },
+        "submit_call_ms": {
+            "p50": round(pct(submit_lat, 0.5), 3),
+            "p99": round(pct(submit_lat, 0.99), 3),
+        },
         "ops_per_second": round(total / elapsed, 1),
         "mean_claim_ms": round(statistics.fmean(claim_lat) * 1000, 3),
-    }  # fmt: skip
+    }
 
 
 async def idle_latency(
     url: str, n: int, pipelined: bool, prefix: str, admission_rate: float
 ) -> dict[str, float]:
     """Submit→claimed with one registration and an idle consumer (no queueing)."""
-    args = argparse.Namespace(registrations=1, ops=n, consumers=1, lockstep=True,
-                              admission_rate=admission_rate)  # fmt: skip
+    args = argparse.Namespace(
+        registrations=1, ops=n, consumers=1, lockstep=True, admission_rate=admission_rate
+    )
     out = await run(args, url, pipelined, prefix + "idle:")
     return out["submit_to_claimed_ms"]  # type: ignore[return-value]
 

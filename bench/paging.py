@@ -61,15 +61,20 @@ def tensor(values: list[Any], integer: bool) -> common_pb2.Tensor:
     fmt = f"<{len(values)}{'q' if integer else 'f'}"
     return common_pb2.Tensor(
         dtype=common_pb2.DTYPE_INT64 if integer else common_pb2.DTYPE_FLOAT32,
-        shape=[len(values)], data=struct.pack(fmt, *values),
-    )  # fmt: skip
+        shape=[len(values)],
+        data=struct.pack(fmt, *values),
+    )
 
 
 def step_payloads(seed: int, step: int) -> list[controller_pb2.OperationPayload]:
     tokens = [(7 * step + 11 * seed + 5 * i) % 250 + 1 for i in range(16)]
-    datum = common_pb2.Datum(tokens=tokens[:-1], loss_fn_inputs={
-        "target_tokens": tensor(tokens[1:], True), "weights": tensor([1.0] * 15, False),
-    })  # fmt: skip
+    datum = common_pb2.Datum(
+        tokens=tokens[:-1],
+        loss_fn_inputs={
+            "target_tokens": tensor(tokens[1:], True),
+            "weights": tensor([1.0] * 15, False),
+        },
+    )
     fb = common_pb2.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")
     adam = common_pb2.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12)
     return [K.OperationPayload(forward_backward=fb), K.OperationPayload(optim_step=adam)]
@@ -93,11 +98,19 @@ class Run:
 
     async def op(self, payload: controller_pb2.OperationPayload) -> None:
         self.seq += 1
-        resp = await self.c("SubmitOperation", K.SubmitOperationRequest(
-            tenant=TENANT, registration_id=self.rid, seq_id=self.seq, payload=payload))  # fmt: skip
+        resp = await self.c(
+            "SubmitOperation",
+            K.SubmitOperationRequest(
+                tenant=TENANT, registration_id=self.rid, seq_id=self.seq, payload=payload
+            ),
+        )
         while True:
-            got = await self.c("GetOperation", K.GetOperationRequest(
-                tenant=TENANT, operation_id=resp.operation_id, wait_seconds=30))  # fmt: skip
+            got = await self.c(
+                "GetOperation",
+                K.GetOperationRequest(
+                    tenant=TENANT, operation_id=resp.operation_id, wait_seconds=30
+                ),
+            )
             state = got.operation.state
             if state not in (K.OPERATION_STATE_QUEUED, K.OPERATION_STATE_CLAIMED):
                 break
@@ -115,8 +128,10 @@ class Run:
         await self.op(K.OperationPayload(save_state=K.SaveStatePayload(name=name)))
         folder = storage / self.rid / name
         steps = json.loads((folder / "trainer_state.json").read_text())["optim_steps"]
-        tensors = {**load_file(folder / "adapter_model.safetensors"),
-                   **load_file(folder / "optimizer.safetensors")}  # fmt: skip
+        tensors = {
+            **load_file(folder / "adapter_model.safetensors"),
+            **load_file(folder / "optimizer.safetensors"),
+        }
         return {"steps": steps, "tensors": tensors}
 
     async def delete(self) -> None:
@@ -125,17 +140,31 @@ class Run:
 
 
 async def phase(
-    c: Controller, session: str, base: str, seeds: list[int], first: int, steps: int,
-    think: float, storage: Path,
-) -> tuple[float, dict[int, dict[str, Any]]]:  # fmt: skip
+    c: Controller,
+    session: str,
+    base: str,
+    seeds: list[int],
+    first: int,
+    steps: int,
+    think: float,
+    storage: Path,
+) -> tuple[float, dict[int, dict[str, Any]]]:
     """Create one run per seed, train them all concurrently; (seconds, state per seed)."""
     start = time.perf_counter()
     runs = []
     for i, seed in enumerate(seeds):
-        resp = await c("CreateRegistration", K.CreateRegistrationRequest(
-            tenant=TENANT, session_id=session, model_seq_id=first + i, base_model=base,
-            lora_config=common_pb2.LoraConfig(rank=8, seed=seed, train_attn=True,
-                                              train_mlp=True)))  # fmt: skip
+        resp = await c(
+            "CreateRegistration",
+            K.CreateRegistrationRequest(
+                tenant=TENANT,
+                session_id=session,
+                model_seq_id=first + i,
+                base_model=base,
+                lora_config=common_pb2.LoraConfig(
+                    rank=8, seed=seed, train_attn=True, train_mlp=True
+                ),
+            ),
+        )
         runs.append(Run(c, resp.registration.registration_id, seed))
     await asyncio.gather(*(run.train(steps, think) for run in runs))
     seconds = time.perf_counter() - start
@@ -161,8 +190,12 @@ def pct(values: list[float], q: float) -> float | None:
 
 def durations(log: str, what: str) -> dict[str, Any]:
     values = [float(x) for x in re.findall(rf"{what} \S+ .*?in ([0-9.]+)s", log)]
-    return {"count": len(values), "p50_s": pct(values, 0.5), "p99_s": pct(values, 0.99),
-            "mean_s": round(statistics.fmean(values), 4) if values else None}  # fmt: skip
+    return {
+        "count": len(values),
+        "p50_s": pct(values, 0.5),
+        "p99_s": pct(values, 0.99),
+        "mean_s": round(statistics.fmean(values), 4) if values else None,
+    }
 
 
 def max_diff(got: dict[int, dict[str, Any]], alone: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -202,11 +235,14 @@ async def bench(args: argparse.Namespace, port: int, storage: Path) -> dict[str,
     for i, seed in enumerate(seeds):
         alone.update((await phase(c, session, base, [seed], 2000 + i, steps, 0, storage))[1])
     beat.cancel()
-    return {"paged_s": round(paged_s, 2), "rounds_s": round(rounds_s, 2),
-            "paged_over_rounds": round(paged_s / rounds_s, 3),
-            "diff_paged_vs_alone": max_diff(paged, alone),
-            "diff_rounds_vs_alone": max_diff(rounds, alone),
-            "diff_paged_vs_rounds": max_diff(paged, rounds)}  # fmt: skip
+    return {
+        "paged_s": round(paged_s, 2),
+        "rounds_s": round(rounds_s, 2),
+        "paged_over_rounds": round(paged_s / rounds_s, 3),
+        "diff_paged_vs_alone": max_diff(paged, alone),
+        "diff_rounds_vs_alone": max_diff(rounds, alone),
+        "diff_paged_vs_rounds": max_diff(paged, rounds),
+    }
 
 
 def flat(values: Any) -> list[float]:
@@ -235,23 +271,38 @@ def sdk_bench(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 
     python = REPO / ".venvs" / "tinker-0.38.0" / "bin" / "python"
     script = REPO / "tests" / "e2e" / "paging_sdk_script.py"
-    env = {"controller": {"LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS": str(args.page_idle),
-                          "LORAFLEET_CONTROLLER_SWEEP_INTERVAL_SECONDS": "0.1"}}  # fmt: skip
+    env = {
+        "controller": {
+            "LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS": str(args.page_idle),
+            "LORAFLEET_CONTROLLER_SWEEP_INTERVAL_SECONDS": "0.1",
+        }
+    }
     seeds = list(range(1, args.clients + 1))
     with tempfile.TemporaryDirectory() as tmp:
-        config = FleetConfig(model_path=model, run_dir=Path(tmp), slots=args.slots,
-                             extra_env=env)  # fmt: skip
+        config = FleetConfig(model_path=model, run_dir=Path(tmp), slots=args.slots, extra_env=env)
         with Fleet(config) as fleet:
-            caps = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",
-                             headers={"X-API-Key": fleet.api_key}, timeout=60).json()  # fmt: skip
+            caps = httpx.get(
+                f"{fleet.base_url}/api/v1/get_server_capabilities",
+                headers={"X-API-Key": fleet.api_key},
+                timeout=60,
+            ).json()
 
             def sdk(group: list[int], mode: str) -> dict[str, Any]:
-                proc = subprocess.run([str(python), str(script)], env=child_env(
-                    TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
-                    SMOKE_BASE_MODEL=caps["supported_models"][0]["model_name"],
-                    PAGING_SEEDS=",".join(map(str, group)), PAGING_STEPS=str(args.steps),
-                    PAGING_PAUSE=str(args.think), PAGING_MODE=mode,
-                ), capture_output=True, text=True, check=False)  # fmt: skip
+                proc = subprocess.run(
+                    [str(python), str(script)],
+                    env=child_env(
+                        TINKER_BASE_URL=fleet.base_url,
+                        TINKER_API_KEY=fleet.api_key,
+                        SMOKE_BASE_MODEL=caps["supported_models"][0]["model_name"],
+                        PAGING_SEEDS=",".join(map(str, group)),
+                        PAGING_STEPS=str(args.steps),
+                        PAGING_PAUSE=str(args.think),
+                        PAGING_MODE=mode,
+                    ),
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
                 if proc.returncode or not lines:
                     raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-4000:])
@@ -261,18 +312,23 @@ def sdk_bench(args: argparse.Namespace, model: Path) -> dict[str, Any]:
                 return out
 
             paged = sdk(seeds, "together")
-            rounds = [sdk(seeds[r : r + args.slots], "together")
-                      for r in range(0, args.clients, args.slots)]  # fmt: skip
+            rounds = [
+                sdk(seeds[r : r + args.slots], "together")
+                for r in range(0, args.clients, args.slots)
+            ]
             alone = sdk(seeds, "alone")["alone"]
             log = (config.run_dir / "logs" / "controller.log").read_text()
     rounds_s = sum(r["shared_s"] for r in rounds)
     rounds_shared = {k: v for r in rounds for k, v in r["shared"].items()}
-    return {"paged_s": round(paged["shared_s"], 2), "rounds_s": round(rounds_s, 2),
-            "paged_over_rounds": round(paged["shared_s"] / rounds_s, 3),
-            "max_abs_diff_paged_vs_alone": sdk_diff(paged["shared"], alone),
-            "max_abs_diff_rounds_vs_alone": sdk_diff(rounds_shared, alone),
-            "page_out": durations(log, "paged out"),
-            "page_in": durations(log, "paged in")}  # fmt: skip
+    return {
+        "paged_s": round(paged["shared_s"], 2),
+        "rounds_s": round(rounds_s, 2),
+        "paged_over_rounds": round(paged["shared_s"] / rounds_s, 3),
+        "max_abs_diff_paged_vs_alone": sdk_diff(paged["shared"], alone),
+        "max_abs_diff_rounds_vs_alone": sdk_diff(rounds_shared, alone),
+        "page_out": durations(log, "paged out"),
+        "page_in": durations(log, "paged in"),
+    }
 
 
 def main() -> None:
@@ -297,32 +353,47 @@ def main() -> None:
         procs = []
         try:
             env = child_env(
-                LORAFLEET_CONTROLLER_REDIS_URL=redis.url, LORAFLEET_CONTROLLER_PORT=str(cport),
+                LORAFLEET_CONTROLLER_REDIS_URL=redis.url,
+                LORAFLEET_CONTROLLER_PORT=str(cport),
                 LORAFLEET_CONTROLLER_STORAGE_ROOT=str(root / "controller-storage"),
                 LORAFLEET_CONTROLLER_SWEEP_INTERVAL_SECONDS="0.1",
                 LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS=str(args.page_idle),
-            )  # fmt: skip
+            )
             clog = (root / "controller.log").open("wb")
-            procs.append(subprocess.Popen([sys.executable, "-m", "lorafleet_controller"],
-                                          env=env, stdout=clog, stderr=clog))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "lorafleet_controller"],
+                    env=env,
+                    stdout=clog,
+                    stderr=clog,
+                )
+            )
             wait_for_port(cport, proc=procs[0])
             env = child_env(
-                LORAFLEET_TRAINER_MODEL_PATH=str(model), LORAFLEET_TRAINER_PORT=str(tport),
+                LORAFLEET_TRAINER_MODEL_PATH=str(model),
+                LORAFLEET_TRAINER_PORT=str(tport),
                 LORAFLEET_TRAINER_NUM_SLOTS=str(args.slots),
                 LORAFLEET_TRAINER_STORAGE_ROOT=str(storage),
                 LORAFLEET_TRAINER_REPLICA_ID="trainer-0",
                 LORAFLEET_TRAINER_CONTROLLER_ADDRESS=f"127.0.0.1:{cport}",
                 LORAFLEET_TRAINER_REGISTER_INTERVAL_SECONDS="0.5",
                 LORAFLEET_TRAINER_TORCH_THREADS="1",
-            )  # fmt: skip
+            )
             tlog = (root / "trainer.log").open("wb")
-            procs.append(subprocess.Popen([sys.executable, "-m", "lorafleet_trainer"],
-                                          env=env, stdout=tlog, stderr=tlog))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "lorafleet_trainer"], env=env, stdout=tlog, stderr=tlog
+                )
+            )
             wait_for_port(tport, proc=procs[1])
             out = asyncio.run(bench(args, cport, storage))
             log = (root / "controller.log").read_text()
-            out = {"config": vars(args), **out, "page_out": durations(log, "paged out"),
-                   "page_in": durations(log, "paged in")}  # fmt: skip
+            out = {
+                "config": vars(args),
+                **out,
+                "page_out": durations(log, "paged out"),
+                "page_in": durations(log, "paged in"),
+            }
         finally:
             for proc in reversed(procs):
                 stop_process(proc, grace=5)

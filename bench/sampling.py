@@ -70,9 +70,14 @@ def bench_model(work: Path) -> tuple[Path, str]:
     except ImportError:
         torch.manual_seed(0)
         config = LlamaConfig(
-            vocab_size=2048, hidden_size=512, num_hidden_layers=6, intermediate_size=1536,
-            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
-        )  # fmt: skip
+            vocab_size=2048,
+            hidden_size=512,
+            num_hidden_layers=6,
+            intermediate_size=1536,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            max_position_embeddings=512,
+        )
         AutoModelForCausalLM.from_config(config).save_pretrained(work / "model")
         return work / "model", "random 512/6/1536 Llama"
     return ensure_model("bench", REPO / ".cache" / "models"), "lorafleet_models bench preset"
@@ -107,9 +112,13 @@ def baseline_round(model: PeftModel, n_adapters: int, prompts: list[list[int]], 
             model.set_adapter(f"a{r % n_adapters}")
             ids = torch.tensor([prompt])
             out = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
             assert out.shape[1] == len(prompt) + new
     return time.perf_counter() - start
 
@@ -202,9 +211,11 @@ def load_stream(reg: str, version: int, folder: Path) -> list[rollout_pb2.LoadAd
         for offset in range(0, max(len(data), 1), step):
             last = offset + step >= len(data)
             chunk = common_pb2.FileChunk(
-                path=name, offset=offset, data=data[offset : offset + step],
+                path=name,
+                offset=offset,
+                data=data[offset : offset + step],
                 sha256=digests[name] if last else "",
-            )  # fmt: skip
+            )
             messages.append(rollout_pb2.LoadAdapterChunk(chunk=chunk))
     return messages
 
@@ -287,9 +298,13 @@ class Publisher:
 
 
 async def publishing(
-    model_dir: Path, work: Path, others: list[Path], pushed: list[Path], prompts: list[list[int]],
+    model_dir: Path,
+    work: Path,
+    others: list[Path],
+    pushed: list[Path],
+    prompts: list[list[int]],
     args: argparse.Namespace,
-) -> dict[str, object]:  # fmt: skip
+) -> dict[str, object]:
     replicas = [Replica(model_dir, work, i, args.threads) for i in range(2)]
     with contextlib.ExitStack() as stack:
         try:
@@ -352,10 +367,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument(
-        "--publish-new-tokens", type=int, default=512,
+        "--publish-new-tokens",
+        type=int,
+        default=512,
         help="tokens per request while publishing: ~8 s windows here; at 64 (~1 s) the "
         "ratios of one round spread over +-0.1 even with no publish paced",
-    )  # fmt: skip
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads; 0 = default")
     parser.add_argument("--publishes", type=int, default=10, help="idle publishes timed")
@@ -380,9 +397,12 @@ def main() -> None:
             print(json.dumps(report, indent=2))
             return
         report.update(
-            requests=args.requests, adapters=args.adapters, prompt_tokens=args.prompt_tokens,
-            new_tokens=args.new_tokens, rounds=args.rounds,
-        )  # fmt: skip
+            requests=args.requests,
+            adapters=args.adapters,
+            prompt_tokens=args.prompt_tokens,
+            new_tokens=args.new_tokens,
+            rounds=args.rounds,
+        )
         if not args.skip_throughput:
             report["throughput"] = asyncio.run(throughput(model_dir, adapters, prompts, args))
         if not args.skip_publish:

@@ -129,11 +129,24 @@ def vllm_server(
         OMP_NUM_THREADS=str(threads),
     )
     command = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "base",
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len),
-        "--dtype", dtype, "--max-num-seqs", "256",
-    ]  # fmt: skip
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "base",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        dtype,
+        "--max-num-seqs",
+        "256",
+    ]
     if quantization != quantize.NONE:
         command += ["--quantization", quantize.ENGINE_FLAGS[quantization]]
     if lora:

@@ -33,9 +33,14 @@ def load(model_dir: Path, storage: Path, kind: str):
     from lorafleet_trainer.engine import TrainerEngine
 
     engine = TrainerEngine.from_pretrained(
-        model_dir, device="cpu", dtype="float32", num_slots=1, max_rank=RANK,
-        storage_root=storage / kind, quantization=kind,
-    )  # fmt: skip
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        num_slots=1,
+        max_rank=RANK,
+        storage_root=storage / kind,
+        quantization=kind,
+    )
     engine.bind(0, "bench", LoraSpec(rank=RANK, alpha=32, seed=0))
     return engine
 

@@ -1494,7 +1494,8 @@ def test_model_quantization_reaches_trainer_rollout_and_model_server(chart, rend
         with pytest.raises(helm_python.HelmRenderError, match="torch engine only"):
             chart.render(
                 values={"model": {"quantization": "int8"}, "rollout": {"engine": engine}},
-                name=RELEASE, namespace=NAMESPACE,
-            )  # fmt: skip
+                name=RELEASE,
+                namespace=NAMESPACE,
+            )
     with pytest.raises(helm_python.HelmValuesError, match="quantization"):
         chart.render(values={"model": {"quantization": "int4"}}, name=RELEASE, namespace=NAMESPACE)

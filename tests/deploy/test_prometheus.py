@@ -121,8 +121,12 @@ def test_every_dashboard_query_returns_data(tmp_path, tiny_model_dir, prometheus
             )
             run = subprocess.run(
                 [str(SDK_PYTHON), str(Path(__file__).with_name("prom_workload.py"))],
-                env=env, capture_output=True, text=True, timeout=300, check=False,
-            )  # fmt: skip
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
             time.sleep(4)  # a few more scrapes, so every rate() has two samples after the run
 
             # Every metric the dashboards rely on is exported by some service (a labelled

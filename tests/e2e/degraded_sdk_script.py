@@ -24,9 +24,11 @@ async def main() -> None:
         request=types.CreateSessionRequest(tags=[], user_metadata=None, sdk_version="0.38.0")
     )
     request = types.CreateModelRequest(
-        session_id=session.session_id, model_seq_id=0, base_model=os.environ["SMOKE_BASE_MODEL"],
+        session_id=session.session_id,
+        model_seq_id=0,
+        base_model=os.environ["SMOKE_BASE_MODEL"],
         lora_config=types.LoraConfig(rank=4),
-    )  # fmt: skip
+    )
     start = time.monotonic()
     try:
         await client.models.create(request=request)

@@ -69,8 +69,11 @@ def main() -> None:
             t.join()
     shared_s = time.monotonic() - start
     alone = {s: train(sc, s, steps, 0.0) for s in seeds} if mode in ("alone", "both") else {}
-    print("RESULT " + json.dumps({"errors": errors, "shared": shared, "alone": alone,
-                                  "shared_s": shared_s}), flush=True)  # fmt: skip
+    print(
+        "RESULT "
+        + json.dumps({"errors": errors, "shared": shared, "alone": alone, "shared_s": shared_s}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

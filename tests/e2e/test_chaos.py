@@ -26,12 +26,21 @@ STALL_SECONDS = 20.0
 def _sdk_run(fleet, python: Path, fault=None) -> tuple[bytes, float]:
     """One SDK run; `fault()` is called once FAULT_AT steps are done. Returns the saved
     adapter's bytes and the longest pause between two steps (the fault's recovery time)."""
-    env = dict(os.environ, TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
-               TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1", CHAOS_STEPS=str(STEPS))  # fmt: skip
+    env = dict(
+        os.environ,
+        TINKER_BASE_URL=fleet.base_url,
+        TINKER_API_KEY=fleet.api_key,
+        TINKER_TELEMETRY="0",
+        HF_HUB_OFFLINE="1",
+        CHAOS_STEPS=str(STEPS),
+    )
     proc = subprocess.Popen(
-        [str(python), str(REPO / "tests" / "e2e" / "chaos_script.py")], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [str(python), str(REPO / "tests" / "e2e" / "chaos_script.py")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     times, saved = [], ""
     try:
         assert proc.stdout is not None
@@ -70,8 +79,11 @@ def test_every_fault_recovers_to_the_uninterrupted_weights(make_fleet, sdk_pytho
             time.sleep(STALL_SECONDS)  # the fault itself: Redis frozen this long
             os.kill(pid, signal.SIGCONT)
 
-        faults = {"trainer SIGKILL": kill("trainer-0"), "controller SIGKILL": kill("controller"),
-                  "redis 20 s stall": stall_redis}  # fmt: skip
+        faults = {
+            "trainer SIGKILL": kill("trainer-0"),
+            "controller SIGKILL": kill("controller"),
+            "redis 20 s stall": stall_redis,
+        }
         repeats = int(os.environ.get("CHAOS_REPEATS", "1"))
         recovery: dict[str, list[float]] = {}
         for name, fault in faults.items():
@@ -79,5 +91,6 @@ def test_every_fault_recovers_to_the_uninterrupted_weights(make_fleet, sdk_pytho
                 weights, pause = _sdk_run(fleet, python, fault)
                 assert weights == expected, f"{name}: the weights differ from the reference"
                 recovery.setdefault(name, []).append(round(pause - normal, 1))
-        print(json.dumps({"normal_step_pause_s": round(normal, 2),
-                          "recovery_s_by_fault": recovery}))  # fmt: skip
+        print(
+            json.dumps({"normal_step_pause_s": round(normal, 2), "recovery_s_by_fault": recovery})
+        )

@@ -38,8 +38,19 @@ def _alive(pid: int) -> bool:
 
 def test_up_detach_status_down_leaves_nothing(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    up = _run(["up", "--detach", "--model", str(tiny_model_dir), "--slots", "2",
-               "--run-dir", str(run_dir)], tmp_path)  # fmt: skip
+    up = _run(
+        [
+            "up",
+            "--detach",
+            "--model",
+            str(tiny_model_dir),
+            "--slots",
+            "2",
+            "--run-dir",
+            str(run_dir),
+        ],
+        tmp_path,
+    )
     assert up.returncode == 0, up.stderr
     lines = up.stdout.strip().splitlines()
     assert len(lines) == 2
@@ -50,8 +61,9 @@ def test_up_detach_status_down_leaves_nothing(tmp_path: Path, tiny_model_dir: Pa
     state = json.loads((run_dir / "fleet.json").read_text())
     pids = [p["pid"] for p in state["processes"]] + [state["launcher_pid"]]
     try:
-        caps = httpx.get(f"{base_url}/api/v1/get_server_capabilities",
-                         headers={"X-API-Key": api_key}, timeout=30)  # fmt: skip
+        caps = httpx.get(
+            f"{base_url}/api/v1/get_server_capabilities", headers={"X-API-Key": api_key}, timeout=30
+        )
         assert caps.status_code == 200
         assert caps.json()["supported_models"]
 

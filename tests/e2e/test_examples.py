@@ -22,13 +22,22 @@ def run_example(shared_fleet, sdk_python, tmp_path: Path):
     python = sdk_python("0.38.0")
 
     def run(name: str, **env: str) -> str:
-        full_env = dict(os.environ, TINKER_BASE_URL=shared_fleet.base_url,
-                        TINKER_API_KEY=shared_fleet.api_key, TINKER_TELEMETRY="0",
-                        HF_HUB_OFFLINE="1", **env)  # fmt: skip
+        full_env = dict(
+            os.environ,
+            TINKER_BASE_URL=shared_fleet.base_url,
+            TINKER_API_KEY=shared_fleet.api_key,
+            TINKER_TELEMETRY="0",
+            HF_HUB_OFFLINE="1",
+            **env,
+        )
         out = subprocess.run(
             [str(python), str(REPO / "examples" / name)],
-            env=full_env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
+            env=full_env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert out.returncode == 0, f"{name} failed:\n{out.stdout}\n{out.stderr[-4000:]}"
         return out.stdout
 
@@ -37,8 +46,9 @@ def run_example(shared_fleet, sdk_python, tmp_path: Path):
 
 def test_quickstart_learns_the_fact(run_example, tmp_path: Path) -> None:
     plot = tmp_path / "loss.png"
-    stdout = run_example("quickstart.py", QUICKSTART_STEPS="40", QUICKSTART_LR="3e-3",
-                         QUICKSTART_PLOT=str(plot))  # fmt: skip
+    stdout = run_example(
+        "quickstart.py", QUICKSTART_STEPS="40", QUICKSTART_LR="3e-3", QUICKSTART_PLOT=str(plot)
+    )
     assert "OK: the model learned the fact" in stdout
     after = re.search(r"after training:.*A: '(.*)'", stdout)
     assert after and "Dima" in after.group(1)

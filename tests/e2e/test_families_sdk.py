@@ -41,22 +41,41 @@ def test_up_trains_and_samples_with_the_trainers_logprobs(
     steps = 20 if preset == "tiny-phi3" else None
     model = ensure_model(preset, REPO / ".cache" / "models", steps=steps)
     python = sdk_python("0.38.0")
-    up = _cli(["up", "--detach", "--model", str(model), "--slots", "2",
-               "--run-dir", str(tmp_path / "run")], tmp_path, timeout=600)  # fmt: skip
+    up = _cli(
+        [
+            "up",
+            "--detach",
+            "--model",
+            str(model),
+            "--slots",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        tmp_path,
+        timeout=600,
+    )
     assert up.returncode == 0, up.stderr
     try:
         exports = dict(
             line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines()
         )
         base_url, api_key = exports["TINKER_BASE_URL"], exports["TINKER_API_KEY"]
-        caps = httpx.get(f"{base_url}/api/v1/get_server_capabilities",
-                         headers={"X-API-Key": api_key}, timeout=30).json()  # fmt: skip
-        env = child_env(TINKER_BASE_URL=base_url, TINKER_API_KEY=api_key,
-                        SMOKE_BASE_MODEL=caps["supported_models"][0]["model_name"])  # fmt: skip
+        caps = httpx.get(
+            f"{base_url}/api/v1/get_server_capabilities", headers={"X-API-Key": api_key}, timeout=30
+        ).json()
+        env = child_env(
+            TINKER_BASE_URL=base_url,
+            TINKER_API_KEY=api_key,
+            SMOKE_BASE_MODEL=caps["supported_models"][0]["model_name"],
+        )
         proc = subprocess.run(
             [str(python), str(Path(__file__).with_name("families_sdk_script.py"))],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
         down = _cli(["down"], tmp_path, timeout=120)
     assert down.returncode == 0, down.stderr
@@ -86,8 +105,9 @@ def test_up_refuses_a_family_the_torch_engine_does_not_serve(tmp_path: Path) -> 
 
     folder = tmp_path / "gpt2"
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0,
-                        eos_token_id=0)  # fmt: skip
+    config = GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0
+    )
     GPT2LMHeadModel(config).save_pretrained(folder)
     up = _cli(["up", "--model", str(folder), "--run-dir", str(tmp_path / "run")], tmp_path, 120)
     assert up.returncode == 1

@@ -122,8 +122,13 @@ def test_keys_and_certificates_are_owner_only(shared_fleet: object) -> None:
     assert mode(run_dir) == 0o700
     assert mode(run_dir / "tls") == 0o700
     keys = sorted((run_dir / "tls").glob("*.key"))
-    assert [k.stem for k in keys] == ["controller", "gateway", "lorafleet-admin", "rollout",
-                                      "trainer"]  # fmt: skip
+    assert [k.stem for k in keys] == [
+        "controller",
+        "gateway",
+        "lorafleet-admin",
+        "rollout",
+        "trainer",
+    ]
     assert {mode(k) for k in keys} == {0o600}
     state_file = run_dir / "fleet.json"
     assert mode(state_file) == 0o600

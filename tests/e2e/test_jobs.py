@@ -35,8 +35,9 @@ FACTS = [
 ]
 # One question, four answers: a held-out answer gets likelier while the model learns the
 # format, then less likely as it memorises the others, so the validation loss rises.
-CODE_WORDS = [{"Q": "What is the code word?", "A": w} for w in ("alpha", "bravo", "charlie",
-                                                                  "delta")]  # fmt: skip
+CODE_WORDS = [
+    {"Q": "What is the code word?", "A": w} for w in ("alpha", "bravo", "charlie", "delta")
+]
 NO_EARLY_STOP = {"loss_target": "0", "early_stop": "0"}
 
 
@@ -93,20 +94,21 @@ def greedy_answer(model_dir: Path, adapter: Path, question: str) -> str:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter)
-    prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                     add_generation_prompt=True)  # fmt: skip
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
     end = tok.convert_tokens_to_ids("<|im_end|>")
     with torch.no_grad():
-        out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False,
-                             eos_token_id=end)  # fmt: skip
+        out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=end)
     return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
 def test_train_qa_teaches_a_fact_and_stops_on_target(shared_fleet, tiny_model_dir) -> None:
     with client(shared_fleet) as c:
-        r = c.post("/v1/lora/train-qa", params={"learning_rate": "0.01", "loss_target": "0.3"},
-                   json=FACT)  # fmt: skip
+        r = c.post(
+            "/v1/lora/train-qa", params={"learning_rate": "0.01", "loss_target": "0.3"}, json=FACT
+        )
         assert r.status_code == 200, r.text
         job = r.json()
     assert job["state"] == "succeeded"
@@ -128,25 +130,29 @@ def test_a_second_job_continues_the_default_run_and_stops_at_once_below_target(
         assert first["state"] == "succeeded"
         # a finished job's run gives its slot back at once (issue 26), not after the session
         # timeout (120 s) that freed it before: 30 s is slack for a loaded machine
-        wait_until(lambda: first["runId"] not in bound_runs(shared_fleet), "slot released",
-                   within=30)  # fmt: skip
+        wait_until(
+            lambda: first["runId"] not in bound_runs(shared_fleet), "slot released", within=30
+        )
         again = c.post("/v1/lora/train-qa", params={"loss_target": "0.5"}, json=FACT).json()
         assert again["runId"] != first["runId"]  # a fresh run, resumed from first's state
         assert (again["optimizerUpdateCount"], again["passCount"]) == (0, 0)
         assert again["targetReached"] and again["initialLoss"] <= 0.5
         reset = c.post("/v1/lora/reset").json()
         assert reset["runId"] == again["runId"]
-        fresh = c.post("/v1/lora/train-qa", params={"max_iters": "1", **NO_EARLY_STOP},
-                       json=FACT).json()  # fmt: skip
+        fresh = c.post(
+            "/v1/lora/train-qa", params={"max_iters": "1", **NO_EARLY_STOP}, json=FACT
+        ).json()
         assert fresh["runId"] != first["runId"] and fresh["initialLoss"] > 1.0
 
 
 def test_train_file_qa_counts_pairs_and_units_and_streams_progress(shared_fleet) -> None:
     facts = json.dumps(FACTS).encode()
     with client(shared_fleet) as c:
-        r = c.post("/v1/lora/train-file-qa", params={"wait": "false", "max_iters": "2",
-                                                     **NO_EARLY_STOP},
-                   files={"file": ("facts.json", facts, "application/json")})  # fmt: skip
+        r = c.post(
+            "/v1/lora/train-file-qa",
+            params={"wait": "false", "max_iters": "2", **NO_EARLY_STOP},
+            files={"file": ("facts.json", facts, "application/json")},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["state"] in ("queued", "running")
         job_id = r.json()["jobId"]
@@ -175,8 +181,14 @@ def test_seeded_jobs_give_byte_identical_adapters(shared_fleet) -> None:
 
 
 def test_validation_split_restores_the_best_snapshot(shared_fleet) -> None:
-    params = {"learning_rate": "0.01", "validation_split": "0.25", "validation_patience": "2",
-              "max_iters": "8", "seed": "1", **NO_EARLY_STOP}  # fmt: skip
+    params = {
+        "learning_rate": "0.01",
+        "validation_split": "0.25",
+        "validation_patience": "2",
+        "max_iters": "8",
+        "seed": "1",
+        **NO_EARLY_STOP,
+    }
     with client(shared_fleet) as c:
         job = c.post("/v1/lora/train-file-qa", params=params, json=CODE_WORDS).json()
     assert job["state"] == "succeeded", job
@@ -195,24 +207,34 @@ def test_validation_split_restores_the_best_snapshot(shared_fleet) -> None:
 def test_warmup_cosine_lr_follows_the_formula_per_update(shared_fleet) -> None:
     import math
 
-    params = {"schedule": "warmup_cosine", "warmup_steps": "3", "min_lr": "0.001",
-              "learning_rate": "0.01", "max_iters": "2", "gradient_accumulation": "3",
-              **NO_EARLY_STOP}  # fmt: skip
+    params = {
+        "schedule": "warmup_cosine",
+        "warmup_steps": "3",
+        "min_lr": "0.001",
+        "learning_rate": "0.01",
+        "max_iters": "2",
+        "gradient_accumulation": "3",
+        **NO_EARLY_STOP,
+    }
     with client(shared_fleet) as c:
         job = c.post("/v1/lora/train-file-qa", params=params, json=FACTS).json()
     total = job["maxUpdates"]
     assert total == 8 == job["optimizerUpdateCount"]  # 12 units / 3 per update, 2 passes
     for point in job["curve"]:
         u = point["update"]
-        expected = 0.01 * u / 3 if u <= 3 else 0.001 + 0.009 * (
-            1 + math.cos(math.pi * (u - 3) / (total - 3))) / 2  # fmt: skip
+        expected = (
+            0.01 * u / 3
+            if u <= 3
+            else 0.001 + 0.009 * (1 + math.cos(math.pi * (u - 3) / (total - 3))) / 2
+        )
         assert point["learningRate"] == pytest.approx(expected, rel=1e-12)
 
 
 def test_bad_input_is_refused_naming_the_field_and_changes_nothing(shared_fleet) -> None:
     with client(shared_fleet) as c, client(shared_fleet) as other:
-        trained = c.post("/v1/lora/train-qa", params={"max_iters": "1", **NO_EARLY_STOP},
-                         json=FACT).json()  # fmt: skip
+        trained = c.post(
+            "/v1/lora/train-qa", params={"max_iters": "1", **NO_EARLY_STOP}, json=FACT
+        ).json()
         before = c.post("/v1/lora/save", json={"name": "before"}).json()
         foreign = other.post("/v1/lora/save").json()["runId"]
         bad: list[tuple[str, dict[str, Any], str]] = [
@@ -253,8 +275,9 @@ def test_bad_input_is_refused_naming_the_field_and_changes_nothing(shared_fleet)
 
 def test_cancel_stops_a_job(shared_fleet) -> None:
     with client(shared_fleet) as c:
-        job_id = c.post("/v1/lora/train-qa", params={"wait": "false", **NO_EARLY_STOP},
-                        json=FACT).json()["jobId"]  # fmt: skip
+        job_id = c.post(
+            "/v1/lora/train-qa", params={"wait": "false", **NO_EARLY_STOP}, json=FACT
+        ).json()["jobId"]
         wait_until(lambda: c.get(f"/v1/lora/jobs/{job_id}").json()["updates"] >= 2, "training")
         assert c.post(f"/v1/lora/jobs/{job_id}/cancel").status_code == 200
         job = finished(c, job_id)
@@ -269,10 +292,13 @@ def test_a_job_survives_a_controller_sigkill_with_the_same_adapter(make_fleet) -
         with client(fleet) as c:
             reference = c.post("/v1/lora/train-file-qa", params=params, json=FACTS).json()
         with client(fleet) as c:
-            job_id = c.post("/v1/lora/train-file-qa", params={**params, "wait": "false"},
-                            json=FACTS).json()["jobId"]  # fmt: skip
-            wait_until(lambda: c.get(f"/v1/lora/jobs/{job_id}").json()["updates"] >= 18,
-                       "mid-job (second pass)")  # fmt: skip
+            job_id = c.post(
+                "/v1/lora/train-file-qa", params={**params, "wait": "false"}, json=FACTS
+            ).json()["jobId"]
+            wait_until(
+                lambda: c.get(f"/v1/lora/jobs/{job_id}").json()["updates"] >= 18,
+                "mid-job (second pass)",
+            )
             member = fleet.member("controller")
             pid = member.proc.pid
             os.kill(pid, signal.SIGKILL)
@@ -291,21 +317,43 @@ def test_cli_trains_a_fact_with_progress_and_saves_the_curve(shared_fleet, tmp_p
     env = {**os.environ, "TINKER_BASE_URL": shared_fleet.base_url, "TINKER_API_KEY": key}
     cli = [sys.executable, "-m", "lorafleet_cli.main"]
     run = subprocess.run(
-        [*cli, "train", "qa", FACT["Q"], FACT["A"], "-p", "learning_rate=0.01",
-         "-p", "loss_target=0.3", "--curve", str(tmp_path / "curve")],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        [
+            *cli,
+            "train",
+            "qa",
+            FACT["Q"],
+            FACT["A"],
+            "-p",
+            "learning_rate=0.01",
+            "-p",
+            "loss_target=0.3",
+            "--curve",
+            str(tmp_path / "curve"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert run.returncode == 0, run.stderr
     assert "stopReason: target_reached" in run.stdout and "pairCount: 1" in run.stdout
     assert "update" in run.stderr  # the progress bar
     rows = (tmp_path / "curve.csv").read_text().splitlines()
     job_id = run.stdout.split()[1]
     assert rows[0] == "update,pass,loss,learning_rate" and len(rows) > 1
-    shown = subprocess.run([*cli, "jobs", "show", job_id], env=env, capture_output=True,
-                           text=True, timeout=60, check=True)  # fmt: skip
+    shown = subprocess.run(
+        [*cli, "jobs", "show", job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "succeeded" in shown.stdout
-    listed = subprocess.run([*cli, "jobs", "list"], env=env, capture_output=True, text=True,
-                            timeout=60, check=True)  # fmt: skip
+    listed = subprocess.run(
+        [*cli, "jobs", "list"], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
     assert job_id in listed.stdout
     subprocess.run([*cli, "jobs", "cancel", job_id], env=env, timeout=60, check=True)
     httpx.post(f"{shared_fleet.base_url}/v1/lora/reset", headers={"X-API-Key": key})
@@ -323,11 +371,15 @@ def test_train_file_trains_a_document_in_bptt_windows(shared_fleet, tiny_model_d
     n_tokens = len(tok.encode(text, add_special_tokens=False))
     params = {"chunk_tokens": "16", "max_iters": "3", "learning_rate": "0.005", **NO_EARLY_STOP}
     with client(shared_fleet) as c:
-        r = c.post("/v1/lora/train-file", params=params,
-                   files={"file": ("notes.txt", text.encode(), "text/plain")})  # fmt: skip
+        r = c.post(
+            "/v1/lora/train-file",
+            params=params,
+            files={"file": ("notes.txt", text.encode(), "text/plain")},
+        )
         job = r.json()
-        plain = c.post("/v1/lora/train", params={**params, "max_iters": "1"},
-                       json={"text": text}).json()  # fmt: skip
+        plain = c.post(
+            "/v1/lora/train", params={**params, "max_iters": "1"}, json={"text": text}
+        ).json()
     assert job["state"] == "succeeded", job
     assert (job["documentCount"], job["unitCount"]) == (1, 1)
     assert job["chunkCount"] == -(-(n_tokens - 1) // 16) == job["optimizerUpdateCount"] // 3

@@ -49,15 +49,18 @@ def forward_tokens(fleet: Any) -> dict[str, float]:
     """The trainer's forward token counters by kind (datum, context)."""
     (trainer,) = [m for m in fleet.members if m.service == "trainer"]
     text = httpx.get(f"http://127.0.0.1:{trainer.metrics_port}/metrics", timeout=30).text
-    found = re.findall(r'^lorafleet_trainer_forward_tokens_total\{kind="(\w+)"\} (\S+)$', text,
-                       re.MULTILINE)  # fmt: skip
+    found = re.findall(
+        r'^lorafleet_trainer_forward_tokens_total\{kind="(\w+)"\} (\S+)$', text, re.MULTILINE
+    )
     return {kind: float(value) for kind, value in found}
 
 
 def test_a_qa_job_uses_the_chat_template_the_trainer_serves(fleet) -> None:
     with api(fleet) as c:
-        job = c.post("/v1/lora/train-qa", json={"pairs": [{"Q": "What is my name?", "A": "Dima"}],
-                                                "params": {"max_iters": "1"}}).json()  # fmt: skip
+        job = c.post(
+            "/v1/lora/train-qa",
+            json={"pairs": [{"Q": "What is my name?", "A": "Dima"}], "params": {"max_iters": "1"}},
+        ).json()
         c.post("/v1/lora/reset")
     assert job["state"] == "succeeded", job
     assert job["chatTemplate"] == "chatml" and job["unitCount"] == 4, job
@@ -67,16 +70,23 @@ def test_a_document_longer_than_the_context_trains_at_linear_cost(fleet, tiny_mo
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    lines = [f"Entry {i}: the keeper of light {i % 7} logs ship {i * 13 % 101} at dusk."
-             for i in range(2000)]  # fmt: skip
+    lines = [
+        f"Entry {i}: the keeper of light {i % 7} logs ship {i * 13 % 101} at dusk."
+        for i in range(2000)
+    ]
     ids = tok.encode(" ".join(lines), add_special_tokens=False)
     assert len(ids) >= 5000
     text = tok.decode(ids[:5000])
     n = len(tok.encode(text, add_special_tokens=False))
     assert n > 5000 - 10  # decoding and encoding again may merge a token or two
     before = forward_tokens(fleet)
-    params = {"chunk_tokens": "32", "max_iters": "1", "gradient_accumulation": "8",
-              "learning_rate": "0.001", **NO_EARLY_STOP}  # fmt: skip
+    params = {
+        "chunk_tokens": "32",
+        "max_iters": "1",
+        "gradient_accumulation": "8",
+        "learning_rate": "0.001",
+        **NO_EARLY_STOP,
+    }
     with api(fleet) as c:
         # A window longer than the model's positions is refused before anything is made.
         r = c.post("/v1/lora/train", params={**params, "chunk_tokens": "513"}, json={"text": text})
@@ -94,6 +104,8 @@ def test_a_document_longer_than_the_context_trains_at_linear_cost(fleet, tiny_mo
     # in each, every window's own tokens once.
     assert datum == 2 * (n - 1)
     ratio = (datum + context) / (2 * n)
-    print(f"forward tokens per document token: {ratio:.4f} ({datum:.0f} + {context:.0f} "
-          f"context for 2 passes over {n} tokens)")  # fmt: skip
+    print(
+        f"forward tokens per document token: {ratio:.4f} ({datum:.0f} + {context:.0f} "
+        f"context for 2 passes over {n} tokens)"
+    )
     assert ratio <= 1.1

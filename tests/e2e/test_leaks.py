@@ -48,12 +48,17 @@ def session_finished(fleet: Any, model_id: str) -> bool:
 
 
 def start_client(python: Path, fleet: Any, base_model: str) -> subprocess.Popen:
-    env = child_env(TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
-                    SMOKE_BASE_MODEL=base_model)  # fmt: skip
+    env = child_env(
+        TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key, SMOKE_BASE_MODEL=base_model
+    )
     return subprocess.Popen(
-        [str(python), str(HERE / "session_client_script.py")], env=env, text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [str(python), str(HERE / "session_client_script.py")],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def ready(proc: subprocess.Popen) -> str:
@@ -73,8 +78,11 @@ def test_an_abandoned_0241_client_gives_its_slot_back_within_the_timeout(
     python = sdk_python("0.24.1")
     env = {"controller": {"LORAFLEET_CONTROLLER_SESSION_TIMEOUT_SECONDS": str(TIMEOUT)}}
     with make_fleet(slots=2, extra_env=env) as fleet:
-        caps = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",
-                         headers={"X-API-Key": fleet.api_key}, timeout=60).json()  # fmt: skip
+        caps = httpx.get(
+            f"{fleet.base_url}/api/v1/get_server_capabilities",
+            headers={"X-API-Key": fleet.api_key},
+            timeout=60,
+        ).json()
         base = caps["supported_models"][0]["model_name"]
         live, gone = start_client(python, fleet, base), start_client(python, fleet, base)
         try:
@@ -83,11 +91,16 @@ def test_an_abandoned_0241_client_gives_its_slot_back_within_the_timeout(
             gone.kill()  # abandoned: no finish, no more heartbeats
             gone.wait()
             killed_at = time.monotonic()
-            wait_until(lambda: gone_id not in bound_runs(fleet),
-                       "the abandoned client's slot given back", within=TIMEOUT + 300)  # fmt: skip
+            wait_until(
+                lambda: gone_id not in bound_runs(fleet),
+                "the abandoned client's slot given back",
+                within=TIMEOUT + 300,
+            )
             freed_after = time.monotonic() - killed_at
-            print(f"abandoned client's slot freed {freed_after:.1f}s after it was killed "
-                  f"(timeout {TIMEOUT:g}s)")  # fmt: skip
+            print(
+                f"abandoned client's slot freed {freed_after:.1f}s after it was killed "
+                f"(timeout {TIMEOUT:g}s)"
+            )
             assert session_finished(fleet, gone_id)
             # by the timeout, not by anything sooner: its last heartbeat was at most one
             # interval before the kill

@@ -23,18 +23,27 @@ def test_sdk_clients_beyond_the_slots_all_finish_each_as_it_would_alone(
     python = sdk_python("0.38.0")
     env = {"controller": {"LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS": "0.5"}}
     with make_fleet(slots=1, extra_env=env) as fleet:
-        caps = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",
-                         headers={"X-API-Key": fleet.api_key}, timeout=60).json()  # fmt: skip
+        caps = httpx.get(
+            f"{fleet.base_url}/api/v1/get_server_capabilities",
+            headers={"X-API-Key": fleet.api_key},
+            timeout=60,
+        ).json()
         proc = subprocess.run(
             [str(python), str(HERE / "paging_sdk_script.py")],
             env=child_env(
-                TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
+                TINKER_BASE_URL=fleet.base_url,
+                TINKER_API_KEY=fleet.api_key,
                 SMOKE_BASE_MODEL=caps["supported_models"][0]["model_name"],
                 PAGING_SEEDS=",".join(str(s) for s in range(1, CLIENTS + 1)),
-                PAGING_STEPS=str(STEPS), PAGING_PAUSE="1.5", PAGING_MODE="both",
+                PAGING_STEPS=str(STEPS),
+                PAGING_PAUSE="1.5",
+                PAGING_MODE="both",
             ),
-            capture_output=True, text=True, timeout=900, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
         result = json.loads(lines[-1][len("RESULT ") :])

@@ -61,8 +61,11 @@ def _trainer_registered(fleet: object) -> bool:
 
 def _gateway_answers(fleet: object) -> bool:
     try:
-        reply = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",  # type: ignore[attr-defined]
-                          headers={"X-API-Key": fleet.api_key}, timeout=10)  # type: ignore[attr-defined]  # fmt: skip
+        reply = httpx.get(
+            f"{fleet.base_url}/api/v1/get_server_capabilities",  # type: ignore[attr-defined]
+            headers={"X-API-Key": fleet.api_key},
+            timeout=10,
+        )  # type: ignore[attr-defined]
     except httpx.HTTPError:
         return False
     return reply.status_code == 200
@@ -85,19 +88,28 @@ def _trainer_down(fleet: object) -> bool:
 
 
 def _model_name(fleet: object) -> str:
-    caps = httpx.get(f"{fleet.base_url}/api/v1/get_server_capabilities",  # type: ignore[attr-defined]
-                     headers={"X-API-Key": fleet.api_key}, timeout=30).json()  # type: ignore[attr-defined]  # fmt: skip
+    caps = httpx.get(
+        f"{fleet.base_url}/api/v1/get_server_capabilities",  # type: ignore[attr-defined]
+        headers={"X-API-Key": fleet.api_key},
+        timeout=30,
+    ).json()  # type: ignore[attr-defined]
     return str(caps["supported_models"][0]["model_name"])
 
 
 def _sdk_create(fleet: object, python: Path, model: str) -> dict:
     """create_model through the real SDK's client (degraded_sdk_script.py)."""
-    env = child_env(TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,  # type: ignore[attr-defined]
-                    SMOKE_BASE_MODEL=model)  # fmt: skip
+    env = child_env(
+        TINKER_BASE_URL=fleet.base_url,
+        TINKER_API_KEY=fleet.api_key,  # type: ignore[attr-defined]
+        SMOKE_BASE_MODEL=model,
+    )
     proc = subprocess.run(
         [str(python), str(Path(__file__).with_name("degraded_sdk_script.py"))],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DEGRADED ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1][len("DEGRADED ") :])
@@ -115,11 +127,20 @@ def _line(proc: subprocess.Popen[str], prefix: str) -> str:
 
 def _sdk_client(fleet: object, python: Path, model: str) -> tuple[subprocess.Popen[str], str]:
     """A real SDK client (waiting_sdk_script.py) that holds a training run, and the run."""
-    env = child_env(TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,  # type: ignore[attr-defined]
-                    SMOKE_BASE_MODEL=model)  # fmt: skip
+    env = child_env(
+        TINKER_BASE_URL=fleet.base_url,
+        TINKER_API_KEY=fleet.api_key,  # type: ignore[attr-defined]
+        SMOKE_BASE_MODEL=model,
+    )
     script = str(Path(__file__).with_name("waiting_sdk_script.py"))
-    proc = subprocess.Popen([str(python), script], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [str(python), script],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return proc, _line(proc, "READY ")
 
 
@@ -141,8 +162,13 @@ def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
 
         state = json.loads((fleet.config.run_dir / "fleet.json").read_text())
         restarts = {p["name"]: p["restarts"] for p in state["processes"]}
-        assert restarts == {"controller": 1, "trainer-0": 1, "rollout-0": 0, "gateway": 0,
-                            "redis": 1}  # fmt: skip
+        assert restarts == {
+            "controller": 1,
+            "trainer-0": 1,
+            "rollout-0": 0,
+            "gateway": 0,
+            "redis": 1,
+        }
         assert {p["pid"] for p in state["processes"]} == set(fleet.pids)
         log = (fleet.config.run_dir / "logs" / "supervisor.log").read_text()
         for name in ("trainer-0", "controller", "redis"):
@@ -159,8 +185,9 @@ def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
         model = _model_name(fleet)  # while a trainer serves it (capabilities list live ones)
         waiting, run = _sdk_client(fleet, python, model)
         report, _ = render_status(fleet.controller_address, fleet.admin, None)
-        holders = {ln.split()[2]: ln.split() for ln in report.splitlines()
-                   if ln.startswith("trainer-0 ")}  # fmt: skip
+        holders = {
+            ln.split()[2]: ln.split() for ln in report.splitlines() if ln.startswith("trainer-0 ")
+        }
         # who holds the slot, and since when ("10:04:15 (3s)")
         assert holders[run][3] == "local" and holders[run][5].endswith("s)"), report
         trainer = fleet.member("trainer-0")
@@ -179,8 +206,10 @@ def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
         lines = [ln for ln in out.splitlines() if ln.startswith("WAITED ")]
         assert lines, out[-3000:] + err[-6000:]
         waited = json.loads(lines[-1][len("WAITED ") :])
-        print(f"the waiting call failed {waited['at'] - failed_at:.2f}s after supervision "
-              "gave up on trainer-0")  # fmt: skip
+        print(
+            f"the waiting call failed {waited['at'] - failed_at:.2f}s after supervision "
+            "gave up on trainer-0"
+        )
         assert waited["type"] == "RequestFailedError", waited
         assert waited["at"] - failed_at < 5, waited
         assert "no healthy trainer serves base model" in waited["message"], waited
@@ -204,8 +233,9 @@ def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
         # The controller's replica table and the runs left without a trainer, with reasons.
         assert "Replicas down for good (the controller's replica table):" in report, report
         assert "  trainer-0: trainer-0 exited with -9 after 1 restarts" in report, report
-        runs = {ln.split()[0]: ln for ln in report.split("Runs not bound or queued")[1]
-                .splitlines()[3:]}  # fmt: skip
+        runs = {
+            ln.split()[0]: ln for ln in report.split("Runs not bound or queued")[1].splitlines()[3:]
+        }
         assert " UNAVAILABLE " in runs[run] and "trainer-0" in runs[run], report
         processes = report.split("Trainer slots")[0].splitlines()
         rows = {ln.split()[0]: ln.split() for ln in processes if ln.strip()}
@@ -235,8 +265,19 @@ def test_up_restarts_status_counts_and_down_stops_the_restarted(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    up = _run(["up", "--detach", "--model", str(tiny_model_dir), "--slots", "2",
-               "--run-dir", str(run_dir)], tmp_path)  # fmt: skip
+    up = _run(
+        [
+            "up",
+            "--detach",
+            "--model",
+            str(tiny_model_dir),
+            "--slots",
+            "2",
+            "--run-dir",
+            str(run_dir),
+        ],
+        tmp_path,
+    )
     assert up.returncode == 0, up.stderr
     launcher = json.loads((run_dir / "fleet.json").read_text())["launcher_pid"]
     first = _processes(run_dir)

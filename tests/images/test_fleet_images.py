@@ -126,8 +126,11 @@ class Container:
         self.name = f"lorafleet-test-{name}-{uuid.uuid4().hex[:8]}"
         self.log = folder / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        subprocess.run([*images_build.BUILDAH, "from", "-q", "--name", self.name, image],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [*images_build.BUILDAH, "from", "-q", "--name", self.name, image],
+            check=True,
+            capture_output=True,
+        )
 
     def start(self, command: list[str], env: dict[str, str], mounts: list[str]) -> None:
         settings = [arg for k, v in env.items() for arg in ("--env", f"{k}={v}")]
@@ -135,16 +138,29 @@ class Container:
         volumes = [arg for m in mounts for arg in ("-v", m)]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                [*images_build.BUILDAH, "run", "--isolation", "chroot", "--network", "host",
-                 *volumes, self.name, "--", *command],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                [
+                    *images_build.BUILDAH,
+                    "run",
+                    "--isolation",
+                    "chroot",
+                    "--network",
+                    "host",
+                    *volumes,
+                    self.name,
+                    "--",
+                    *command,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def config(self) -> dict[str, Any]:
         out = subprocess.run(
             [*images_build.BUILDAH, "inspect", "--type", "container", self.name],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return json.loads(out.stdout)["OCIv1"]["config"]
 
     def alive(self) -> bool:
@@ -178,13 +194,18 @@ def fleet_from_images(
     metrics = {s: free_port() for s in SERVICES if s != "gateway"}
     health = {s: free_port() for s in SERVICES if s != "gateway"}
     ci = yaml.safe_load((CHART / "ci" / "minimal-cpu-values.yaml").read_text())
-    values = _merge(ci, {
-        "tls": {"enabled": True},
-        "redis": {"port": redis_server.port},
-        "gateway": {"port": ports["gateway"]},
-        **{s: {"port": ports[s], "metricsPort": metrics[s], "healthPort": health[s]}
-           for s in metrics},
-    })  # fmt: skip
+    values = _merge(
+        ci,
+        {
+            "tls": {"enabled": True},
+            "redis": {"port": redis_server.port},
+            "gateway": {"port": ports["gateway"]},
+            **{
+                s: {"port": ports[s], "metricsPort": metrics[s], "healthPort": health[s]}
+                for s in metrics
+            },
+        },
+    )
     objects = _render(values)
     server_name = f"{RELEASE}-lorafleet-internal"
     certs = make_run_ca(tmp_path / "ca", list(SERVICES), server_names=(server_name,))
@@ -202,10 +223,11 @@ def fleet_from_images(
     try:
         for service in ("controller", "trainer", "rollout", "gateway"):
             workload = next(
-                o for o in objects
+                o
+                for o in objects
                 if o["kind"] in ("Deployment", "StatefulSet")
                 and o["metadata"]["labels"].get("app.kubernetes.io/component") == service
-            )  # fmt: skip
+            )
             container = next(
                 c
                 for c in workload["spec"]["template"]["spec"]["containers"]
@@ -219,8 +241,11 @@ def fleet_from_images(
             tls = tmp_path / f"tls-{service}"
             tls.mkdir()
             files = certs[service]
-            for source, name in ((files.ca_file, "ca.crt"), (files.cert_file, "tls.crt"),
-                                 (files.key_file, "tls.key")):  # fmt: skip
+            for source, name in (
+                (files.ca_file, "ca.crt"),
+                (files.cert_file, "tls.crt"),
+                (files.key_file, "tls.key"),
+            ):
                 shutil.copy(source, tls / name)
                 _owned(tls / name).chmod(0o440)
             scratch = tmp_path / f"tmp-{service}"
@@ -239,9 +264,14 @@ def fleet_from_images(
             running[service].start(command, env, mounts)
         admin = certs[ADMIN_NAME]
         yield {
-            "running": running, "ports": ports, "metrics": metrics, "probes": probes,
-            "admin": admin, "server_name": server_name, "tmp": tmp_path,
-        }  # fmt: skip
+            "running": running,
+            "ports": ports,
+            "metrics": metrics,
+            "probes": probes,
+            "admin": admin,
+            "server_name": server_name,
+            "tmp": tmp_path,
+        }
     finally:
         for service in reversed(list(running)):
             running[service].stop()
@@ -281,8 +311,9 @@ def _ready(kind: str, target: Any) -> bool:
 
 
 def _logs(running: dict[str, Container]) -> str:
-    return "\n".join(f"--- {s}\n{c.log.read_text(errors='replace')[-3000:]}"
-                     for s, c in running.items())  # fmt: skip
+    return "\n".join(
+        f"--- {s}\n{c.log.read_text(errors='replace')[-3000:]}" for s, c in running.items()
+    )
 
 
 def test_the_sdk_quickstart_learns_its_fact_through_the_images(
@@ -310,8 +341,9 @@ def test_the_sdk_quickstart_learns_its_fact_through_the_images(
         raise AssertionError(f"{error}: {waiting} not ready\n{_logs(running)}") from None
 
     admin = fleet["admin"]
-    settings = TlsSettings(admin.ca_file, admin.cert_file, admin.key_file,
-                           server_name=fleet["server_name"])  # fmt: skip
+    settings = TlsSettings(
+        admin.ca_file, admin.cert_file, admin.key_file, server_name=fleet["server_name"]
+    )
     identity = identity_from_settings(settings)
     with make_blocking_channel(f"127.0.0.1:{fleet['ports']['controller']}", tls=identity) as ch:
         stub = controller_pb2_grpc.ControllerServiceStub(ch)
@@ -320,13 +352,25 @@ def test_the_sdk_quickstart_learns_its_fact_through_the_images(
         ).api_key
 
     python = sdk_python("0.38.0")
-    env = dict(os.environ, TINKER_BASE_URL=base_url, TINKER_API_KEY=api_key,
-               TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1",
-               HF_HOME=str(fleet["tmp"] / "tmp-trainer" / ".cache" / "huggingface"),
-               QUICKSTART_STEPS="40", QUICKSTART_LR="3e-3",
-               QUICKSTART_PLOT=str(tmp_path / "loss.png"))  # fmt: skip
-    out = subprocess.run([str(python), str(REPO / "examples" / "quickstart.py")], env=env,
-                         cwd=tmp_path, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    env = dict(
+        os.environ,
+        TINKER_BASE_URL=base_url,
+        TINKER_API_KEY=api_key,
+        TINKER_TELEMETRY="0",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(fleet["tmp"] / "tmp-trainer" / ".cache" / "huggingface"),
+        QUICKSTART_STEPS="40",
+        QUICKSTART_LR="3e-3",
+        QUICKSTART_PLOT=str(tmp_path / "loss.png"),
+    )
+    out = subprocess.run(
+        [str(python), str(REPO / "examples" / "quickstart.py")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr[-4000:]}\n{_logs(running)}"
     assert "OK: the model learned the fact" in out.stdout
 

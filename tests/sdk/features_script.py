@@ -65,25 +65,35 @@ def main() -> None:
     lps = tc.forward([datum(weights=[1.0] * n)], "cross_entropy").result()
     lps = lps.loss_fn_outputs[0]["logprobs"].tolist()
     half = [1.0 if i % 2 else 0.0 for i in range(n)]
-    attempt(out, "cross_entropy", lambda: outputs(
-        tc.forward([datum(weights=half)], "cross_entropy").result()
-    ))  # fmt: skip
-    attempt(out, "zero_weights", lambda: outputs(
-        tc.forward([datum(weights=[0.0] * n)], "cross_entropy").result()
-    ))  # fmt: skip
-    attempt(out, "omitted_weights", lambda: outputs(
-        tc.forward([datum()], "cross_entropy").result()
-    ))  # fmt: skip
-    attempt(out, "explicit_ones", lambda: outputs(
-        tc.forward([datum(weights=[1.0] * n)], "cross_entropy").result()
-    ))  # fmt: skip
+    attempt(
+        out,
+        "cross_entropy",
+        lambda: outputs(tc.forward([datum(weights=half)], "cross_entropy").result()),
+    )
+    attempt(
+        out,
+        "zero_weights",
+        lambda: outputs(tc.forward([datum(weights=[0.0] * n)], "cross_entropy").result()),
+    )
+    attempt(
+        out, "omitted_weights", lambda: outputs(tc.forward([datum()], "cross_entropy").result())
+    )
+    attempt(
+        out,
+        "explicit_ones",
+        lambda: outputs(tc.forward([datum(weights=[1.0] * n)], "cross_entropy").result()),
+    )
     # RL losses against slightly different sampling logprobs, so ratios are not all 1.
     old = [lp - 0.05 * (i % 3) for i, lp in enumerate(lps)]
     adv = [1.0 if i % 2 else -0.5 for i in range(n)]
     for loss in RL_LOSSES:
-        attempt(out, loss, lambda loss=loss: outputs(
-            tc.forward([datum(logprobs=old, advantages=adv)], loss).result()
-        ))  # fmt: skip
+        attempt(
+            out,
+            loss,
+            lambda loss=loss: outputs(
+                tc.forward([datum(logprobs=old, advantages=adv)], loss).result()
+            ),
+        )
 
     def gspo_step():
         result = tc.forward_backward([datum(logprobs=old, advantages=adv)], "gspo").result()
@@ -118,10 +128,10 @@ def main() -> None:
             got[str(num)] = {
                 "sequences": len(result.sequences),
                 "prompt_logprobs": result.prompt_logprobs,
-                "topk": None if topk_rows is None else [
-                    None if row is None else [list(pair) for pair in row] for row in topk_rows
-                ],
-            }  # fmt: skip
+                "topk": None
+                if topk_rows is None
+                else [None if row is None else [list(pair) for pair in row] for row in topk_rows],
+            }
         return got
 
     attempt(out, "topk", topk)
@@ -135,28 +145,44 @@ def main() -> None:
             return {"tokens": list(result.sequences[0].tokens)}
 
         attempt(out, "inflight", inflight)
-    attempt(out, "run", lambda: {
-        "user_metadata": rest.get_training_run(tc.model_id).result().user_metadata
-    })  # fmt: skip
-    attempt(out, "bad_option", lambda: done(sc.create_lora_training_client(
-        base_model=BASE, rank=4, user_metadata={"lorafleet.alpha": "sixteen"}
-    )).model_id)  # fmt: skip
+    attempt(
+        out,
+        "run",
+        lambda: {"user_metadata": rest.get_training_run(tc.model_id).result().user_metadata},
+    )
+    attempt(
+        out,
+        "bad_option",
+        lambda: (
+            done(
+                sc.create_lora_training_client(
+                    base_model=BASE, rank=4, user_metadata={"lorafleet.alpha": "sixteen"}
+                )
+            ).model_id
+        ),
+    )
     if NEW:  # 0.38 downloads external weights by tinker path
         missing = f"tinker://{tc.model_id}/external_weights/never-saved"
-        attempt(out, "unknown_checkpoint", lambda: rest.get_external_weights_urls(
-            missing
-        ).result().urls)  # fmt: skip
+        attempt(
+            out, "unknown_checkpoint", lambda: rest.get_external_weights_urls(missing).result().urls
+        )
     else:
-        attempt(out, "unknown_checkpoint", lambda: rest.get_checkpoint_archive_url(
-            tc.model_id, "checkpoint-123"
-        ).result().url)  # fmt: skip
+        attempt(
+            out,
+            "unknown_checkpoint",
+            lambda: rest.get_checkpoint_archive_url(tc.model_id, "checkpoint-123").result().url,
+        )
 
     def saved():
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # custom's gradient
         fwd = tc.forward([datum(weights=[1.0] * n)], "cross_entropy").result()
         path = tc.save_state("options").result().path
-        return {"model_id": tc.model_id, "path": path, "ids": ids,
-                "logprobs": fwd.loss_fn_outputs[0]["logprobs"].tolist()}  # fmt: skip
+        return {
+            "model_id": tc.model_id,
+            "path": path,
+            "ids": ids,
+            "logprobs": fwd.loss_fn_outputs[0]["logprobs"].tolist(),
+        }
 
     attempt(out, "saved", saved)
     print("SMOKE OK " + json.dumps(out), flush=True)

@@ -41,8 +41,11 @@ def _cli(fleet: object, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **fleet.certs[ADMIN_NAME].env()}  # type: ignore[attr-defined]
     return subprocess.run(
         [*LORAFLEET, *args, "--controller", fleet.controller_address],  # type: ignore[attr-defined]
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _peft_adapter(model_dir: Path, out: Path) -> tuple[Path, list[float]]:
@@ -85,8 +88,14 @@ def test_peft_import_resumes_with_peft_logprobs(
     assert made.returncode == 0, made.stderr
     path = made.stdout.strip()
     assert re.fullmatch(r"tinker://[^/]+/weights/my-adapter", path), path
-    got = run_sdk("0.38.0", "import_usage_script.py", target, MODE="resume",
-                  IMPORT_PATH=path, TOKENS=json.dumps(TOKENS))  # fmt: skip
+    got = run_sdk(
+        "0.38.0",
+        "import_usage_script.py",
+        target,
+        MODE="resume",
+        IMPORT_PATH=path,
+        TOKENS=json.dumps(TOKENS),
+    )
     assert len(got["logprobs"]) == len(expected)
     assert max(abs(a - b) for a, b in zip(got["logprobs"], expected, strict=True)) <= 1e-5
     # The same import through the gateway's own REST route, as the caller's tenant.
@@ -120,9 +129,11 @@ def test_peft_import_resumes_with_peft_logprobs(
 
 def _rest_import(target: Target, name: str, files: dict[str, str]) -> httpx.Response:
     return httpx.post(
-        f"{target.base_url}/v1/lora/adapters/import", json={"name": name, "files": files},
-        headers={"X-API-Key": target.api_key}, timeout=300,
-    )  # fmt: skip
+        f"{target.base_url}/v1/lora/adapters/import",
+        json={"name": name, "files": files},
+        headers={"X-API-Key": target.api_key},
+        timeout=300,
+    )
 
 
 def _rewrite(src: Path, dst: Path, **changes: object) -> Path:
@@ -145,8 +156,10 @@ def _big_rank(src: Path, dst: Path, rank: int) -> Path:
 
     out = _rewrite(src, dst, r=rank)
     tensors = load_file(src / "adapter_model.safetensors")
-    big = {k: (torch.zeros(rank, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], rank))
-           for k, v in tensors.items()}  # fmt: skip
+    big = {
+        k: (torch.zeros(rank, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], rank))
+        for k, v in tensors.items()
+    }
     save_file(big, out / "adapter_model.safetensors")
     return out
 
@@ -155,14 +168,18 @@ def test_bad_adapters_are_refused_naming_the_field(fleet: object, adapter, tmp_p
     folder, _ = adapter
     cfg = "files.adapter_config.json."
     cases = {
-        "base": (_rewrite(folder, tmp_path / "base", base_model_name_or_path="org/other-model"),
-                 cfg + "base_model_name_or_path"),
+        "base": (
+            _rewrite(folder, tmp_path / "base", base_model_name_or_path="org/other-model"),
+            cfg + "base_model_name_or_path",
+        ),
         "rank": (_big_rank(folder, tmp_path / "rank", 2048), cfg + "r"),
-        "targets": (_rewrite(folder, tmp_path / "targets", target_modules=["q_proj", "zz_proj"]),
-                    cfg + "target_modules"),
+        "targets": (
+            _rewrite(folder, tmp_path / "targets", target_modules=["q_proj", "zz_proj"]),
+            cfg + "target_modules",
+        ),
         "dora": (_rewrite(folder, tmp_path / "dora", use_dora=True), cfg + "use_dora"),
         "rslora": (_rewrite(folder, tmp_path / "rslora", use_rslora=True), cfg + "use_rslora"),
-    }  # fmt: skip
+    }
     missing = tmp_path / "missing"
     missing.mkdir()
     (missing / "adapter_config.json").write_bytes((folder / "adapter_config.json").read_bytes())
@@ -217,19 +234,32 @@ def test_usage_counts_exactly_what_each_tenant_sent(
         key = fleet.create_api_key(tenant, "usage test")  # type: ignore[attr-defined]
         who = Target(target.base_url, key, target.base_model, target.model_dir)
         assert _usage(fleet, tenant)["tokens_trained"] == 0
-        sent[tenant] = run_sdk("0.38.0", "import_usage_script.py", who, MODE="work",
-                               LENGTHS=json.dumps(lengths), STEPS=str(steps),
-                               SAMPLE_MAX=str(max_tokens))  # fmt: skip
+        sent[tenant] = run_sdk(
+            "0.38.0",
+            "import_usage_script.py",
+            who,
+            MODE="work",
+            LENGTHS=json.dumps(lengths),
+            STEPS=str(steps),
+            SAMPLE_MAX=str(max_tokens),
+        )
     elapsed = time.monotonic() - start
     for tenant, want in sent.items():
         got = _usage(fleet, tenant)
-        for k in ("tokens_trained", "tokens_forward", "optim_steps", "tokens_prompt",
-                  "tokens_sampled"):  # fmt: skip
+        for k in (
+            "tokens_trained",
+            "tokens_forward",
+            "optim_steps",
+            "tokens_prompt",
+            "tokens_sampled",
+        ):
             assert got[k] == want[k], (tenant, k, got, want)
         assert got["stored_bytes"] > 0
         # Slot residency: one run held one slot for part of the test, never more than all of it.
-        got = wait_until(lambda t=tenant: (u := _usage(fleet, t))["adapter_seconds"] > 0 and u,
-                         "adapter_seconds moved")  # fmt: skip
+        got = wait_until(
+            lambda t=tenant: (u := _usage(fleet, t))["adapter_seconds"] > 0 and u,
+            "adapter_seconds moved",
+        )
         assert got["adapter_seconds"] <= time.monotonic() - start + elapsed
     # The controller exports the same totals as Prometheus counters labelled by tenant.
 
@@ -237,8 +267,9 @@ def test_usage_counts_exactly_what_each_tenant_sent(
         text = _scrape(fleet)
         ok = all(
             _metric(text, f"lorafleet_tenant_{k}_total", t) == sent[t][k]
-            for t in sent for k in ("tokens_trained", "tokens_sampled", "optim_steps")
-        )  # fmt: skip
+            for t in sent
+            for k in ("tokens_trained", "tokens_sampled", "optim_steps")
+        )
         return text if ok else ""
 
     text = wait_until(exported, "the tenant counters exported")

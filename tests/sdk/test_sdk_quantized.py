@@ -69,13 +69,24 @@ def test_sampler_logprobs_equal_the_trainers_on_the_quantized_base(
 def test_the_quickstart_learns_its_fact_on_the_quantized_base(
     fleet: Any, sdk_python: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    env = dict(os.environ, TINKER_BASE_URL=fleet.base_url, TINKER_API_KEY=fleet.api_key,
-               TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1", QUICKSTART_STEPS="40",
-               QUICKSTART_LR="3e-3", QUICKSTART_PLOT=str(tmp_path / "loss.png"))  # fmt: skip
+    env = dict(
+        os.environ,
+        TINKER_BASE_URL=fleet.base_url,
+        TINKER_API_KEY=fleet.api_key,
+        TINKER_TELEMETRY="0",
+        HF_HUB_OFFLINE="1",
+        QUICKSTART_STEPS="40",
+        QUICKSTART_LR="3e-3",
+        QUICKSTART_PLOT=str(tmp_path / "loss.png"),
+    )
     out = subprocess.run(
         [str(sdk_python("0.38.0")), str(REPO / "examples" / "quickstart.py")],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, f"quickstart failed:\n{out.stdout}\n{out.stderr[-4000:]}"
     assert "OK: the model learned the fact" in out.stdout
     after = re.search(r"after training:.*A: '(.*)'", out.stdout)
