@@ -48,10 +48,15 @@ def procs(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[Path, object, 
 def restore_points(root: Path, run: Run) -> set[Path]:
     """The run's automatic snapshots and page-out saves on disk."""
     folder = root / run.rid
-    return {
-        p for p in folder.iterdir()
-        if p.name.startswith(PREFIX) or saved_by(p).startswith(run.rid + PAGE_MARK)
-    } if folder.is_dir() else set()  # fmt: skip
+    return (
+        {
+            p
+            for p in folder.iterdir()
+            if p.name.startswith(PREFIX) or saved_by(p).startswith(run.rid + PAGE_MARK)
+        }
+        if folder.is_dir()
+        else set()
+    )
 
 
 def saved_by(folder: Path) -> str:
@@ -101,8 +106,9 @@ async def test_a_run_paged_again_and_again_keeps_one_restore_point_and_its_state
         # checkpoints are.
         for run in (paged, reference):
             await run.delete()
-            await wait_until_async(lambda run=run: not restore_points(root, run),
-                                   f"{run.rid}'s restore points deleted")  # fmt: skip
+            await wait_until_async(
+                lambda run=run: not restore_points(root, run), f"{run.rid}'s restore points deleted"
+            )
         assert saved.is_dir()
     finally:
         await r.aclose()

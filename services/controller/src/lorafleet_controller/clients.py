@@ -110,9 +110,12 @@ class TrainerClient(_Base):
     ) -> trainer_pb2.OptimStepResponse:
         """The step's output, and the slot's newest complete snapshot (recovery.py)."""
         req = trainer_pb2.OptimStepRequest(
-            operation_id=opid, slot=slot, registration_id=rid, adam_params=adam,
+            operation_id=opid,
+            slot=slot,
+            registration_id=rid,
+            adam_params=adam,
             incarnation=incarnation,
-        )  # fmt: skip
+        )
         return await self.call(lambda: self.stub.OptimStep(req, timeout=120))
 
     async def save_state(
@@ -126,9 +129,13 @@ class TrainerClient(_Base):
         incarnation: str = "",
     ) -> common_pb2.BlobRef:
         req = trainer_pb2.SaveStateRequest(
-            operation_id=opid, slot=slot, registration_id=rid, name=name,
-            include_optimizer=include_optimizer, incarnation=incarnation,
-        )  # fmt: skip
+            operation_id=opid,
+            slot=slot,
+            registration_id=rid,
+            name=name,
+            include_optimizer=include_optimizer,
+            incarnation=incarnation,
+        )
         resp = await self.call(lambda: self.stub.SaveState(req, timeout=300))
         return resp.manifest
 
@@ -149,9 +156,13 @@ class TrainerClient(_Base):
         incarnation: str = "",
     ) -> None:
         req = trainer_pb2.LoadStateRequest(
-            operation_id=opid, slot=slot, registration_id=rid, manifest=manifest,
-            include_optimizer=with_optimizer, incarnation=incarnation,
-        )  # fmt: skip
+            operation_id=opid,
+            slot=slot,
+            registration_id=rid,
+            manifest=manifest,
+            include_optimizer=with_optimizer,
+            incarnation=incarnation,
+        )
         await self.call(lambda: self.stub.LoadState(req, timeout=300))
 
     async def export_adapter(self, slot: int, rid: str) -> dict[str, bytes]:
@@ -238,9 +249,11 @@ class RolloutClient(_Base):
     ) -> rollout_pb2.LoadAdapterResponse:
         """A header naming the files on shared storage; no chunks (the replica reads them)."""
         header = rollout_pb2.AdapterHeader(
-            adapter=ref, lora_config=lora, file_refs=refs,
+            adapter=ref,
+            lora_config=lora,
+            file_refs=refs,
             file_sha256={path: r.sha256 for path, r in refs.items()},
-        )  # fmt: skip
+        )
 
         async def only_header() -> AsyncIterator[rollout_pb2.LoadAdapterChunk]:
             yield rollout_pb2.LoadAdapterChunk(header=header)
@@ -277,10 +290,12 @@ def file_chunks(files: dict[str, bytes]) -> list[common_pb2.FileChunk]:
             last = i == len(offsets) - 1
             out.append(
                 common_pb2.FileChunk(
-                    path=path, offset=off, data=data[off : off + CHUNK_BYTES],
+                    path=path,
+                    offset=off,
+                    data=data[off : off + CHUNK_BYTES],
                     sha256=sha256(data) if last else "",
                 )
-            )  # fmt: skip
+            )
     return out
 
 

@@ -68,8 +68,9 @@ class Controller:
     ):
         self.settings = settings
         self.is_leader = is_leader  # the elector's clock-based check, when electing
-        self.store = Store(connect(settings.redis_url, cluster=settings.redis_cluster),
-                           settings.key_prefix)  # fmt: skip
+        self.store = Store(
+            connect(settings.redis_url, cluster=settings.redis_cluster), settings.key_prefix
+        )
         # BLPOP holds a connection: the scheduler's intake gets a client of its own.
         self.blocking = connect(settings.redis_url, cluster=settings.redis_cluster)
         self.notifier = Notifier(self.store.redis, self.store.keys.done)
@@ -81,27 +82,49 @@ class Controller:
         self.usage = Usage(self.store, self.registry)  # per-tenant usage (chargeback)
         keys = self.store.keys
         self.recovery = Recovery(
-            self.store.redis, keys.replay, keys.reg, self.catalog.manifest_for,
-            self._retire_corrupted, self._trainer_of,
-        )  # fmt: skip
+            self.store.redis,
+            keys.replay,
+            keys.reg,
+            self.catalog.manifest_for,
+            self._retire_corrupted,
+            self._trainer_of,
+        )
         self.placer = Placer(self.registry, self.pool, self._restore, self.fail_run)
         self.pager = Pager(self.registry, self.pool, self.recovery, self.placer, settings, clock)
         self.samplers = Samplers(self.store, self.ledger, self.registry, self.pool, settings)
         self.publisher = Publisher(
-            self.store, settings.storage_root, self.registry, self.catalog, self.samplers,
-            self.pool, settings.resident_versions, settings.shared_adapter_root,
-        )  # fmt: skip
+            self.store,
+            settings.storage_root,
+            self.registry,
+            self.catalog,
+            self.samplers,
+            self.pool,
+            settings.resident_versions,
+            settings.shared_adapter_root,
+        )
         self.scheduler = Scheduler(
-            self.blocking, self.store.keys, self.ledger, self.registry, self.catalog, self.pool,
-            settings, self.publisher.publish, self.recovery, gate=is_leader,
-        )  # fmt: skip
+            self.blocking,
+            self.store.keys,
+            self.ledger,
+            self.registry,
+            self.catalog,
+            self.pool,
+            settings,
+            self.publisher.publish,
+            self.recovery,
+            gate=is_leader,
+        )
         self.fleet = Fleet(self.registry, self.ledger, self.pool)
         self.membership: Membership | None = None
         if discovery is not None:
             self.membership = Membership(
-                discovery, self.registry, self.pool, self.admit_replica, self.lose_replica,
+                discovery,
+                self.registry,
+                self.pool,
+                self.admit_replica,
+                self.lose_replica,
                 probe_interval=settings.heartbeat_interval_seconds,
-            )  # fmt: skip
+            )
         self.jobs = JobRunner(self)  # managed training jobs (issue 13); run by the leader
         self._loops: list[asyncio.Task[None]] = []
         # Heartbeats go through Redis: after Redis was out of reach (or this process was
@@ -223,8 +246,9 @@ class Controller:
         for rid in await self.registry.binding_ids():
             await self.placer.finish_binding(rid)
         await self.pager.sweep()
-        for base in sorted({r.base_model for r in await self.registry.replicas(TRAINER)
-                            if r.failed}):  # fmt: skip
+        for base in sorted(
+            {r.base_model for r in await self.registry.replicas(TRAINER) if r.failed}
+        ):
             await self.strand(base)  # a run that started waiting since (a paged run's call)
         timeout = self.settings.session_timeout_seconds
         if timeout and now - self._sessions_heard_since >= timeout:
@@ -269,10 +293,15 @@ class Controller:
         error = self._no_healthy_trainer(base_model, trainers)
         waiting = await self.registry.get_many(await self.registry.queued(base_model))
         stranded = [  # the sweep repeats this: a run already told, with nothing open, is done
-            r.registration_id for r in waiting if r is not None and (
-                r.state != RegState.UNAVAILABLE or r.pending
-                or r.unavailable_reason != error.message)
-        ]  # fmt: skip
+            r.registration_id
+            for r in waiting
+            if r is not None
+            and (
+                r.state != RegState.UNAVAILABLE
+                or r.pending
+                or r.unavailable_reason != error.message
+            )
+        ]
         for rid in stranded:
             await self.ledger.fence(rid, RegState.UNAVAILABLE, error, error.message)
         if stranded:
@@ -281,8 +310,12 @@ class Controller:
 
     def _no_healthy_trainer(self, base_model: str, trainers: list[Replica]) -> errors.Unavailable:
         now = self.registry.clock()
-        why = {t.replica_id: f"failed: {t.failed}" if t.failed
-               else f"last seen {now - t.last_seen:.0f}s ago" for t in trainers}  # fmt: skip
+        why = {
+            t.replica_id: f"failed: {t.failed}"
+            if t.failed
+            else f"last seen {now - t.last_seen:.0f}s ago"
+            for t in trainers
+        }
         down = ", ".join(f"{replica} ({text})" for replica, text in why.items())
         return errors.Unavailable(
             f"no healthy trainer serves base model {base_model!r}: {down} is down; "
@@ -379,9 +412,15 @@ class Controller:
         # The LoraConfig's rules (contract.check_lora_config) are checked by the gateway and
         # by the trainer at bind; a refused bind fails the run with that error (fail_run).
         rec, created = await self.registry.create(
-            req.tenant, req.session_id, req.model_seq_id, base_model, lora,
-            dict(req.user_metadata), optimizer, bool(load_payload),
-        )  # fmt: skip
+            req.tenant,
+            req.session_id,
+            req.model_seq_id,
+            base_model,
+            lora,
+            dict(req.user_metadata),
+            optimizer,
+            bool(load_payload),
+        )
         load_op = ""
         if load_payload:
             load_op = await self.ledger.create_internal(
@@ -411,9 +450,10 @@ class Controller:
         """
         await self.tenancy.check_session(tenant, session_id)
         finished = errors.FailedPrecondition(
-            f"session {session_id} finished before the operation ran", field="model_id",
+            f"session {session_id} finished before the operation ran",
+            field="model_id",
             reason="SESSION_FINISHED",
-        )  # fmt: skip
+        )
         for rid in await self.tenancy.training_runs(session_id):
             rec = await self.registry.get(tenant, rid)
             if rec.state == RegState.RETIRED:
@@ -435,9 +475,10 @@ class Controller:
         if rec.state == RegState.RETIRED:
             return
         retired = errors.FailedPrecondition(
-            "registration retired before the operation ran", field="registration_id",
+            "registration retired before the operation ran",
+            field="registration_id",
             reason="RETIRED",
-        )  # fmt: skip
+        )
         await self.ledger.fence(rid, RegState.RETIRED, retired)
         await self.placer.retire(rid)
         await self.recovery.forget(rid)
@@ -463,9 +504,14 @@ class Controller:
         kind = validate.payload_kind(payload)
         rejection = validate.validate(payload)
         admission = await self.ledger.submit(
-            req.tenant, req.registration_id, req.seq_id, kind, body, validate.digest(payload),
+            req.tenant,
+            req.registration_id,
+            req.seq_id,
+            kind,
+            body,
+            validate.digest(payload),
             rejection,
-        )  # fmt: skip
+        )
         if admission.page_in:  # a paged run has work again: give it a free slot if one is
             self._background(self.placer.fill(admission.page_in))
         return admission
@@ -486,9 +532,13 @@ class Controller:
                     f"no rollout serves base model {req.base_model!r}", field="base_model"
                 )
             return await self.samplers.record(
-                sampler_id=sampler_id, tenant=req.tenant, base_model=req.base_model,
-                model_path="", ref=common_pb2.AdapterRef(), inflight=False,
-            )  # fmt: skip
+                sampler_id=sampler_id,
+                tenant=req.tenant,
+                base_model=req.base_model,
+                model_path="",
+                ref=common_pb2.AdapterRef(),
+                inflight=False,
+            )
         ckpt = await self.catalog.get(req.tenant, req.model_path)
         if ckpt.type != SAMPLER:
             return await self.publisher.sampler_from_checkpoint(
@@ -496,14 +546,20 @@ class Controller:
             )
         ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=ckpt.version)
         return await self.samplers.record(
-            sampler_id=sampler_id, tenant=req.tenant, base_model=ckpt.base_model,
-            model_path=req.model_path, ref=ref, inflight=False,
-        )  # fmt: skip
+            sampler_id=sampler_id,
+            tenant=req.tenant,
+            base_model=ckpt.base_model,
+            model_path=req.model_path,
+            ref=ref,
+            inflight=False,
+        )
 
     # --- fleet ----------------------------------------------------------------------------
     async def register_replica(self, req: controller_pb2.RegisterReplicaRequest) -> None:
-        kind = {controller_pb2.REPLICA_KIND_TRAINER: TRAINER,
-                controller_pb2.REPLICA_KIND_ROLLOUT: ROLLOUT}.get(req.kind)  # fmt: skip
+        kind = {
+            controller_pb2.REPLICA_KIND_TRAINER: TRAINER,
+            controller_pb2.REPLICA_KIND_ROLLOUT: ROLLOUT,
+        }.get(req.kind)
         if kind is None:
             raise errors.InvalidArgument("kind must be TRAINER or ROLLOUT", field="kind")
         for name in ("replica_id", "address", "base_model", "incarnation"):
@@ -517,13 +573,21 @@ class Controller:
                 f"must be one of {', '.join(quantize.QUANTIZATIONS)}", field="quantization"
             )
         rep = Replica(
-            kind=kind, replica_id=req.replica_id, address=req.address,
-            base_model=base_model_name(req.base_model), num_slots=req.num_slots,
+            kind=kind,
+            replica_id=req.replica_id,
+            address=req.address,
+            base_model=base_model_name(req.base_model),
+            num_slots=req.num_slots,
             incarnation=req.incarnation,
-            last_seen=0, healthy=True, tokenizer_id=req.tokenizer_id, max_rank=req.max_rank,
-            max_context_length=req.max_context_length, arch=req.arch,
-            max_num_samples=req.max_num_samples, quantization=quantization,
-        )  # fmt: skip
+            last_seen=0,
+            healthy=True,
+            tokenizer_id=req.tokenizer_id,
+            max_rank=req.max_rank,
+            max_context_length=req.max_context_length,
+            arch=req.arch,
+            max_num_samples=req.max_num_samples,
+            quantization=quantization,
+        )
         await self.admit_replica(rep)
 
     async def admit_replica(self, rep: Replica) -> str:
