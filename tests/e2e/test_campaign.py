@@ -24,7 +24,8 @@ ledger (Redis) holds the same operations, none failed; the controller's and the 
 optimizer step counts equal the steps the client took; the operations the trainer applied
 (its own record in the saved state) are in the ledger and are the reference's.
 `CAMPAIGN_FAULTS` (20 in CI) sets the count; the figures (faults by kind, page-out outcomes,
-divergences, how far apart each tenant ended, the longest recovery) print as JSON.
+divergences, how far apart each tenant ended, the longest recovery, the restore points each
+run left in the checkpoint store) print as JSON.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ from lorafleet.testing import free_port
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 from lorafleet_controller.store.keys import Keys
 from lorafleet_controller.store.states import OpState
+from lorafleet_trainer.checkpoint import TRAINER_STATE
+from lorafleet_trainer.snapshots import PAGE_MARK
+from lorafleet_trainer.snapshots import PREFIX as SNAPSHOT_PREFIX
 
 pytestmark = pytest.mark.slow
 
@@ -316,6 +320,17 @@ def state_of(fleet: Any, path: str) -> dict[str, Any]:
     }
 
 
+def restore_points(store: Path, rid: str) -> int:
+    """The run's automatic snapshots and page-out saves left in the checkpoint store: each
+    page-out deletes those its replay log moved past (the trainer's PruneSnapshots)."""
+    folder = store / rid
+    if not rid or not folder.is_dir():
+        return 0
+    return sum(1 for p in folder.iterdir() if p.name.startswith(SNAPSHOT_PREFIX)
+               or json.loads((p / TRAINER_STATE).read_text()).get("saved_by", "")
+               .startswith(rid + PAGE_MARK))  # fmt: skip
+
+
 def ledger_of(r: redis.Redis, rid: str) -> dict[str, Any]:
     """The ledger's records of a run: op id → (kind, state), and the controller's step count."""
     keys = Keys(LEDGER_PREFIX)
@@ -474,6 +489,7 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
             campaign_s = time.monotonic() - started
             assert injector.done.is_set() and injector.error is None, injector.error
             faulted = json.loads((tmp_path / "faults.json").read_text())
+            left = {n: restore_points(store, r.get("run", "")) for n, r in faulted.items()}
             steps = {name: r["steps"] for name, r in faulted.items()}
             run_tenants(python, spec("reference", steps=steps), tmp_path / "reference.json")
             reference = json.loads((tmp_path / "reference.json").read_text())
@@ -499,6 +515,7 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
                 "longest_recovery_s": round(max(recovered, default=0), 2),
                 "longest_recovery_s_by_kind": by_kind,
                 "campaign_s": round(campaign_s, 1),
+                "restore_points_left": left,
             }
             if divergent:  # what happened when, to read beside the logs (seconds from start)
                 t0 = injector.log[0][1] if injector.log else 0.0

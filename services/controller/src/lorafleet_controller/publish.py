@@ -34,7 +34,7 @@ from lorafleet.shared_storage import FileRef, adapter_folder, common_folder, pub
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
 from lorafleet_controller import metrics
 from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
-from lorafleet_controller.clients import Pool
+from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.ledger import Claim
 from lorafleet_controller.registry import ROLLOUT, Registry, RegRecord, Replica
 from lorafleet_controller.samplers import SamplerRecord, Samplers
@@ -91,26 +91,36 @@ class Publisher:
             raise errors.NotFound("registration vanished", field="registration_id")
         _require_bound(reg, claim)
         version = await self._version(claim.registration_id, claim.operation_id)
-        rep = await self.registry.replica(claim.replica)
-        if rep is None:
-            raise errors.Unavailable(f"trainer replica {claim.replica!r} is gone")
-        trainer = self.pool.trainer(rep.address)
-        if self.shared_root is not None:
+        ref = common_pb2.AdapterRef(registration_id=claim.registration_id, version=version)
+        aid = str(AdapterId(claim.registration_id, version))
+        live = await self._live(aid)
+        if live is not None:
+            # An earlier attempt of this operation made the version live (a rollout may
+            # serve it) and died before its outcome was recorded: push those very files.
+            # Exported again after a restore, the replayed weights may differ in the last
+            # bits (recovery.py), and a rollout refuses a version's files changing; removed
+            # by a re-run that found the slot rebound (below), a live version lost its files
+            # (CAMPAIGN_FAULTS=100, seed 2026: version 3 of the sampling tenant).
+            folder, payload = live
+        elif self.shared_root is not None:
+            trainer = await self._trainer(claim)
             refs = await trainer.write_shared_adapter(claim.slot, claim.registration_id, version)
             folder = await asyncio.to_thread(_shared_folder, self.shared_root, refs)
             try:
                 await self._still_bound(reg, claim)
             except errors.FailedPrecondition:  # the re-run must export afresh, not reuse it
-                await asyncio.to_thread(shutil.rmtree, folder, ignore_errors=True)
+                if await self._live(aid) is None:  # unless another attempt made it live
+                    await asyncio.to_thread(shutil.rmtree, folder, ignore_errors=True)
                 raise
             payload = Payload(refs=refs)
         else:
+            trainer = await self._trainer(claim)
             files = await trainer.export_adapter(claim.slot, claim.registration_id)
             await self._still_bound(reg, claim)
             folder = await asyncio.to_thread(self._write, claim.registration_id, version, files)
             payload = Payload(files=files)
-        ref = common_pb2.AdapterRef(registration_id=claim.registration_id, version=version)
-        await self._record_live(ref, reg.base_model, reg.lora, folder, payload.refs)
+        if live is None:
+            await self._record_live(ref, reg.base_model, reg.lora, folder, payload.refs)
         await self.push_all(ref, reg.base_model, reg.lora, payload)
         path = ""
         if sw.name:
@@ -146,6 +156,12 @@ class Publisher:
             )
         )
         return result, [("set", "published_version", version)]
+
+    async def _trainer(self, claim: Claim) -> TrainerClient:
+        rep = await self.registry.replica(claim.replica)
+        if rep is None:
+            raise errors.Unavailable(f"trainer replica {claim.replica!r} is gone")
+        return self.pool.trainer(rep.address)
 
     async def _still_bound(self, before: RegRecord, claim: Claim) -> None:
         """The export read the slot the registration held when the publish began.
@@ -295,20 +311,28 @@ class Publisher:
                 raw = await self.store.redis.hgetall(self.keys.adapter(aid))
                 if not raw:
                     continue
-                refs = trainer_pb2.WriteSharedAdapterResponse.FromString(
-                    blob(raw.get(b"refs", b""))
-                )
-                if refs.files:
-                    payload = Payload(refs=dict(refs.files))
-                else:
-                    folder = Path(text(raw[b"files_dir"]))
-                    payload = Payload(files=await asyncio.to_thread(_read_folder, folder))
+                _, payload = await self._payload(raw)
                 ref = common_pb2.AdapterRef(registration_id=rid, version=int(raw[b"version"]))
                 lora = common_pb2.LoraConfig.FromString(blob(raw[b"lora"]))
                 try:
                     await self._load(rollout.address, ref, lora, payload)
                 except errors.LorafleetError as exc:
                     log.warning("reconciling %s on %s failed: %s", aid, rollout.replica_id, exc)
+
+    async def _live(self, aid: str) -> tuple[str, Payload] | None:
+        """The folder and files of a version recorded live, if it is."""
+        raw = await self.store.redis.hgetall(self.keys.adapter(aid))
+        return await self._payload(raw) if raw else None
+
+    @staticmethod
+    async def _payload(raw: dict[bytes | str, bytes | str]) -> tuple[str, Payload]:
+        """A live version's record: its folder, and its files by reference (shared storage)
+        or by content."""
+        refs = trainer_pb2.WriteSharedAdapterResponse.FromString(blob(raw.get(b"refs", b"")))
+        folder = text(raw[b"files_dir"])
+        if refs.files:
+            return folder, Payload(refs=dict(refs.files))
+        return folder, Payload(files=await asyncio.to_thread(_read_folder, Path(folder)))
 
     async def forget(self, rid: str, base_model: str) -> None:
         """A retired registration's versions are no longer pushed to new rollouts."""
