@@ -327,8 +327,16 @@ def restore_points(store: Path, rid: str) -> int:
     if not rid or not folder.is_dir():
         return 0
     return sum(1 for p in folder.iterdir() if p.name.startswith(SNAPSHOT_PREFIX)
-               or json.loads((p / TRAINER_STATE).read_text()).get("saved_by", "")
-               .startswith(rid + PAGE_MARK))  # fmt: skip
+               or saved_by(p).startswith(rid + PAGE_MARK))  # fmt: skip
+
+
+def saved_by(folder: Path) -> str:
+    """The operation id a saved state was written under; '' for anything else (a save's
+    temporary folder left by a SIGKILLed trainer)."""
+    try:
+        return str(json.loads((folder / TRAINER_STATE).read_text()).get("saved_by", ""))
+    except (OSError, ValueError):
+        return ""
 
 
 def ledger_of(r: redis.Redis, rid: str) -> dict[str, Any]:
