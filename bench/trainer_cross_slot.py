@@ -40,7 +40,7 @@ from lorafleet_trainer.optim import SlotOptimizer
 def _legacy_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The previous MultiLoraLinear.forward (no dropout: the bench trains without it)."""
     out = self.base(x)
-    groups = [g for c in self.router.routing.classes for g in c.groups]
+    groups = self.router.routing.groups
     parts = x.split([g.size for g in groups]) if len(groups) > 1 else (x,)
     deltas = []
     for group, xs in zip(groups, parts, strict=True):

@@ -350,6 +350,8 @@ class TrainerEngine:
         earlier = {slot: [p.grad for p in b.optimizer.params] for slot, b in bindings.items()}
         for b in bindings.values():
             b.optimizer.clear_gradients()
+        # A group sums each slot's gradients over ranks in float64 (_join_gradients).
+        self.router.residuals = {} if share.world > 1 else None
         local_tokens = sum(len(d.tokens) for _, d, _ in windows)
         try:
             with torch.set_grad_enabled(need_grad):
@@ -408,6 +410,7 @@ class TrainerEngine:
                 if backward_terms:
                     torch.stack(backward_terms).sum().backward()
         except BaseException:  # forward_backward clears the trained slots' gradients
+            self.router.residuals = None
             for slot, b in bindings.items():
                 if slot not in summed:
                     for param, old in zip(b.optimizer.params, earlier[slot], strict=True):
@@ -450,14 +453,27 @@ class TrainerEngine:
     ) -> None:
         """Sum this pass's gradients over ranks (one all-reduce of every trained slot's LoRA
         gradients, replicated on every rank) and add them to the earlier accumulation; slots
-        that only ran forward get their earlier gradients back, untouched."""
+        that only ran forward get their earlier gradients back, untouched.
+
+        The all-reduce is in float64, each gradient with what its rounding to float32 lost
+        (`Router.residuals`), so a slot whose rows were split between ranks gets the float32
+        rounding of the same sum over its rows as in one process (lora.py), bit for bit."""
+        residuals, self.router.residuals = self.router.residuals or {}, None
         trained = [p for slot in sorted(summed) for p in bindings[slot].optimizer.params]
         if self.share.world > 1 and trained:
-            new = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trained]
-            flat = torch.cat([g.reshape(-1) for g in new])
+
+            def exact(p: torch.Tensor) -> torch.Tensor:
+                if p.grad is None:
+                    return p.new_zeros(p.numel(), dtype=torch.float64)
+                g = p.grad.to(torch.float64, copy=True)
+                if id(p) in residuals:
+                    g += residuals[id(p)]
+                return g.reshape(-1)
+
+            flat = torch.cat([exact(p) for p in trained])
             self.share.sum_gradients(flat)
             for p, g in zip(trained, flat.split([p.numel() for p in trained]), strict=True):
-                p.grad = g.view_as(p).clone()
+                p.grad = g.view_as(p).to(p.dtype)
         for slot, b in bindings.items():
             for p, old in zip(b.optimizer.params, earlier[slot], strict=True):
                 if slot not in summed or p.grad is None:

@@ -126,7 +126,7 @@ class MultiLoraExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         routing = self.router.routing
-        groups = [] if routing is None else [g for c in routing.classes for g in c.groups]
+        groups = [] if routing is None else routing.groups
         if not any(g.slot in bank.adapters for bank in self.banks.values() for g in groups):
             return self.base(hidden_states, top_k_index, top_k_weights)
         # hidden_states is the (rows * seq, hidden) flattening of the routed batch: token t

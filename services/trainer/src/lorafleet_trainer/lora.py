@@ -9,17 +9,27 @@ instead of the output). One pass over the shared base serves every slot, and bec
 only ever touches its own slot's A/B, backward gives each slot exactly the gradient it would
 get alone.
 
-The LoRA path of a mixed batch is a pair of batched matmuls per rank, not a loop over
-slots. The engine sorts rows by slot and slots by rank; each run of equal-rank slots (a
-`RankClass`, usually the whole batch) is cut into equal runs of rows ("units": the gcd of
-its group sizes), the A/B of its slots are stacked, and `bmm` runs every unit against its own
-slot's weights. Ranks are never padded: a zero-padded rank changes which GEMM kernel runs
-and so the rounding, and gradients must match PEFT to 1e-5. Per-slot weights stay separate
-tensors, so per-slot AdamW and the state files are unchanged. The earlier per-slot loop paid a
-split, a full-size scale and a full-size cat per slot and module in forward and again in
-backward. Every class of one module runs inside one autograd node (`_MixedDelta`): with 64
-slots of six ranks, autograd's own stack/bmm/cat graph cost a full-size cat per module and a
-strided copy of every slot's A and B gradient (`bench/trainer_slots.py`).
+A slot's result must not depend on which other slots share its pass (composition
+independence): the controller checks a run that shared its passes against the same run
+alone (paging, recovery replay), a trainer group checks against one process, and AdamW
+magnifies any last-bit difference in a gradient near zero into a visible one. So a slot's
+LoRA products run over its own rows only, the same calls whatever else is in the batch, and
+each A/B gradient is the float32 rounding of the float64 sum of its rows' own products, so
+it does not depend on how its rows are split between ranks either (`_SlotDeltas`). An
+earlier design batched equal-rank slots into `bmm`s over "units" of the gcd of their row
+counts: a slot's rounding then changed with its neighbours' row counts (that bmm rounds
+unlike mm, a batch of one takes yet another path, and a slot's units were summed
+afterwards). The loop over slots costs no full-size copies: all slots of one module
+run in one autograd node that adds each delta in place and hands back each gradient in the
+parameter's own layout (`bench/trainer_slots.py`). Ranks are never padded (a padded rank
+changes the GEMM kernel and so the rounding; gradients must match PEFT to 1e-5), and
+per-slot weights stay separate tensors, so per-slot AdamW and the state files are unchanged.
+
+What stays outside this module is the base model's own computation: it sees the padded
+batch, and on the CPU its rounding of a token can depend on the batch's width (a GEMM tiles
+a short tail of rows differently; the backward differs across widths too). A slot is
+bit-identical beside any neighbours that leave the width unchanged (its longest row is the
+batch's longest), and equal to float rounding otherwise.
 
 We write this instead of using PEFT's `adapter_names=` because PEFT refuses mixed batches in
 training mode, ties `requires_grad` to the active adapter, and draws dropout and init from
@@ -54,53 +64,24 @@ class RowGroup:
 
 
 @dataclass
-class RankClass:
-    """Consecutive groups whose slots share one LoRA rank, run as one pair of batched matmuls.
-
-    The rows are cut into `units` equal runs (the gcd of the group sizes), each of one group.
-    """
-
-    rank: int
-    rows: int
-    groups: list[RowGroup]
-    units: int
-    unit_group: torch.Tensor | None  # group index of each unit; None when unit i is group i
-    scales: torch.Tensor  # (units, 1, 1) float32: each unit's LoRA scale
-
-    @classmethod
-    def build(cls, rank: int, groups: list[RowGroup], device: torch.device) -> RankClass:
-        unit = math.gcd(*(g.size for g in groups))
-        owner = [i for i, g in enumerate(groups) for _ in range(g.size // unit)]
-        unit_group = None
-        if len(owner) != len(groups):
-            unit_group = torch.tensor(owner, dtype=torch.int64, device=device)
-        scales = torch.tensor(
-            [groups[i].scale for i in owner], dtype=torch.float32, device=device
-        ).view(-1, 1, 1)
-        return cls(rank, sum(g.size for g in groups), groups, len(owner), unit_group, scales)
-
-
-@dataclass
 class Routing:
     """How one forward's batch maps onto slots, computed once and read by every wrapper."""
 
-    classes: list[RankClass]  # tile the batch in order
+    groups: list[RowGroup]  # tile the batch in order
+    starts: list[int]  # each group's first row
     dropout: RowDropout | None  # None when no row has dropout
 
     @classmethod
     def build(cls, groups: list[RowGroup], device: torch.device) -> Routing:
-        runs: list[tuple[int, list[RowGroup]]] = []
-        for g in groups:
-            if runs and runs[-1][0] == g.rank:
-                runs[-1][1].append(g)
-            else:
-                runs.append((g.rank, [g]))
+        starts = [0]
+        for g in groups[:-1]:
+            starts.append(starts[-1] + g.size)
         dropout = None
         if any(g.dropout > 0 for g in groups):
             keys = [k for g in groups for k in (g.dropout_keys or [0] * g.size)]
             p = [g.dropout for g in groups for _ in range(g.size)]
             dropout = RowDropout(keys, p, device)
-        return cls([RankClass.build(r, members, device) for r, members in runs], dropout)
+        return cls(groups, starts, dropout)
 
 
 class Router:
@@ -108,6 +89,10 @@ class Router:
 
     def __init__(self) -> None:
         self.routing: Routing | None = None
+        # While a trainer group's pass collects them: what each LoRA gradient lost in its
+        # rounding to float32, in float64 by id(parameter), so that the ranks' partial sums
+        # add up exactly (engine._join_gradients). None: not collected (one process).
+        self.residuals: dict[int, torch.Tensor] | None = None
 
     @contextlib.contextmanager
     def route(self, groups: list[RowGroup], device: torch.device) -> Iterator[None]:
@@ -121,7 +106,7 @@ class Router:
 @dataclass
 class LoraWeights:
     """One slot's adapter on one module (float32 whatever the base dtype): the slot table's
-    trainable Parameters, or plain zeros standing in for an absent slot within a forward."""
+    trainable Parameters."""
 
     A: torch.Tensor  # (rank, in_features)
     B: torch.Tensor  # (out_features, rank)
@@ -168,122 +153,102 @@ class MultiLoraLinear(nn.Module):
         routing = self.router.routing
         if routing is None:
             raise RuntimeError(f"{self.name} ran outside Router.route(): no rows are routed")
+        present: list[tuple[RowGroup, int]] = []  # (group, first row) of slots adapting here
         weights: list[torch.Tensor] = []
-        present: list[tuple[RankClass, int, bool]] = []  # (class, first row, has an adapter)
-        start = 0
-        for c in routing.classes:
-            found = [self.adapters.get(g.slot) for g in c.groups]
-            has = any(w is not None for w in found)
-            if has:
-                zero = None
-                if not all(found):  # absent slots add nothing: zeros of the class's rank
-                    zero = LoraWeights(
-                        x.new_zeros(c.rank, self.in_features, dtype=torch.float32),
-                        x.new_zeros(self.out_features, c.rank, dtype=torch.float32),
-                    )
-                ws = [w or zero for w in found]
-                weights += [w.A for w in ws if w is not None]
-                weights += [w.B for w in ws if w is not None]
-            present.append((c, start, has))
-            start += c.rows
-        if not weights:
+        for g, start in zip(routing.groups, routing.starts, strict=True):
+            if (w := self.adapters.get(g.slot)) is not None:
+                present.append((g, start))
+                weights += [w.A, w.B]
+        if not present:
             return out
         xs = x.to(torch.float32)
         if routing.dropout is not None:
             xs = xs * routing.dropout.mask(self.key, x.shape[1], x.shape[2])
-        return _MixedDelta.apply(out.contiguous(), xs, present, *weights)
+        return _SlotDeltas.apply(out.contiguous(), xs, present, self.router, *weights)
 
 
-class _MixedDelta(torch.autograd.Function):
-    """`out + scale * B(A(x))` for every rank class of the batch, written into `out`.
+class _SlotDeltas(torch.autograd.Function):
+    """`out + scale * B(A(x))` on each slot's rows, written into `out`, in one autograd node.
 
-    One autograd node per module instead of a stack, bmm, scale, baddbmm and cat per class:
-    the forward adds each class's delta in place (no full-size cat), and the backward hands
-    each slot its A and B gradients as contiguous slices of one buffer per class in the
-    parameters' own layout, which autograd takes as they are (the stack/transpose path gave
-    strided views that it copied one by one). The products are the same: `mm` for a class of
-    one run of rows (PEFT's kernels), `bmm` over the units of a larger one."""
+    A slot's products run over its own rows only, the same calls whatever shares the pass:
+    2-D `mm`s (PEFT's kernels, in the orientation F.linear and autograd's mm backward use),
+    and for its weight gradients one `bmm` entry per row, which rounds as that row's `mm`
+    would. A `bmm` over several slots' tokens (`x A^T` and the like) does not: its rounding
+    differs from `mm`'s and depends on the batch count (a batch of one takes another path),
+    and cutting a slot's rows into units summed afterwards reorders its reduction.
+    Each A/B gradient is the float32 rounding of the float64 sum of its rows' own products,
+    so it does not depend on how the rows are split either: a trainer group that cuts a slot
+    between ranks sums the ranks' float64 sums (`Router.residuals`) and gets one process's
+    gradient, where AdamW would otherwise magnify a last-bit difference in a gradient near
+    zero. The forward adds each delta in place (no full-size cat); the backward hands back
+    the gradients in A's and B's own layout, which autograd takes as they are."""
 
     @staticmethod
     def forward(
         ctx: Any,
         out: torch.Tensor,
         x: torch.Tensor,
-        present: list[tuple[RankClass, int, bool]],
+        present: list[tuple[RowGroup, int]],
+        router: Router,
         *weights: torch.Tensor,
     ) -> torch.Tensor:
         in_f, out_f = x.shape[-1], out.shape[-1]
-        saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
-        i = 0
-        for c, start, has in present:
-            if not has:
-                saved.append(None)
-                continue
-            n = len(c.groups)
-            a, b = torch.stack(weights[i : i + n]), torch.stack(weights[i + n : i + 2 * n])
-            i += 2 * n
-            if c.unit_group is not None:
-                a, b = a[c.unit_group], b[c.unit_group]
-            xc = x[start : start + c.rows].reshape(c.units, -1, in_f)
-            oc = out[start : start + c.rows].view(c.units, -1, out_f)
+        hidden: list[torch.Tensor] = []
+        for (g, start), a, b in zip(present, weights[::2], weights[1::2], strict=True):
+            xg = x[start : start + g.size].reshape(-1, in_f)
+            og = out[start : start + g.size].view(-1, out_f)
             # A float32 base output takes the delta in place (the same gemm, accumulating
             # into it); another dtype gets the float32 sum rounded once, as PEFT's does.
-            o32 = oc if oc.dtype == torch.float32 else oc.to(torch.float32)
-            if c.units == 1:
-                # One run of rows: the plain 2-D kernels of F.linear (PEFT's), since bmm takes
-                # a naive path for tiny products whose rounding differs from mm's.
-                h = torch.mm(xc[0], a[0].t()).mul_(c.scales[0]).unsqueeze(0)
-                o32[0].addmm_(h[0], b[0].t())
-            else:
-                h = torch.bmm(xc, a.transpose(1, 2)).mul_(c.scales)
-                o32.baddbmm_(h, b.transpose(1, 2))
-            if o32 is not oc:
-                oc.copy_(o32)
-            saved.append((a, b, h))
-        ctx.saved = saved
-        ctx.present = present
-        ctx.save_for_backward(x)
+            o32 = og if og.dtype == torch.float32 else og.to(torch.float32)
+            h = torch.mm(xg, a.t()).mul_(g.scale)
+            o32.addmm_(h, b.t())
+            if o32 is not og:
+                og.copy_(o32)
+            hidden.append(h)
+        ctx.hidden, ctx.present, ctx.router, ctx.params = hidden, present, router, weights
+        ctx.save_for_backward(x, *weights)
         ctx.mark_dirty(out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
+        x, *weights = ctx.saved_tensors
         in_f, out_f = x.shape[-1], grad.shape[-1]
-        need_x = ctx.needs_input_grad[1]
-        grad_x = torch.empty_like(x) if need_x else None
-        grads: list[torch.Tensor | None] = []
-        for (c, start, _), kept in zip(ctx.present, ctx.saved, strict=True):
-            if kept is None:
-                if grad_x is not None:  # rows of slots without an adapter here
-                    grad_x[start : start + c.rows].zero_()
-                continue
-            a, b, h = kept
-            xc = x[start : start + c.rows].reshape(c.units, -1, in_f)
-            gc = grad[start : start + c.rows].reshape(c.units, -1, out_f).to(torch.float32)
-            # The products autograd's mm/bmm backward runs, in its orientation: another
-            # rounds differently, which AdamW amplifies where a gradient is near zero. mm's
-            # backward gives a column-major operand (A^T, B^T) its gradient in A's and B's
-            # own layout; bmm's gives A^T and B^T, copied once per class into that layout.
-            if c.units == 1:
-                g_b = torch.mm(gc[0].t(), h[0]).unsqueeze(0)
-                g_h = torch.mm(gc[0], b[0]).mul_(c.scales[0])
-                g_a = torch.mm(g_h.t(), xc[0]).unsqueeze(0)
-                if grad_x is not None:
-                    grad_x[start : start + c.rows].view(-1, in_f).copy_(torch.mm(g_h, a[0]))
-            else:
-                g_b = torch.bmm(h.transpose(1, 2), gc).transpose(1, 2).contiguous()
-                g_hu = torch.bmm(gc, b).mul_(c.scales)
-                g_a = torch.bmm(xc.transpose(1, 2), g_hu).transpose(1, 2).contiguous()
-                if grad_x is not None:
-                    gx = grad_x[start : start + c.rows].view(c.units, -1, in_f)
-                    torch.bmm(g_hu, a, out=gx)
-            n = len(c.groups)
-            if c.unit_group is not None:  # the units of one group sum into its slot
-                g_a = g_a.new_zeros(n, *g_a.shape[1:]).index_add_(0, c.unit_group, g_a)
-                g_b = g_b.new_zeros(n, *g_b.shape[1:]).index_add_(0, c.unit_group, g_b)
-            grads += list(g_a.unbind()) + list(g_b.unbind())
-        return (grad, grad_x, None, *grads)
+        residuals: dict[int, torch.Tensor] | None = ctx.router.residuals
+        grad_x = None
+        if ctx.needs_input_grad[1]:  # rows of slots without an adapter here get zeros
+            grad_x = x.new_empty(x.shape)
+            if sum(g.size for g, _ in ctx.present) < x.shape[0]:
+                grad_x.zero_()
+        grads: list[torch.Tensor] = []
+        for i, ((g, start), h) in enumerate(zip(ctx.present, ctx.hidden, strict=True)):
+            a, b = weights[2 * i], weights[2 * i + 1]
+            xg = x[start : start + g.size].reshape(-1, in_f)
+            gg = grad[start : start + g.size].reshape(-1, out_f).to(torch.float32)
+            g_h = torch.mm(gg, b).mul_(g.scale)
+            if grad_x is not None:
+                torch.mm(g_h, a, out=grad_x[start : start + g.size].view(-1, in_f))
+            for param, lhs, rhs in ((ctx.params[2 * i], g_h, xg), (ctx.params[2 * i + 1], gg, h)):
+                if g.size == 1:  # one row: its own product, nothing to sum
+                    grads.append(torch.mm(lhs.t(), rhs))
+                    continue
+                exact = _row_products(lhs, rhs, g.size).sum(0, dtype=torch.float64)
+                rounded = exact.to(torch.float32)
+                if residuals is not None:
+                    rest, key = exact - rounded, id(param)
+                    residuals[key] = residuals[key] + rest if key in residuals else rest
+                grads.append(rounded)
+        return (grad, grad_x, None, None, *grads)
+
+
+def _row_products(lhs: torch.Tensor, rhs: torch.Tensor, rows: int) -> torch.Tensor:
+    """`lhs_r^T @ rhs_r` for each of `rows` equal runs of tokens: a weight gradient's share
+    of each batch row, in A's and B's own layout (autograd's mm backward for the column-major
+    A^T, B^T). A `bmm` of this orientation rounds each entry as `mm` rounds it alone, so a
+    row's share is the same whichever other rows of its slot run beside it."""
+    return torch.bmm(
+        lhs.reshape(rows, -1, lhs.shape[-1]).transpose(1, 2), rhs.reshape(rows, -1, rhs.shape[-1])
+    )
 
 
 def init_weights(
