@@ -225,3 +225,21 @@ def test_import_of_a_peft_adapter_trained_elsewhere(make_engine, model_dir, tmp_
     engine.bind(1, "reg-b", LoraSpec(rank=4, alpha=16, train_mlp=False))
     with pytest.raises(FailedPrecondition, match="r is 8 in the adapter but 4"):
         engine.import_adapter("imp", 1, "reg-b", tmp_path / "peft")
+
+
+def test_an_operation_id_replays_only_its_own_kind(make_engine, h) -> None:
+    """A retried operation is answered from the dedup log with its first result; an id that
+    names an operation of another kind is refused, never answered with that other result."""
+    engine = make_engine()
+    engine.bind(0, "reg", SPEC)
+    train(engine, 0, "reg", 0)
+    first = engine.save_state("save", 0, "reg", "s", True)
+    assert engine.save_state("save", 0, "reg", "s", True) == first  # a retry: same result
+    before = h.snapshot(engine)
+    with pytest.raises(FailedPrecondition, match="another kind") as refused:
+        engine.save_state("step0", 0, "reg", "t", True)  # step0 was an optim_step
+    assert refused.value.field == "operation_id"
+    with pytest.raises(FailedPrecondition, match="another kind"):
+        engine.optim_step("save", 0, "reg", HP)
+    h.assert_same(before, h.snapshot(engine))
+    assert not (Path(engine.storage_root) / "reg" / "t").exists()

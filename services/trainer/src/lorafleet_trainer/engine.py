@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -51,6 +51,8 @@ from lorafleet_trainer.targets import peft_prefixes, peft_targets, resolve_targe
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+_R = TypeVar("_R")
 
 
 @dataclass
@@ -216,11 +218,20 @@ class TrainerEngine:
             raise InvalidArgument("must not be empty", field=field)
 
     @staticmethod
-    def _replay(binding: Binding, op_id: str) -> Any:
+    def _replay(binding: Binding, op_id: str, kind: type[_R]) -> _R:
+        """The first result of an operation applied before; `kind` is what the caller's
+        operation returns, so an id first used by another kind of operation is refused
+        instead of answered with the other operation's result."""
         result = binding.ops.get(op_id)
         if result is RESULT_UNKNOWN:
             raise FailedPrecondition(
                 "operation already applied (restored from a saved state); its result is gone",
+                field="operation_id",
+                reason="ALREADY_APPLIED",
+            )
+        if not isinstance(result, kind):
+            raise FailedPrecondition(
+                f"already used by an operation of another kind ({type(result).__name__})",
                 field="operation_id",
                 reason="ALREADY_APPLIED",
             )
@@ -243,7 +254,7 @@ class TrainerEngine:
                 if backward:
                     self._require_op_id(item.operation_id)
                     if item.operation_id in binding.ops:
-                        results[i] = self._replay(binding, item.operation_id)
+                        results[i] = self._replay(binding, item.operation_id, ForwardBackwardOutput)
                         continue
                     key = (item.slot, item.operation_id)
                     if key in first_of:
@@ -489,7 +500,7 @@ class TrainerEngine:
         binding = self.slots.leased(slot, registration_id)
         self._require_op_id(operation_id)
         if operation_id in binding.ops:
-            return self._replay(binding, operation_id)
+            return self._replay(binding, operation_id, OptimStepResult)
         validate_adam(hp)
         result = binding.optimizer.step(hp)
         if result.applied:
@@ -527,7 +538,8 @@ class TrainerEngine:
             task_type="CAUSAL_LM",
             base_model_name_or_path=self.base_model,
         )
-        return cfg.to_dict()
+        config: dict[str, Any] = cfg.to_dict()
+        return config
 
     def _adapter_tensors(self, binding: Binding) -> dict[str, torch.Tensor]:
         """The slot's weights under PEFT's key names and layout (expert banks: see experts.py)."""
@@ -553,7 +565,7 @@ class TrainerEngine:
         binding = self.slots.leased(slot, registration_id)
         self._require_op_id(operation_id)
         if operation_id in binding.ops:
-            return self._replay(binding, operation_id)
+            return self._replay(binding, operation_id, StateRef)
         names.check_name(name)
         final = checkpoint.state_dir(self.storage_root, registration_id, name)
         earlier = checkpoint.saved_by(final, operation_id)
@@ -647,7 +659,7 @@ class TrainerEngine:
         binding = self.slots.leased(slot, registration_id)
         self._require_op_id(operation_id)
         if operation_id in binding.ops:
-            return self._replay(binding, operation_id)
+            return self._replay(binding, operation_id, type(None))
         self._no_pending(binding, "load_state")
         state = checkpoint.open_state(self.storage_root, ref)
         saved = state.trainer_state
@@ -711,7 +723,7 @@ class TrainerEngine:
         binding = self.slots.leased(slot, registration_id)
         self._require_op_id(operation_id)
         if operation_id in binding.ops:
-            return self._replay(binding, operation_id)
+            return self._replay(binding, operation_id, type(None))
         self._no_pending(binding, "import_adapter")
         config, tensors = checkpoint.read_adapter(folder)
         if config.get("use_rslora") or config.get("use_dora"):

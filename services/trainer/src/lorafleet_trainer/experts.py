@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from lorafleet import peft_experts
 from lorafleet.errors import FailedPrecondition
-from lorafleet_trainer.lora import LoraWeights, Router, init_weights
+from lorafleet_trainer.lora import LoraWeights, Router, RowGroup, init_weights
 
 BANKS = peft_experts.EXPERT_BANKS
 
@@ -128,7 +128,8 @@ class MultiLoraExperts(nn.Module):
         routing = self.router.routing
         groups = [] if routing is None else routing.groups
         if not any(g.slot in bank.adapters for bank in self.banks.values() for g in groups):
-            return self.base(hidden_states, top_k_index, top_k_weights)
+            out: torch.Tensor = self.base(hidden_states, top_k_index, top_k_weights)
+            return out
         # hidden_states is the (rows * seq, hidden) flattening of the routed batch: token t
         # belongs to row t // seq, and rows tile the groups in order.
         rows = sum(g.size for g in groups)
@@ -158,7 +159,7 @@ class MultiLoraExperts(nn.Module):
         expert: int,
         x: torch.Tensor,
         token_group: torch.Tensor,
-        groups: list,
+        groups: list[RowGroup],
     ) -> torch.Tensor:
         """`x @ W_e^T` plus, on each slot's tokens, `scale * B_e(A_e(x))` (float32)."""
         bank = self.banks[param]

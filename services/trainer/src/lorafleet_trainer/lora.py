@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -149,7 +149,7 @@ class MultiLoraLinear(nn.Module):
         return a, b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        out: torch.Tensor = self.base(x)
         routing = self.router.routing
         if routing is None:
             raise RuntimeError(f"{self.name} ran outside Router.route(): no rows are routed")
@@ -164,7 +164,7 @@ class MultiLoraLinear(nn.Module):
         xs = x.to(torch.float32)
         if routing.dropout is not None:
             xs = xs * routing.dropout.mask(self.key, x.shape[1], x.shape[2])
-        return _SlotDeltas.apply(out.contiguous(), xs, present, self.router, *weights)
+        return _slot_deltas(out.contiguous(), xs, present, self.router, *weights)
 
 
 class _SlotDeltas(torch.autograd.Function):
@@ -239,6 +239,11 @@ class _SlotDeltas(torch.autograd.Function):
                     residuals[key] = residuals[key] + rest if key in residuals else rest
                 grads.append(rounded)
         return (grad, grad_x, None, None, *grads)
+
+
+# torch declares Function.apply without annotations; this is its signature for _SlotDeltas
+# (out, x, present, router, then each present slot's A and B).
+_slot_deltas = cast(Callable[..., torch.Tensor], _SlotDeltas.apply)
 
 
 def _row_products(lhs: torch.Tensor, rhs: torch.Tensor, rows: int) -> torch.Tensor:
