@@ -101,8 +101,11 @@ class Tenant:
     def train(self) -> None:
         s = self.spec
         with tinker.ServiceClient(api_key=s["api_key"], base_url=SPEC["base_url"]) as sc:
-            tc = done(sc.create_lora_training_client(
-                base_model=s["base_model"], rank=s["rank"], seed=s["seed"]))  # fmt: skip
+            tc = done(
+                sc.create_lora_training_client(
+                    base_model=s["base_model"], rank=s["rank"], seed=s["seed"]
+                )
+            )
             self.result["run"] = tc.model_id
             say("RUN", self.name, tc.model_id)
             self.ready.wait()
@@ -120,8 +123,12 @@ class Tenant:
                         [(31 * s["seed"] + 7 * step + 5 * j) % 200 + 1 for j in range(5)]
                     )
                     got = sampler.sample(prompt, 2, params).result()
-                    self.op([{"tokens": list(q.tokens), "logprobs": list(q.logprobs or [])}
-                             for q in got.sequences])  # fmt: skip
+                    self.op(
+                        [
+                            {"tokens": list(q.tokens), "logprobs": list(q.logprobs or [])}
+                            for q in got.sequences
+                        ]
+                    )
                 step += 1
             self.result["steps"] = step
             self.result["final"] = tc.save_state("final").result().path
@@ -144,8 +151,17 @@ class Tenant:
                 if job.get("state") in ("succeeded", "failed", "cancelled"):
                     break
                 time.sleep(0.5)
-        keep = ("state", "error", "optimizerUpdateCount", "passCount", "finalTrainLoss",
-                "initialLoss", "stopReason", "checkpoint", "runId")  # fmt: skip
+        keep = (
+            "state",
+            "error",
+            "optimizerUpdateCount",
+            "passCount",
+            "finalTrainLoss",
+            "initialLoss",
+            "stopReason",
+            "checkpoint",
+            "runId",
+        )
         self.op({k: job.get(k) for k in keep})
         self.result["run"] = job.get("runId")
         self.result["final"] = job.get("checkpoint")

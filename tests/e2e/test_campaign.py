@@ -88,8 +88,13 @@ TENANTS = [  # name, kind, loss, rank, seed
     ("canary", "train", "cross_entropy", 8, 17),
 ]
 JOB_PAIRS = [{"Q": "What is my name?", "A": "Dima"}, {"Q": "Where do I live?", "A": "Lisbon"}]
-JOB_PARAMS = {"seed": "16", "max_iters": "2", "learning_rate": "0.005", "loss_target": "0",
-              "early_stop": "0"}  # fmt: skip
+JOB_PARAMS = {
+    "seed": "16",
+    "max_iters": "2",
+    "learning_rate": "0.005",
+    "loss_target": "0",
+    "early_stop": "0",
+}
 
 
 class ResettingProxy:
@@ -193,13 +198,30 @@ class Injector:
     """Applies `count` faults drawn from `rng` at random times, one after another (a stop or a
     full disk is held for its duration; the next fault comes 0.2 s to GAP_MAX_S later)."""
 
-    def __init__(self, fleet: Any, proxies: dict[str, ResettingProxy], store: Path | None,
-                 runs: dict[str, str], rng: random.Random, count: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fleet: Any,
+        proxies: dict[str, ResettingProxy],
+        store: Path | None,
+        runs: dict[str, str],
+        rng: random.Random,
+        count: int,
+    ) -> None:
         self.fleet, self.proxies, self.store, self.runs, self.rng, self.count = (
-            fleet, proxies, store, runs, rng, count)  # fmt: skip
-        self.kinds = [*(f"kill {p}" for p in PROCESSES), *(f"stop {p}" for p in PROCESSES),
-                      *(f"reset {link}" for link in proxies), "page out",
-                      *(["disk full"] if store is not None else [])]  # fmt: skip
+            fleet,
+            proxies,
+            store,
+            runs,
+            rng,
+            count,
+        )
+        self.kinds = [
+            *(f"kill {p}" for p in PROCESSES),
+            *(f"stop {p}" for p in PROCESSES),
+            *(f"reset {link}" for link in proxies),
+            "page out",
+            *(["disk full"] if store is not None else []),
+        ]
         self.pages: Counter[str] = Counter()  # page-out outcomes (a run may not be bound)
         self.log: list[tuple[str, float, float]] = []  # kind, injected at, released at
         self.error: BaseException | None = None
@@ -276,12 +298,20 @@ def run_tenants(
 ) -> dict[str, list[float]]:
     """Run campaign_script.py into `out`; returns each tenant's op completion times, and
     fills `runs` (tenant → run id) as the runs are created."""
-    env = dict(os.environ, CAMPAIGN_SPEC=json.dumps(spec), CAMPAIGN_OUT=str(out),
-               TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        CAMPAIGN_SPEC=json.dumps(spec),
+        CAMPAIGN_OUT=str(out),
+        TINKER_TELEMETRY="0",
+        HF_HUB_OFFLINE="1",
+    )
     proc = subprocess.Popen(
         [str(python), str(REPO / "tests" / "e2e" / "campaign_script.py")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     times: dict[str, list[float]] = {}
     stderr: list[str] = []
     drain = threading.Thread(target=lambda: stderr.extend(proc.stderr or []), daemon=True)
@@ -326,8 +356,11 @@ def restore_points(store: Path, rid: str) -> int:
     folder = store / rid
     if not rid or not folder.is_dir():
         return 0
-    return sum(1 for p in folder.iterdir() if p.name.startswith(SNAPSHOT_PREFIX)
-               or saved_by(p).startswith(rid + PAGE_MARK))  # fmt: skip
+    return sum(
+        1
+        for p in folder.iterdir()
+        if p.name.startswith(SNAPSHOT_PREFIX) or saved_by(p).startswith(rid + PAGE_MARK)
+    )
 
 
 def saved_by(folder: Path) -> str:
@@ -418,8 +451,10 @@ def compare(
         *(tensors_apart(s_got[part], s_want[part]) for part in ("adapter", "optimizer")),
     )
     if name == "canary" and (ops_got, s_got["adapter"], s_got["optimizer"]) != (
-        ops_want, s_want["adapter"], s_want["optimizer"]
-    ):  # fmt: skip
+        ops_want,
+        s_want["adapter"],
+        s_want["optimizer"],
+    ):
         diffs.append(f"the canary is not bit-identical (apart by {apart:.3g})")
     if apart > RTOL:
         diffs.append(f"results or final state apart by {apart:.3g} (bound {RTOL})")
@@ -438,8 +473,10 @@ def compare(
     # The trainer's own record: what it applied is in the ledger, and is the reference's.
     applied = {i for i in s_got["applied"] if i.rpartition("#")[2].isdigit()}
     if not applied <= set(ledger["ops"]):
-        diffs.append(f"the trainer applied operations the ledger lacks: "
-                     f"{sorted(applied - set(ledger['ops']))}")  # fmt: skip
+        diffs.append(
+            f"the trainer applied operations the ledger lacks: "
+            f"{sorted(applied - set(ledger['ops']))}"
+        )
     if seqs(applied) != seqs(set(s_want["applied"])):
         diffs.append("the trainer applied other operations than the reference's")
     return diffs, apart
@@ -453,18 +490,23 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
         "gateway-controller": ResettingProxy(lambda: holder["fleet"].member("controller").port),
         "controller-trainer": ResettingProxy(lambda: holder["fleet"].member("trainer-0").port),
     }
+    via_proxy = {name: f"127.0.0.1:{proxy.port}" for name, proxy in proxies.items()}
     extra_env = {
-        "gateway": {"LORAFLEET_GATEWAY_CONTROLLER_ADDRESS":
-                    f"127.0.0.1:{proxies['gateway-controller'].port}"},
+        "gateway": {"LORAFLEET_GATEWAY_CONTROLLER_ADDRESS": via_proxy["gateway-controller"]},
         "trainer": {"LORAFLEET_TRAINER_SNAPSHOT_EVERY_STEPS": "4"},
-        "trainer-0": {"LORAFLEET_TRAINER_ADVERTISE_ADDRESS":
-                      f"127.0.0.1:{proxies['controller-trainer'].port}"},
+        "trainer-0": {"LORAFLEET_TRAINER_ADVERTISE_ADDRESS": via_proxy["controller-trainer"]},
         "trainer-1": {"LORAFLEET_TRAINER_BASE_MODEL_NAME": CANARY_MODEL},
-    }  # fmt: skip
+    }
     # Restarts at once and without end: the supervisor's growing backoff and budget are
     # tests/e2e/test_supervision.py's subject; here they would only stretch recoveries.
-    fleet = make_fleet(trainers=2, slots=12, backoff_initial=0.2, backoff_max=1.0,
-                       restart_budget=10_000, extra_env=extra_env)  # fmt: skip
+    fleet = make_fleet(
+        trainers=2,
+        slots=12,
+        backoff_initial=0.2,
+        backoff_max=1.0,
+        restart_budget=10_000,
+        extra_env=extra_env,
+    )
     holder["fleet"] = fleet
     store = fleet.config.run_dir / "storage"
     try:
@@ -476,15 +518,26 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
                 for name, kind, loss, rank, seed in TENANTS:
                     key = fleet.create_api_key(f"campaign-{name}-{phase}", "campaign")
                     model = CANARY_MODEL if name == "canary" else base
-                    tenants.append({"name": name, "kind": kind, "loss": loss, "rank": rank,
-                                    "seed": seed, "api_key": key, "base_model": model,
-                                    "params": JOB_PARAMS, "pairs": JOB_PAIRS})  # fmt: skip
+                    tenants.append(
+                        {
+                            "name": name,
+                            "kind": kind,
+                            "loss": loss,
+                            "rank": rank,
+                            "seed": seed,
+                            "api_key": key,
+                            "base_model": model,
+                            "params": JOB_PARAMS,
+                            "pairs": JOB_PAIRS,
+                        }
+                    )
                 return {"base_url": fleet.base_url, "tenants": tenants, **more}
 
             stop_file = tmp_path / "stop"
             runs: dict[str, str] = {}
-            injector = Injector(fleet, proxies, store if mounted else None, runs,
-                                random.Random(SEED), FAULTS)  # fmt: skip
+            injector = Injector(
+                fleet, proxies, store if mounted else None, runs, random.Random(SEED), FAULTS
+            )
 
             def start_faults() -> None:
                 def run() -> None:
@@ -495,8 +548,9 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
 
             started = time.monotonic()
             under_faults = spec("faults", stop_file=str(stop_file), min_steps=MIN_STEPS)
-            times = run_tenants(python, under_faults, tmp_path / "faults.json",
-                                on_ready=start_faults, runs=runs)  # fmt: skip
+            times = run_tenants(
+                python, under_faults, tmp_path / "faults.json", on_ready=start_faults, runs=runs
+            )
             campaign_s = time.monotonic() - started
             assert injector.done.is_set() and injector.error is None, injector.error
             faulted = json.loads((tmp_path / "faults.json").read_text())
@@ -506,8 +560,9 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
             reference = json.loads((tmp_path / "reference.json").read_text())
 
             r = redis.Redis.from_url(fleet.redis_url)
-            compared = {n: compare(fleet, r, n, k, faulted[n], reference[n])
-                        for n, k, *_ in TENANTS}  # fmt: skip
+            compared = {
+                n: compare(fleet, r, n, k, faulted[n], reference[n]) for n, k, *_ in TENANTS
+            }
             divergent = {name: d for name, (d, _) in compared.items() if d}
             recovered = recoveries(injector.log, times)
             by_kind: dict[str, float] = {}
@@ -530,8 +585,9 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
             }
             if divergent:  # what happened when, to read beside the logs (seconds from start)
                 t0 = injector.log[0][1] if injector.log else 0.0
-                figures["fault_log"] = [(k, round(a - t0, 1), round(b - t0, 1))
-                                        for k, a, b in injector.log]  # fmt: skip
+                figures["fault_log"] = [
+                    (k, round(a - t0, 1), round(b - t0, 1)) for k, a, b in injector.log
+                ]
                 figures["runs"] = {name: faulted[name].get("run") for name in faulted}
                 figures["logs"] = str(fleet.config.run_dir / "logs")
             print(json.dumps(figures))

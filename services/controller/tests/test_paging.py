@@ -76,9 +76,10 @@ class Run:
         self.seq += 1
         resp = await self.client(
             "SubmitOperation",
-            K.SubmitOperationRequest(tenant=T, registration_id=self.rid, seq_id=self.seq,
-                                     payload=payload),
-        )  # fmt: skip
+            K.SubmitOperationRequest(
+                tenant=T, registration_id=self.rid, seq_id=self.seq, payload=payload
+            ),
+        )
         op = await wait_done(self.client, T, resp.operation_id)  # type: ignore[attr-defined]
         assert op.state == K.OPERATION_STATE_SUCCEEDED, (self.rid, self.seq, op.error)  # type: ignore[attr-defined]
         return op
@@ -100,9 +101,11 @@ class Run:
             "weights": (folder / ADAPTER_WEIGHTS).read_bytes(),
             "moments": (folder / OPTIMIZER_FILE).read_bytes(),
             "optim_steps": trainer_state["optim_steps"],
-            "tensors": {**load_file(folder / ADAPTER_WEIGHTS),
-                        **load_file(folder / OPTIMIZER_FILE)},
-        }  # fmt: skip
+            "tensors": {
+                **load_file(folder / ADAPTER_WEIGHTS),
+                **load_file(folder / OPTIMIZER_FILE),
+            },
+        }
 
     async def registration(self) -> object:
         req = K.GetRegistrationRequest(tenant=T, registration_id=self.rid)
@@ -125,11 +128,15 @@ async def start_runs(client: Client, seeds: list[int], first: int = 0) -> list[R
         resp = await client(
             "CreateRegistration",
             K.CreateRegistrationRequest(
-                tenant=T, session_id=session, model_seq_id=first + i, base_model=base,
-                lora_config=common_pb2.LoraConfig(rank=4, seed=seed, dropout=0.1,
-                                                  train_attn=True, train_mlp=True),
+                tenant=T,
+                session_id=session,
+                model_seq_id=first + i,
+                base_model=base,
+                lora_config=common_pb2.LoraConfig(
+                    rank=4, seed=seed, dropout=0.1, train_attn=True, train_mlp=True
+                ),
             ),
-        )  # fmt: skip
+        )
         runs.append(Run(client, resp.registration.registration_id, seed))  # type: ignore[attr-defined]
     return runs
 
@@ -236,9 +243,13 @@ async def test_a_controller_sigkilled_mid_page_out_loses_nothing_and_applies_not
         paged.seq += 1
         queued = await client(
             "SubmitOperation",
-            K.SubmitOperationRequest(tenant=T, registration_id=paged.rid, seq_id=paged.seq,
-                                     payload=fb_payload(tokens(paged.seed, 2))),
-        )  # fmt: skip
+            K.SubmitOperationRequest(
+                tenant=T,
+                registration_id=paged.rid,
+                seq_id=paged.seq,
+                payload=fb_payload(tokens(paged.seed, 2)),
+            ),
+        )
         controller.kill()
         trainer.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
         with pytest.raises(errors.LorafleetError):  # its controller died under it

@@ -86,9 +86,10 @@ class Run:
     async def submit(self, seq: int, payload: controller_pb2.OperationPayload) -> str:
         resp = await self.client(
             "SubmitOperation",
-            K.SubmitOperationRequest(tenant=T, registration_id=self.rid, seq_id=seq,
-                                     payload=payload),
-        )  # fmt: skip
+            K.SubmitOperationRequest(
+                tenant=T, registration_id=self.rid, seq_id=seq, payload=payload
+            ),
+        )
         return resp.operation_id  # type: ignore[attr-defined]
 
     async def steps(self, steps: range) -> list[str]:
@@ -131,11 +132,15 @@ async def test_trainer_sigkill_mid_run_is_replayed_bit_for_bit_or_fails_loudly(p
             resp = await client(
                 "CreateRegistration",
                 K.CreateRegistrationRequest(
-                    tenant=T, session_id=session, model_seq_id=seq, base_model=base,
-                    lora_config=common_pb2.LoraConfig(rank=4, seed=seed, dropout=0.1,
-                                                      train_attn=True, train_mlp=True),
+                    tenant=T,
+                    session_id=session,
+                    model_seq_id=seq,
+                    base_model=base,
+                    lora_config=common_pb2.LoraConfig(
+                        rank=4, seed=seed, dropout=0.1, train_attn=True, train_mlp=True
+                    ),
                 ),
-            )  # fmt: skip
+            )
             return Run(client, resp.registration.registration_id)  # type: ignore[attr-defined]
 
         reference, lost_payload, lost_snapshot, victim = [await run(i) for i in range(4)]
@@ -167,16 +172,22 @@ async def test_trainer_sigkill_mid_run_is_replayed_bit_for_bit_or_fails_loudly(p
         assert await export(trainer, victim.rid) == expected
         assert await export(trainer, reference.rid) == expected  # rebuilt from its snapshot
 
-        for broken, lost in ((lost_payload, "the payload of seq_id 2 is gone"),
-                             (lost_snapshot, "its last snapshot (seq_id")):  # fmt: skip
+        for broken, lost in (
+            (lost_payload, "the payload of seq_id 2 is gone"),
+            (lost_snapshot, "its last snapshot (seq_id"),
+        ):
             key = KEYS.reg(broken.rid)
             await until(lambda key=key: r.hexists(key, "corrupted"), f"{key} corrupted")
             with pytest.raises(errors.FailedPrecondition) as refused:
                 await broken.submit(100, fb_payload(tokens(0)))
             assert refused.value.reason == "RUN_CORRUPTED"
             assert lost in refused.value.message and broken.rid in refused.value.message
-            reg = (await client("GetRegistration", K.GetRegistrationRequest(
-                tenant=T, registration_id=broken.rid))).registration  # type: ignore[attr-defined]  # fmt: skip
+            reg = (
+                await client(
+                    "GetRegistration",
+                    K.GetRegistrationRequest(tenant=T, registration_id=broken.rid),
+                )
+            ).registration  # type: ignore[attr-defined]
             assert reg.state == K.REGISTRATION_STATE_RETIRED and lost in reg.corrupted
     finally:
         await r.aclose()
@@ -184,9 +195,10 @@ async def test_trainer_sigkill_mid_run_is_replayed_bit_for_bit_or_fails_loudly(p
 
 
 @pytest.mark.parametrize(
-    "procs", [{"HEARTBEAT_INTERVAL_SECONDS": "1", "HEARTBEAT_TIMEOUT_SECONDS": "3"}],
+    "procs",
+    [{"HEARTBEAT_INTERVAL_SECONDS": "1", "HEARTBEAT_TIMEOUT_SECONDS": "3"}],
     indirect=True,
-)  # fmt: skip
+)
 async def test_a_redis_stall_longer_than_the_heartbeat_timeout_fails_nothing(procs) -> None:
     """Redis frozen (SIGSTOP) for twice the heartbeat timeout mid-run: no replica is declared
     lost for the silence Redis caused, no operation fails, and the weights are exact."""
@@ -200,11 +212,13 @@ async def test_a_redis_stall_longer_than_the_heartbeat_timeout_fails_nothing(pro
             resp = await client(
                 "CreateRegistration",
                 K.CreateRegistrationRequest(
-                    tenant=T, session_id=session, model_seq_id=seq, base_model=base,
-                    lora_config=common_pb2.LoraConfig(rank=4, seed=3, dropout=0.1,
-                                                      train_attn=True),
+                    tenant=T,
+                    session_id=session,
+                    model_seq_id=seq,
+                    base_model=base,
+                    lora_config=common_pb2.LoraConfig(rank=4, seed=3, dropout=0.1, train_attn=True),
                 ),
-            )  # fmt: skip
+            )
             runs.append(Run(client, resp.registration.registration_id))  # type: ignore[attr-defined]
         reference, victim = runs
         await reference.succeed(await reference.steps(range(6)))
@@ -230,9 +244,11 @@ async def test_silence_while_redis_was_out_of_reach_is_not_a_lost_replica(redis_
     and only a full heartbeat timeout of silence after that loses the replica."""
     clock = Clock()
     settings = ControllerSettings(
-        redis_url=redis_server.url, heartbeat_interval_seconds=1, heartbeat_timeout_seconds=3,
+        redis_url=redis_server.url,
+        heartbeat_interval_seconds=1,
+        heartbeat_timeout_seconds=3,
         session_timeout_seconds=0,
-    )  # fmt: skip
+    )
     controller = Controller(settings, clock=clock)
     await controller.start(lead=False)
     await controller.store.take_epoch()  # sweep by hand, without the sweeper loop
@@ -259,10 +275,17 @@ async def test_the_replay_log_keeps_what_a_snapshot_does_not_cover(domain) -> No
     rid = await domain.ready_registration()
     fb, opt = fb_payload(tokens(1)), optim_payload()
     forward = fb_payload(tokens(2), forward_only=True)
-    kinds = {"fb": K.OPERATION_KIND_FORWARD_BACKWARD, "optim": K.OPERATION_KIND_OPTIM_STEP,
-             "forward": K.OPERATION_KIND_FORWARD}  # fmt: skip
-    entries = [(rid, 1, kinds["fb"], fb), (rid, 2, kinds["optim"], opt),
-               (rid, 3, kinds["forward"], forward), (rid, 4, kinds["fb"], fb)]  # fmt: skip
+    kinds = {
+        "fb": K.OPERATION_KIND_FORWARD_BACKWARD,
+        "optim": K.OPERATION_KIND_OPTIM_STEP,
+        "forward": K.OPERATION_KIND_FORWARD,
+    }
+    entries = [
+        (rid, 1, kinds["fb"], fb),
+        (rid, 2, kinds["optim"], opt),
+        (rid, 3, kinds["forward"], forward),
+        (rid, 4, kinds["fb"], fb),
+    ]
     raw = [(r, s, k, p.SerializeToString()) for r, s, k, p in entries]
     await recovery.log(raw)
     await recovery.log(raw[1:2])  # a re-dispatched operation is logged once
@@ -302,8 +325,9 @@ async def _no_retire(rid: str, error: errors.LorafleetError) -> None:
 async def test_a_ready_id_lost_around_a_redis_outage_is_queued_again(redis_server) -> None:
     """A head popped from the ready list whose reply was lost (Redis frozen mid-reply) is
     queued again by the first sweep after the outage, so its run does not stall forever."""
-    controller = Controller(ControllerSettings(redis_url=redis_server.url,
-                                               session_timeout_seconds=0))  # fmt: skip
+    controller = Controller(
+        ControllerSettings(redis_url=redis_server.url, session_timeout_seconds=0)
+    )
     await controller.start(lead=False)
     await controller.store.take_epoch()  # sweep by hand, without the sweeper loop
     try:
@@ -330,9 +354,10 @@ async def test_a_ready_id_lost_around_a_redis_outage_is_queued_again(redis_serve
 
 
 @pytest.mark.parametrize(
-    "procs", [{"HEARTBEAT_INTERVAL_SECONDS": "1", "HEARTBEAT_TIMEOUT_SECONDS": "3"}],
+    "procs",
+    [{"HEARTBEAT_INTERVAL_SECONDS": "1", "HEARTBEAT_TIMEOUT_SECONDS": "3"}],
     indirect=True,
-)  # fmt: skip
+)
 async def test_batches_queued_behind_a_frozen_trainer_never_land_in_a_restore(procs) -> None:
     """The trainer frozen (SIGSTOP) past the heartbeat timeout while several runs' steps are
     queued for it: it is declared lost, its runs' operations are queued again, and when it
@@ -352,10 +377,13 @@ async def test_batches_queued_behind_a_frozen_trainer_never_land_in_a_restore(pr
             resp = await client(
                 "CreateRegistration",
                 K.CreateRegistrationRequest(
-                    tenant=T, session_id=session, model_seq_id=seq, base_model=base,
+                    tenant=T,
+                    session_id=session,
+                    model_seq_id=seq,
+                    base_model=base,
                     lora_config=common_pb2.LoraConfig(rank=4, seed=5, train_attn=True),
                 ),
-            )  # fmt: skip
+            )
             runs.append(Run(client, resp.registration.registration_id))  # type: ignore[attr-defined]
         reference, *victims = runs
         await reference.succeed(await reference.steps(range(STEPS)))

@@ -13,9 +13,21 @@ import functools
 import torch
 
 _FACTORIES = (
-    "empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
-    "empty_strided", "empty_like", "zeros_like", "ones_like", "full_like",
-)  # fmt: skip
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "empty_strided",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+)
 
 
 def _without_pin_memory(factory):  # type: ignore[no-untyped-def]

@@ -146,8 +146,11 @@ def test_step_a_only_decay_overrides_the_run(make_engine, h) -> None:
     """A managed job's steps set a_only_weight_decay (juno: B is never decayed) whatever the
     run says; a step that leaves it unset follows the run."""
     for run_flag, step_flag, b_decayed in (
-        (False, True, False), (True, False, True), (False, None, True), (True, None, False),
-    ):  # fmt: skip
+        (False, True, False),
+        (True, False, True),
+        (False, None, True),
+        (True, None, False),
+    ):
         engine = make_engine()
         engine.bind(0, "r0", LoraSpec(rank=4, seed=1, a_only_weight_decay=run_flag))
         h.perturb(engine, 0, seed=3)

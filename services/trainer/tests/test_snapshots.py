@@ -79,18 +79,39 @@ async def test_a_request_for_another_trainer_process_changes_nothing(make_engine
     item = ForwardBackwardItem("fb", 0, "reg", ForwardBackwardInput(batch(1), "cross_entropy"))
     stale = "0" * 32
     calls = [
-        (servicer.ForwardBackward, trainer_pb2.ForwardBackwardRequest(
-            items=[trainer_pb2.ForwardBackwardItem(
-                operation_id=item.operation_id, slot=0, registration_id="reg",
-                input=common_pb2.ForwardBackwardInput(loss_fn="cross_entropy"))],
-            incarnation=stale)),
-        (servicer.OptimStep, trainer_pb2.OptimStepRequest(
-            operation_id="step", slot=0, registration_id="reg", incarnation=stale)),
-        (servicer.SaveState, trainer_pb2.SaveStateRequest(
-            operation_id="save", slot=0, registration_id="reg", name="s", incarnation=stale)),
-        (servicer.LoadState, trainer_pb2.LoadStateRequest(
-            operation_id="load", slot=0, registration_id="reg", incarnation=stale)),
-    ]  # fmt: skip
+        (
+            servicer.ForwardBackward,
+            trainer_pb2.ForwardBackwardRequest(
+                items=[
+                    trainer_pb2.ForwardBackwardItem(
+                        operation_id=item.operation_id,
+                        slot=0,
+                        registration_id="reg",
+                        input=common_pb2.ForwardBackwardInput(loss_fn="cross_entropy"),
+                    )
+                ],
+                incarnation=stale,
+            ),
+        ),
+        (
+            servicer.OptimStep,
+            trainer_pb2.OptimStepRequest(
+                operation_id="step", slot=0, registration_id="reg", incarnation=stale
+            ),
+        ),
+        (
+            servicer.SaveState,
+            trainer_pb2.SaveStateRequest(
+                operation_id="save", slot=0, registration_id="reg", name="s", incarnation=stale
+            ),
+        ),
+        (
+            servicer.LoadState,
+            trainer_pb2.LoadStateRequest(
+                operation_id="load", slot=0, registration_id="reg", incarnation=stale
+            ),
+        ),
+    ]
     for method, request in calls:
         with pytest.raises(FailedPrecondition) as refused:
             await method(request, None)

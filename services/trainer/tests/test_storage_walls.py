@@ -33,8 +33,7 @@ def test_names_cannot_leave_the_run_folder(make_engine, tmp_path: Path) -> None:
     # resolves elsewhere is refused by the wall, not followed
     (engine.storage_root / "reg" / "escape").symlink_to(outside, target_is_directory=True)
     before = tree(tmp_path)
-    for i, name in enumerate(["..", ".", "a/b", "../../outside", "x" * 10_000, "a\x00b",
-                              "escape"]):  # fmt: skip
+    for i, name in enumerate(["..", ".", "a/b", "../../outside", "x" * 10_000, "a\x00b", "escape"]):
         with pytest.raises(InvalidArgument) as exc:
             engine.save_state(f"bad{i}", 0, "reg", name, True)
         assert exc.value.field == "name"
@@ -50,8 +49,11 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     with ENOSPC. Unmounted afterwards."""
     mount = tmp_path / "tiny-disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:

@@ -42,8 +42,9 @@ async def test_exported_files_rebuild_the_model_folders_tokenizer(
     text = "Truncated BPTT: keys/values carried, 5 000 tokens. <|im_end|> ünïcode"
     assert got.encode(text) == want.encode(text)
     chat = [{"role": "user", "content": "What is my name?"}, {"role": "assistant", "content": "D"}]
-    assert got.chat_template and got.apply_chat_template(chat, tokenize=False) == \
-        want.apply_chat_template(chat, tokenize=False)  # fmt: skip
+    assert got.chat_template and got.apply_chat_template(
+        chat, tokenize=False
+    ) == want.apply_chat_template(chat, tokenize=False)
     assert got.all_special_tokens == want.all_special_tokens
 
 

@@ -126,10 +126,17 @@ class Pager:
         idle_before = 0.0 if force else self.clock() - self.settings.page_idle_seconds
         deadline = time.monotonic() + FORCE_WAIT_SECONDS
         while True:
-            out = named(await self.store.scripts.run(
-                "page_begin", [self.keys.reg(rid)], rid, rec.replica, rec.slot, idle_before,
-                epoch=self.store.epoch,
-            ))  # fmt: skip
+            out = named(
+                await self.store.scripts.run(
+                    "page_begin",
+                    [self.keys.reg(rid)],
+                    rid,
+                    rec.replica,
+                    rec.slot,
+                    idle_before,
+                    epoch=self.store.epoch,
+                )
+            )
             code = text(out["code"])
             if code == "ok":
                 break
@@ -138,8 +145,9 @@ class Pager:
             if time.monotonic() > deadline:
                 raise errors.FailedPrecondition(
                     f"{rid} kept an operation in flight for {FORCE_WAIT_SECONDS:g}s",
-                    field="registration_id", reason="RUN_BUSY",
-                )  # fmt: skip
+                    field="registration_id",
+                    reason="RUN_BUSY",
+                )
             await asyncio.sleep(_FORCE_POLL_SECONDS)
         seq = int(out["seq"])
         self._driving.add(rid)
@@ -148,9 +156,11 @@ class Pager:
             if not await self._save(rec, seq, force, replay):
                 await self._abort(rid)
                 return PageOut(await self._state(rid))
-            end = named(await self.store.scripts.run(
-                "page_end", [self.keys.reg(rid)], rid, self.clock(), epoch=self.store.epoch
-            ))  # fmt: skip
+            end = named(
+                await self.store.scripts.run(
+                    "page_end", [self.keys.reg(rid)], rid, self.clock(), epoch=self.store.epoch
+                )
+            )
         except BaseException:
             with contextlib.suppress(Exception):  # else the next sweep aborts it
                 await self._abort(rid)
@@ -165,8 +175,14 @@ class Pager:
         seconds = time.perf_counter() - start
         metrics.PAGE_OUTS.labels(trigger=trigger).inc()
         metrics.PAGE_OUT_SECONDS.observe(seconds)
-        log.info("paged out %s (%s) in %.3fs from %s slot %s", rid, trigger, seconds,
-                 text(end["replica"]), text(end["slot"]))  # fmt: skip
+        log.info(
+            "paged out %s (%s) in %.3fs from %s slot %s",
+            rid,
+            trigger,
+            seconds,
+            text(end["replica"]),
+            text(end["slot"]),
+        )
         await self.placer.fill(text(end["base_model"]))
         return PageOut(RegState.PAGED, seconds)
 
@@ -181,9 +197,13 @@ class Pager:
         trainer = self.pool.trainer(rep.address)
         try:
             manifest = await trainer.save_state(
-                f"{rid}#page@{seq}:{nonce}", rec.slot, rid, f"paged-{seq}-{nonce}", True,
+                f"{rid}#page@{seq}:{nonce}",
+                rec.slot,
+                rid,
+                f"paged-{seq}-{nonce}",
+                True,
                 incarnation=rep.incarnation,
-            )  # fmt: skip
+            )
         except errors.LorafleetError as exc:
             if replay and exc.reason == "PENDING_GRADIENTS":
                 return True  # restored by replay from the last snapshot (the log has the rest)
@@ -229,27 +249,34 @@ class Pager:
         waiter that a free slot does not serve, least recently active first; a waiter whose
         tenant is at its cap frees one of its own tenant's slots."""
         waiters = [
-            r for r in await self.registry.get_many(await self.registry.queued(base_model))
-            if r is not None and r.state in (RegState.QUEUED, RegState.UNAVAILABLE,
-                                             RegState.PAGED)
-        ]  # fmt: skip
+            r
+            for r in await self.registry.get_many(await self.registry.queued(base_model))
+            if r is not None and r.state in (RegState.QUEUED, RegState.UNAVAILABLE, RegState.PAGED)
+        ]
         if not waiters:
             return []
         trainers = [r for r in await self.registry.replicas(TRAINER, base_model) if r.healthy]
         tables = await self.registry.slot_tables([r.replica_id for r in trainers])
         free = sum(max(0, r.num_slots - len(tables[r.replica_id])) for r in trainers)
-        bound = [r for r in await self.registry.get_many(
-            [rid for t in tables.values() for rid in t.values()]
-        ) if r is not None]  # fmt: skip
+        bound = [
+            r
+            for r in await self.registry.get_many(
+                [rid for t in tables.values() for rid in t.values()]
+            )
+            if r is not None
+        ]
         held: dict[str, int] = {}
         for r in bound:
             held[r.tenant] = held.get(r.tenant, 0) + 1
         cutoff = self.clock() - self.settings.page_idle_seconds
         idle = sorted(
-            (r for r in bound
-             if r.state == RegState.READY and r.pending == 0 and r.last_active < cutoff),
+            (
+                r
+                for r in bound
+                if r.state == RegState.READY and r.pending == 0 and r.last_active < cutoff
+            ),
             key=lambda r: r.last_active,
-        )  # fmt: skip
+        )
         cap = self.settings.max_slots_per_tenant
         victims: list[str] = []
         for waiter in waiters:

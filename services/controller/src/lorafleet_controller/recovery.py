@@ -209,14 +209,23 @@ class Recovery:
             return False
         log.info(
             "restored %s on %s slot %d: snapshot seq_id %s + %d replayed operations",
-            rid, replica_id, slot, plan.snapshot_seq if plan.snapshot else "-", len(plan.ops),
-        )  # fmt: skip
+            rid,
+            replica_id,
+            slot,
+            plan.snapshot_seq if plan.snapshot else "-",
+            len(plan.ops),
+        )
         return True
 
     async def _apply(
-        self, trainer: Any, incarnation: str, rid: str, slot: int, seq: int,
+        self,
+        trainer: Any,
+        incarnation: str,
+        rid: str,
+        slot: int,
+        seq: int,
         payload: controller_pb2.OperationPayload,
-    ) -> None:  # fmt: skip
+    ) -> None:
         opid = f"{rid}#{seq}"
         which = payload.WhichOneof("kind")
         lost = f"replaying seq_id {seq} ({which}) failed"
@@ -236,8 +245,9 @@ class Recovery:
         elif which == "load_state":
             manifest = await self.manifest_for(payload.load_state.path)
             if manifest is None:
-                raise Corrupted(f"the checkpoint {payload.load_state.path} it loaded at seq_id "
-                                f"{seq} is gone")  # fmt: skip
+                raise Corrupted(
+                    f"the checkpoint {payload.load_state.path} it loaded at seq_id {seq} is gone"
+                )
             await _or_corrupted(
                 trainer.load_state(
                     opid,
