@@ -12,7 +12,7 @@ checkpoint every rank reads first is not counted), also less the RSS of the bare
 steps, less the runtime.
 
     python bench/trainer_group.py [--steps N] [--batch ROWS] [--seq TOKENS] [--threads T]
-        [--rounds R]   # defaults 5, 8, 128, 2, 1
+        [--rounds R] [--reshard auto|true|false]   # defaults 5, 8, 128, 2, 1, auto
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def rank_main(model_dir: Path, steps: int, batch: int, seq: int, threads: int, out: Path) -> None:
+def rank_main(
+    model_dir: Path, steps: int, batch: int, seq: int, threads: int, reshard: str, out: Path
+) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401  (the runtime, before the model)
 
     from lorafleet_trainer.group import (
@@ -79,6 +81,7 @@ def rank_main(model_dir: Path, steps: int, batch: int, seq: int, threads: int, o
             dtype="float32",
             timeout=600.0,
             base_model="bench",
+            reshard=reshard,
             num_slots=1,
             max_rank=RANK,
             storage_root=Path(storage),
@@ -144,7 +147,7 @@ def run_world(model_dir: Path, world: int, args: argparse.Namespace) -> list[dic
             }
             argv = [sys.executable, __file__, "--rank-of", str(model_dir), "--out", str(out)]
             sizes = ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
-            sizes += ["--threads", str(args.threads // world)]
+            sizes += ["--threads", str(args.threads // world), "--reshard", args.reshard]
             procs.append(subprocess.Popen([*argv, *sizes], env=env))
         codes = [p.wait(timeout=1800) for p in procs]
         if codes != [0] * world:
@@ -159,11 +162,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="world 1 and 2 runs, alternated")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of all ranks")
+    parser.add_argument(
+        "--reshard",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="LORAFLEET_TRAINER_GROUP_RESHARD_AFTER_FORWARD for the ranks (auto: false on CPU)",
+    )
     parser.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
-        rank_main(args.rank_of, args.steps, args.batch, args.seq, args.threads, args.out)
+        rank_main(
+            args.rank_of, args.steps, args.batch, args.seq, args.threads, args.reshard, args.out
+        )
         return
     model_dir, name = bench_model_dir()
     # Rounds alternate which world size runs first, so a machine whose load changes between
@@ -180,6 +191,7 @@ def main() -> None:
         "batch": f"{args.batch}x{args.seq}",
         "steps": args.steps,
         "total_threads": args.threads,
+        "reshard_after_forward": args.reshard,
         "world_1": one,
         "world_2": two,
         "base_held_ratio_2_over_1": max(r["base_mib_held"] for r in two) / r1["base_mib_held"],

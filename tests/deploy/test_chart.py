@@ -385,7 +385,13 @@ LEFT_TO_DEFAULTS = {
         "SWEEP_INTERVAL_SECONDS",
         "TRANSPORT_RETRY_SECONDS",
     },
-    "trainer": {"GROUP_KEEPALIVE_SECONDS", "MAX_MESSAGE_BYTES", "REGISTER_INTERVAL_SECONDS"},
+    # GROUP_RESHARD_AFTER_FORWARD: auto resolves by device (cuda reshards, cpu keeps).
+    "trainer": {
+        "GROUP_KEEPALIVE_SECONDS",
+        "GROUP_RESHARD_AFTER_FORWARD",
+        "MAX_MESSAGE_BYTES",
+        "REGISTER_INTERVAL_SECONDS",
+    },
     # ENGINE_LAUNCH: SGLang and vLLM run as their own containers.
     "rollout": {"ENGINE_LAUNCH", "MAX_MESSAGE_BYTES", "REGISTER_INTERVAL_SECONDS"},
     # Wire-protocol switches keep their defaults; the key comes from DOWNLOAD_SECRET (a Secret).

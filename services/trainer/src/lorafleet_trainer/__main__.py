@@ -96,6 +96,7 @@ def main() -> None:
                 dtype=settings.dtype,
                 timeout=settings.group_timeout_seconds,
                 base_model=served,
+                reshard=settings.group_reshard_after_forward,
                 num_slots=settings.num_slots,
                 max_rank=settings.max_rank,
                 storage_root=settings.storage_root,

@@ -22,7 +22,8 @@ else is reported as not adaptable by `sites.py` rather than skipped.
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -144,11 +145,15 @@ class MultiLoraExperts(nn.Module):
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
         for expert in hit[:, 0].tolist():
             top_k_pos, token_idx = torch.where(mask[expert])
-            token_group = group_of_token[token_idx]
-            x = hidden_states[token_idx]
+            n = token_idx.numel()
+            # Zero rows up to a multiple of ROW_QUANTUM: every GEMM of this expert then
+            # rounds a token's row as it would among any other tokens (see ROW_QUANTUM).
+            pad = -n % ROW_QUANTUM
+            x = F.pad(hidden_states[token_idx], (0, 0, 0, pad))
+            token_group = F.pad(group_of_token[token_idx], (0, pad), value=-1)
             h = self._with_lora("gate_up_proj", expert, x, token_group, groups)
             h = base._apply_gate(h)
-            y = self._with_lora("down_proj", expert, h, token_group, groups)
+            y = self._with_lora("down_proj", expert, h, token_group, groups)[:n]
             y = y * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
@@ -173,8 +178,12 @@ class MultiLoraExperts(nn.Module):
             sel = (token_group == gi).nonzero()[:, 0]
             if sel.numel() == 0:
                 continue
-            a, b = (w.A, w.B) if w.A.dim() == 2 else (w.A[expert], w.B[expert])
-            d = torch.mm(torch.mm(xs[sel], a.t()) * g.scale, b.t())
+            n = sel.numel()
+            xg = F.pad(xs[sel], (0, 0, 0, -n % ROW_QUANTUM))
+            per_expert = w.A.dim() == 3
+            a, b = (w.A[expert], w.B[expert]) if per_expert else (w.A, w.B)
+            where = (expert if per_expert else None, w.A, w.B, self.router)
+            d = _expert_delta(xg, a, b, g.scale, where)[:n]
             deltas.append((sel, d))
         if not deltas:
             return y
@@ -182,3 +191,58 @@ class MultiLoraExperts(nn.Module):
         for sel, d in deltas:
             yf = yf.index_add(0, sel, d)
         return yf.to(y.dtype)
+
+
+# CPU GEMMs (oneDNN/MKL) take another kernel, and another split over threads, for a few rows
+# than for many: measured on the bench host, a row of `F.linear` over M rows differs in its
+# last bits from the same row over 300 rows for M < 8 (one thread) and for M = 9..11 (two
+# threads), and never once M is a multiple of 8, at 1 or 2 threads. An expert's tokens are
+# whatever the router sent it, so their count differs between a trainer group's ranks and one
+# process; padding it to a multiple of 8 with zero rows makes every token's products the same.
+ROW_QUANTUM = 8
+
+
+class _ExpertDelta(torch.autograd.Function):
+    """`scale * (x A^T) B^T` for one slot's tokens on one expert, with weight gradients that
+    do not depend on which other tokens share the pass.
+
+    The forward and the input gradient are the plain `mm`s (over row counts padded to
+    ROW_QUANTUM). A's and B's gradients are sums over the slot's tokens routed to the expert,
+    which a trainer group splits between ranks differently from one process: each is summed
+    in float64 (every float32 product is exact there) and rounded once, and what the rounding
+    dropped goes to `Router.residuals`, so the ranks' sums join to one process's gradient (as
+    lora._SlotDeltas does for Linear sites). An adapter shared by all experts adds the experts'
+    rounded gradients in float32 (autograd's accumulation), so there a group equals one
+    process to float rounding only."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scale: float,
+        where: tuple[int | None, torch.Tensor, torch.Tensor, Router],
+    ) -> torch.Tensor:
+        h = torch.mm(x, a.t()) * scale
+        ctx.scale, ctx.where = scale, where
+        ctx.save_for_backward(x, a, b, h)
+        return torch.mm(h, b.t())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, a, b, h = ctx.saved_tensors
+        expert, full_a, full_b, router = ctx.where
+        g_h = torch.mm(grad, b) * ctx.scale
+        grad_x = torch.mm(g_h, a) if ctx.needs_input_grad[0] else None
+        grads = []
+        for full, lhs, rhs in ((full_a, g_h, x), (full_b, grad, h)):
+            exact = torch.mm(lhs.t().to(torch.float64), rhs.to(torch.float64))
+            rounded = exact.to(torch.float32)
+            router.add_residual(full, exact - rounded, expert)
+            grads.append(rounded)
+        return grad_x, grads[0], grads[1], None, None
+
+
+# torch declares Function.apply without annotations: (x, a, b, scale, where) -> delta.
+_expert_delta = cast(Callable[..., torch.Tensor], _ExpertDelta.apply)

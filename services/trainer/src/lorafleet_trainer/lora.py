@@ -94,6 +94,16 @@ class Router:
         # add up exactly (engine._join_gradients). None: not collected (one process).
         self.residuals: dict[int, torch.Tensor] | None = None
 
+    def add_residual(self, param: torch.Tensor, rest: torch.Tensor, index: int | None) -> None:
+        """Collect what `param`'s gradient (its `index` block, or all of it) lost in its
+        rounding to float32, while a trainer group's pass collects residuals."""
+        if self.residuals is None:
+            return
+        total = self.residuals.get(id(param))
+        if total is None:
+            total = self.residuals[id(param)] = param.new_zeros(param.shape, dtype=torch.float64)
+        (total if index is None else total[index]).add_(rest)
+
     @contextlib.contextmanager
     def route(self, groups: list[RowGroup], device: torch.device) -> Iterator[None]:
         self.routing = Routing.build(groups, device)

@@ -87,6 +87,15 @@ class TrainerSettings:
         min=5.0,
         max=86400.0,
     )
+    group_reshard_after_forward: str = setting(
+        "auto",
+        doc="Trainer groups: free a layer's gathered base weights after its forward (true) "
+        "or keep them for its backward (false: one all-gather per layer per step instead of "
+        "two, at the cost of holding the whole base for the length of a step). auto = true "
+        "on cuda, where the shard is what lets the model fit, false on cpu, where the gather "
+        "over gloo costs a quarter of a step and host memory is what a step holds anyway.",
+        choices=("auto", "true", "false"),
+    )
     group_keepalive_seconds: float = setting(
         5.0,
         doc="Trainer groups: rank 0 pings idle ranks this often (well under the timeout).",
