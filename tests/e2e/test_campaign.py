@@ -482,7 +482,7 @@ def compare(
     return diffs, apart
 
 
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(max(3600, 30 * FAULTS))  # 100 faults took 534-947 s
 def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python, tmp_path) -> None:
     python = sdk_python("0.38.0")
     holder: dict[str, Any] = {}
