@@ -38,6 +38,9 @@ def test_scripts_are_declared_and_states_come_from_the_proto() -> None:
     folder = resources.files("lorafleet_controller.store") / "lua"
     on_disk = {p.name.removesuffix(".lua") for p in folder.iterdir() if p.name.endswith(".lua")}
     assert on_disk - {"common"} == set(FLEET_KEYS)
+    keys = Keys("t")
+    for name, fleet in FLEET_KEYS.items():  # each script's `-- fleet-keys:` names real keys
+        assert all(isinstance(getattr(keys, k, None), str) for k in fleet), (name, fleet)
     assert {s.value for s in OpState} == {
         v.number for v in controller_pb2.OperationState.DESCRIPTOR.values if v.number
     }

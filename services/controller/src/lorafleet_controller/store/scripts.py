@@ -30,79 +30,23 @@ from lorafleet_controller.store.keys import Keys
 
 Client = aioredis.Redis | RedisCluster
 
-# The fleet-wide keys each script touches, declared in KEYS after the caller's own keys.
+
+def _fleet_keys(name: str) -> tuple[str, ...]:
+    """The fleet-wide keys a script touches, declared in KEYS after the caller's own keys:
+    its first line reads `-- fleet-keys: name ...` (attribute names of `Keys`). Declared in
+    the script itself so that adding a script is adding one file."""
+    first = (_LUA / f"{name}.lua").read_text().split("\n", 1)[0]
+    if not first.startswith(_HEADER):
+        raise ValueError(f"store/lua/{name}.lua: first line must be {_HEADER!r} and its keys")
+    return tuple(first[len(_HEADER) :].split())
+
+
+_LUA = resources.files("lorafleet_controller.store") / "lua"
+_HEADER = "-- fleet-keys:"
 FLEET_KEYS: dict[str, tuple[str, ...]] = {
-    "submit": ("pending", "unacked", "results", "depth", "gaps", "ready_ctl", "ready_data"),
-    "submit_sample": ("pending", "unacked", "depth", "open_samples"),
-    "ack": ("unacked", "results", "depth"),
-    "claim": ("claimed", "depth"),
-    "claim_many": ("ready_ctl", "ready_data", "claimed", "depth"),
-    "complete": (
-        "claimed",
-        "results",
-        "pending",
-        "unacked",
-        "depth",
-        "open_samples",
-        "gaps",
-        "ready_ctl",
-        "ready_data",
-    ),
-    "sweep": (
-        "claimed",
-        "results",
-        "retired",
-        "pending",
-        "unacked",
-        "depth",
-        "open_samples",
-        "gaps",
-        "ready_ctl",
-        "ready_data",
-    ),
-    "seal": (
-        "gaps",
-        "results",
-        "unacked",
-        "pending",
-        "depth",
-        "claimed",
-        "ready_ctl",
-        "ready_data",
-    ),
-    "fence": (
-        "retired",
-        "claimed",
-        "results",
-        "pending",
-        "unacked",
-        "depth",
-        "gaps",
-        "ready_ctl",
-        "ready_data",
-    ),
-    "create_reg": ("regs",),
-    "place": ("binding",),
-    "bound": ("binding", "gaps", "ready_ctl", "ready_data"),
-    "release": ("binding",),
-    "replica_lost": (
-        "binding",
-        "claimed",
-        "results",
-        "pending",
-        "unacked",
-        "depth",
-        "gaps",
-        "ready_ctl",
-        "ready_data",
-    ),
-    "repush": ("gaps", "ready_ctl", "ready_data"),
-    "page_begin": ("paging",),
-    "page_end": ("paging",),
-    "page_abort": ("paging", "gaps", "ready_ctl", "ready_data"),
-    "record_sampler": (),
-    "add_checkpoint": ("ckpt_ttl",),
-    "publish_version": (),
+    p.name[: -len(".lua")]: _fleet_keys(p.name[: -len(".lua")])
+    for p in sorted(_LUA.iterdir(), key=lambda p: p.name)
+    if p.name.endswith(".lua") and p.name != "common.lua"
 }
 NAMES = tuple(FLEET_KEYS)
 
@@ -113,14 +57,13 @@ class StaleEpoch(errors.Unavailable):
 
 
 def source(name: str) -> str:
-    folder = resources.files("lorafleet_controller.store") / "lua"
-    body = (folder / f"{name}.lua").read_text()
+    body = (_LUA / f"{name}.lua").read_text()
     return (
         "local P = ARGV[1]\n"
         "local ARGS = {}\nfor i = 3, #ARGV do ARGS[i - 2] = ARGV[i] end\n"
         + states.lua_prelude()
         + keys_module.lua_prelude()
-        + (folder / "common.lua").read_text()
+        + (_LUA / "common.lua").read_text()
         + f"\nlocal function main()\n{body}\nend\n"
         + "local stale = check_epoch()\nif stale then return stale end\n"
         + "local out = main()\npublish_done()\nreturn out\n"

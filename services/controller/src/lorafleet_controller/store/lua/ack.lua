@@ -1,3 +1,4 @@
+-- fleet-keys: unacked results depth
 -- Acknowledge a terminal result. ARGS: opid, tenant.
 -- Result: code = ok | not_found (unknown or another tenant's) | open (not terminal yet).
 local id, tenant = ARGS[1], ARGS[2]

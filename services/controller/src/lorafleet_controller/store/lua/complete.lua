@@ -1,3 +1,4 @@
+-- fleet-keys: claimed results pending unacked depth open_samples gaps ready_ctl ready_data
 -- Record the outcomes of one or more operations. ARGS: now, then per operation: opid, state,
 -- result, error, from ('claimed' or 'open'), n, and n triples (op, field, value) applied to
 -- the registration hash in the same transaction (op: 'set' or 'incr'), for example

@@ -1,3 +1,4 @@
+-- fleet-keys: paging
 -- Finish a page-out: the slot's state is in the checkpoint store (its snapshot is recorded in
 -- the replay log, or the log replays it). ARGS: rid, now. The registration becomes PAGED (to
 -- be restored like a lost trainer's run: `restore`), its slot is free, and if operations

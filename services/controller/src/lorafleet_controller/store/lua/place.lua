@@ -1,3 +1,4 @@
+-- fleet-keys: binding
 -- Place a registration on a free trainer slot, or queue it. ARGS: rid, now, cap (slots one
 -- tenant may hold on the base model's trainers; 0 = no cap).
 -- Chooses the healthy trainer replica of the registration's base model with the most free

@@ -1,3 +1,4 @@
+-- fleet-keys: binding
 -- Retire a registration's placement: free its slot and leave the queue. ARGS: rid.
 -- Result: replica and slot that were freed ('' when it held none), base_model.
 local rid = ARGS[1]

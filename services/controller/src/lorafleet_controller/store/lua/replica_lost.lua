@@ -1,3 +1,4 @@
+-- fleet-keys: binding claimed results pending unacked depth gaps ready_ctl ready_data
 -- A replica is gone (heartbeat timeout, left discovery, or a new incarnation). ARGS: replica,
 -- now, reason. It is marked unhealthy; if it is a trainer, every registration it held
 -- becomes UNAVAILABLE (to be rebuilt by replay: recovery.py), its open operations stay
