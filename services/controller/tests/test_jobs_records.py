@@ -1,6 +1,6 @@
 """Job records in real Redis (one server and a 3-master Cluster): durable fields, tenant
 scoping, the run's FIFO queue, the open set a new leader resumes, versions that wake
-long-polls, and default runs."""
+long-polls, and default runs; the leader's writes are fenced, a request's are not."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 
 from lorafleet.errors import NotFound
 from lorafleet_controller.jobs.records import JobState, Records
+from lorafleet_controller.jobs.runner import JobRunner
+from lorafleet_controller.store import StaleEpoch, Store
 
 
 async def make(records: Records, job_id: str, tenant: str = "t1", rid: str = "s:train:0"):
@@ -88,3 +90,72 @@ async def test_default_runs_per_tenant(domain) -> None:
     assert await records.default_run("t2") == {}
     await records.clear_default_run("t1")
     assert await records.default_run("t1") == {}
+
+
+async def test_a_deposed_leaders_job_writes_are_refused_and_change_nothing(domain) -> None:
+    records = Records(domain.store, domain.notifier)
+    rec = await make(records, "job-1")
+    await records.set_default_run("t1", rid="s:train:0", checkpoint="")
+    await Store(domain.client, domain.settings.key_prefix).take_epoch()  # a new leader
+    with pytest.raises(StaleEpoch):
+        await records.update("job-1", state=JobState.RUNNING.value, cursor={"seq": 3})
+    with pytest.raises(StaleEpoch):
+        await records.finish(rec, JobState.FAILED, error={"message": "x"})
+    with pytest.raises(StaleEpoch):
+        await records.set_default_checkpoint("t1", "s:train:0", "tinker://s:train:0/weights/x")
+    assert await records.get("t1", "job-1") == rec
+    assert await records.run_queue("s:train:0") == ["job-1"]
+    assert await records.open_ids() == ["job-1"]
+    assert await records.default_run("t1") == {"rid": "s:train:0", "checkpoint": ""}
+
+
+async def test_requests_write_jobs_on_a_replica_that_does_not_lead(domain) -> None:
+    standby = Records(Store(domain.client, domain.settings.key_prefix), domain.notifier)
+    rec = await make(standby, "job-1")
+    await standby.request_cancel("job-1")
+    after = await standby.get("t1", "job-1")
+    assert after.cancel_requested and after.version == rec.version + 1
+    with pytest.raises(NotFound):
+        await standby.request_cancel("job-none")
+    assert await standby.open_ids() == ["job-1"]
+    with pytest.raises(StaleEpoch):  # progress is the leader's
+        await standby.update("job-1", live=[])
+
+
+async def test_the_default_checkpoint_is_kept_only_while_its_run_is_the_default(domain) -> None:
+    records = Records(domain.store, domain.notifier)
+    await records.set_default_run("t1", rid="s:train:0", checkpoint="")
+    await records.set_default_checkpoint("t1", "s:train:0", "tinker://s:train:0/weights/a")
+    assert (await records.default_run("t1"))["checkpoint"] == "tinker://s:train:0/weights/a"
+    await records.set_default_checkpoint("t1", "old:train:0", "tinker://old:train:0/weights/b")
+    assert (await records.default_run("t1"))["checkpoint"] == "tinker://s:train:0/weights/a"
+    await records.clear_default_run("t1")  # a reset while the job ended: it stays reset
+    await records.set_default_checkpoint("t1", "s:train:0", "tinker://s:train:0/weights/c")
+    assert await records.default_run("t1") == {}
+
+
+async def test_a_write_naming_no_job_field_is_refused_before_redis(domain) -> None:
+    records = Records(domain.store, domain.notifier)
+    rec = await make(records, "job-1")
+    with pytest.raises(ValueError, match="tenant"):
+        await records.update("job-1", tenant="t2", live=[])
+    assert await records.get("t1", "job-1") == rec
+
+
+class _Host:
+    """The parts a runner's worker reads before a job's first operation (all real)."""
+
+    def __init__(self, domain) -> None:
+        self.store, self.notifier, self.registry = domain.store, domain.notifier, domain.registry
+        self.leading = True
+
+
+async def test_a_deposed_runner_leaves_its_job_to_the_next_leader(domain) -> None:
+    rid = await domain.ready_registration()
+    runner = JobRunner(_Host(domain))
+    rec = await make(runner.records, "job-1", rid=rid)
+    await Store(domain.client, domain.settings.key_prefix).take_epoch()  # a new leader
+    await asyncio.wait_for(runner._work(rid), 30)  # returns: neither started nor failed
+    assert await runner.records.get("t1", "job-1") == rec
+    assert await runner.records.run_queue(rid) == ["job-1"]
+    assert await runner.records.open_ids() == ["job-1"]

@@ -34,7 +34,7 @@ from lorafleet_controller.jobs.host import JobHost
 from lorafleet_controller.jobs.params import JobKind, JobParams
 from lorafleet_controller.jobs.records import JobRecord, JobState, Records
 from lorafleet_controller.registry import TRAINER, RegRecord
-from lorafleet_controller.store import OpState, RegState
+from lorafleet_controller.store import OpState, RegState, StaleEpoch
 
 log = logging.getLogger(__name__)
 pb = controller_pb2
@@ -507,12 +507,15 @@ class JobRunner:
             try:
                 rec = await self.records.get_any(queue[0])
             except errors.NotFound:
-                await self.host.store.redis.lrem(self.records.keys.run_jobs(rid), 0, queue[0])
+                await self.records.drop_from_run(rid, queue[0])
                 continue
             try:
                 state = await self._execute(rec)
             except asyncio.CancelledError:
                 raise
+            except StaleEpoch:  # deposed: the new leader resumes the job from its cursor
+                log.info("job %s: this controller was deposed, leaving it", rec.job_id)
+                return
             except Exception as exc:  # a bug must fail the job, not wedge the run's queue
                 log.exception("job %s failed", rec.job_id)
                 await self.records.finish(
@@ -578,8 +581,8 @@ class JobRunner:
                 cursor = await loop.run(rec.job_id, plan, p, ex, cursor)
                 path = await ex.save_state(f"{rec.job_id}-final")
                 result = loop.result(kind, plan, cursor, path)
-        except asyncio.CancelledError:  # leadership lost: the next leader resumes the job
-            await ex.abandon()
+        except (asyncio.CancelledError, StaleEpoch):  # leadership lost: the next leader
+            await ex.abandon()  # resumes the job (acknowledging nothing it still needs)
             raise
         except JobCancelled:
             await ex.abandon()
@@ -593,7 +596,5 @@ class JobRunner:
             return JobState.FAILED
         await ex.ack()
         await self.records.finish(rec, JobState.SUCCEEDED, result=result, cursor=cursor.to_dict())
-        default = await self.records.default_run(rec.tenant)
-        if default.get("rid") == rec.registration_id:
-            await self.records.set_default_run(rec.tenant, checkpoint=path)
+        await self.records.set_default_checkpoint(rec.tenant, rec.registration_id, path)
         return JobState.SUCCEEDED
