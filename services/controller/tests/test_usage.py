@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
 from lorafleet_controller import ledger as L
 from lorafleet_controller.catalog import TRAINING, Catalog
-from lorafleet_controller.store import OpState
-from lorafleet_controller.usage import Usage, forward_effects, optim_effects, sample_effects
+from lorafleet_controller.store import OpState, StaleEpoch, Store
+from lorafleet_controller.usage import (
+    Effects,
+    Usage,
+    forward_effects,
+    optim_effects,
+    sample_effects,
+)
 
 from .conftest import Domain
 
@@ -30,7 +38,7 @@ class Tick:
         return self.now
 
 
-async def _run(d: Domain, rid: str, seq: int, state: OpState, effects) -> bool:
+async def _run(d: Domain, rid: str, seq: int, state: OpState, effects: Effects) -> bool:
     opid = L.operation_id(rid, seq)
     await d.ledger.submit("t1", rid, seq, FB, b"p%d" % seq, f"d{seq}")
     assert await d.ledger.claim(opid) is not None
@@ -87,3 +95,22 @@ async def test_adapter_seconds_and_stored_bytes(domain: Domain) -> None:
     )
     (t1,) = await usage.totals("t1")
     assert t1.stored_bytes == 1234
+
+
+async def test_a_deposed_leader_bills_no_residency(domain: Domain) -> None:
+    """Two controllers that both believe they lead would bill every slot-second twice; the
+    deposed one's tick is refused and bills nothing, the new leader's counts."""
+    await domain.ready_registration(tenant="t1")
+    clock = Tick()
+    old = Usage(domain.store, domain.registry, clock)
+    await old.tick()
+    new_store = Store(domain.client, domain.settings.key_prefix)
+    await new_store.take_epoch()
+    new = Usage(new_store, domain.registry, clock)
+    await new.tick()
+    clock.now = 2.0
+    with pytest.raises(StaleEpoch):
+        await old.tick()
+    await new.tick()
+    (t1,) = await new.totals("t1")
+    assert t1.adapter_seconds == 2.0

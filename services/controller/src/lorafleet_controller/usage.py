@@ -15,16 +15,16 @@ once, so it is counted once; a failed one is not counted).
   integrated by the leader's sweeper from the slot tables (resolution: one sweep interval);
 - stored_bytes: bytes of the tenant's checkpoints in the catalog now (derived on read).
 
-Totals live in `usage:<tenant>` hashes, so they survive controller restarts and failovers;
-the leading controller exports them as Prometheus counters, read back at every sweep (a new
-leader exports the same totals, never a reset).
+Totals live in `usage:<tenant>` hashes (store/usage.py), so they survive controller restarts
+and failovers; the leading controller exports them as Prometheus counters, read back at every
+sweep (a new leader exports the same totals, never a reset).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -33,7 +33,8 @@ from prometheus_client.registry import Collector
 
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
 from lorafleet_controller.registry import TRAINER, Registry
-from lorafleet_controller.store import Store, text
+from lorafleet_controller.store import Store
+from lorafleet_controller.store.usage import UsageRepo
 
 Effects = list[tuple[str, str, Any]]
 COUNTERS = (
@@ -78,15 +79,15 @@ class Usage:
     def __init__(
         self, store: Store, registry: Registry, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.store = store
-        self.keys = store.keys
+        self.repo = UsageRepo(store)
         self.registry = registry
         self.clock = clock
         self._last: float | None = None  # the previous residency tick (this leader's)
 
     async def tick(self) -> None:
         """Add the time since the last tick to every tenant holding trainer slots, then
-        refresh the exported snapshot. Called by the leader's sweeper."""
+        refresh the exported snapshot. Called by the leader's sweeper; the billing is fenced,
+        so a deposed leader's tick raises StaleEpoch instead of billing the seconds twice."""
         now = self.clock()
         dt, self._last = (0.0 if self._last is None else now - self._last), now
         if 0 < dt <= MAX_TICK_SECONDS:
@@ -104,50 +105,15 @@ class Usage:
         trainers = await self.registry.replicas(TRAINER)
         tables = await self.registry.slot_tables([r.replica_id for r in trainers])
         rids = [rid for table in tables.values() for rid in table.values() if rid]
-        if not rids:
-            return
-        async with self.store.redis.pipeline(transaction=False) as pipe:
-            for rid in rids:
-                pipe.hget(self.keys.reg(rid), "tenant")
-            tenants = Counter(text(t) for t in await pipe.execute() if t)
-        async with self.store.redis.pipeline(transaction=False) as pipe:
-            for tenant, slots in sorted(tenants.items()):
-                pipe.hincrbyfloat(self.keys.usage(tenant), "adapter_seconds", slots * dt)
-                pipe.sadd(self.keys.usage_tenants, tenant)
-            await pipe.execute()
+        await self.repo.add_residency(rids, dt)
 
     async def totals(self, tenant: str = "") -> list[controller_pb2.TenantUsage]:
         """One tenant's totals (zeros when it has none), or every tenant's with any usage."""
-        if tenant:
-            tenants = [tenant]
-        else:
-            tenants = sorted(
-                text(t) for t in await self.store.redis.smembers(self.keys.usage_tenants)
-            )
-        async with self.store.redis.pipeline(transaction=False) as pipe:
-            for t in tenants:
-                pipe.hgetall(self.keys.usage(t))
-                pipe.zrange(self.keys.tenant_ckpts(t), 0, -1)
-            raw = await pipe.execute()
-        counts, paths = raw[0::2], raw[1::2]
-        async with self.store.redis.pipeline(transaction=False) as pipe:
-            for ps in paths:
-                for p in ps:
-                    pipe.hget(self.keys.ckpt(text(p)), "size")
-            sizes = iter(await pipe.execute())
-        out = []
-        for t, fields, ps in zip(tenants, counts, paths, strict=True):
-            f = {text(k): text(v) for k, v in fields.items()}
-            stored = sum(int(text(next(sizes)) or 0) for _ in ps)
-            out.append(
-                controller_pb2.TenantUsage(
-                    tenant=t,
-                    adapter_seconds=float(f.get("adapter_seconds", 0)),
-                    stored_bytes=stored,
-                    **{k: int(f.get(k, 0)) for k in COUNTERS if k != "adapter_seconds"},
-                )
-            )
-        return out
+        tenants = [tenant] if tenant else await self.repo.tenants()
+        return [
+            controller_pb2.TenantUsage(**dataclasses.asdict(row))
+            for row in await self.repo.totals(tenants)
+        ]
 
 
 class _UsageCollector(Collector):
