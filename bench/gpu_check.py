@@ -199,7 +199,7 @@ def trainer_section(args, device: str, dtype: torch.dtype, work: Path) -> dict:
     pm = get_peft_model(reference, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS))
     from peft import set_peft_model_state_dict
 
-    set_peft_model_state_dict(pm, engine._adapter_tensors(engine.slots.bindings[0]))
+    set_peft_model_state_dict(pm, engine.layout.tensors(engine.slots.bindings[0]))
     params = [p for n, p in pm.named_parameters() if "lora_" in n]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0)
     probe = ForwardBackwardInput(data[:1], "cross_entropy", forward_only=True)

@@ -71,7 +71,7 @@ def peft_reference(engine, slot: int, folder):
         target_parameters=[t for t in b.targets if kinds[t] == "experts"] or None,
     )
     pm = get_peft_model(base, cfg)
-    result = set_peft_model_state_dict(pm, engine._adapter_tensors(b))
+    result = set_peft_model_state_dict(pm, engine.layout.tensors(b))
     assert not result.unexpected_keys
     assert not [k for k in result.missing_keys if "lora_" in k]
     return pm.eval()

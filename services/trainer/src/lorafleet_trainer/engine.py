@@ -4,6 +4,8 @@ Synchronous and single-threaded by design (torch is not re-entrant here): the se
 runs every call on one worker thread, which also makes each slot run one op at a time.
 Every mutating call validates everything first and only then changes state, and each
 carries an operation id: a repeated id returns the first result instead of applying twice.
+The engine owns the slots and that discipline; the pass itself is `batch_pass.run_pass`, and
+the PEFT layout of saved, exported and imported adapters is `adapter_layout.AdapterLayout`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,7 +24,9 @@ from lorafleet import contract, names, quantize
 from lorafleet.contract import LOSS_NAMES, OPTIMIZERS
 from lorafleet.errors import FailedPrecondition, Internal, InvalidArgument, LorafleetError
 from lorafleet.validate_msgs import Limits
-from lorafleet_trainer import bptt, checkpoint, metrics
+from lorafleet_trainer import checkpoint, metrics
+from lorafleet_trainer.adapter_layout import AdapterLayout
+from lorafleet_trainer.batch_pass import Plan, run_pass
 from lorafleet_trainer.domain import (
     AdamParams,
     ForwardBackwardItem,
@@ -33,13 +36,8 @@ from lorafleet_trainer.domain import (
     SlotInfo,
     StateRef,
 )
-from lorafleet_trainer.dropout import row_key
-from lorafleet_trainer.lora import LoraWeights, Router, RowGroup
+from lorafleet_trainer.lora import LoraWeights, Router
 from lorafleet_trainer.losses import (
-    LossConfig,
-    PreparedDatum,
-    elementwise_output,
-    per_token_loss,
     prepare_input,
 )
 from lorafleet_trainer.optim import SlotOptimizer, validate_adam
@@ -47,24 +45,12 @@ from lorafleet_trainer.quantized import quantize_base
 from lorafleet_trainer.rowshare import RowShare, Single
 from lorafleet_trainer.sites import wrap_model
 from lorafleet_trainer.slots import RESULT_UNKNOWN, Binding, OpLog, SlotTable
-from lorafleet_trainer.targets import peft_prefixes, peft_targets, resolve_targets
+from lorafleet_trainer.targets import resolve_targets
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _R = TypeVar("_R")
-
-
-@dataclass
-class _Plan:
-    """One validated forward_backward item, ready to run."""
-
-    index: int
-    binding: Binding
-    slot: int
-    cfg: LossConfig
-    data: list[PreparedDatum]
-    backward: bool
 
 
 class TrainerEngine:
@@ -88,6 +74,7 @@ class TrainerEngine:
         self.max_applied_ops = max_applied_ops
         self.router = Router()
         self.wrappers, self.sites = wrap_model(model, self.router)
+        self.layout = AdapterLayout(self.wrappers, self.sites, base_model)
         # After wrapping: the wrappers' base Linears are swapped, their LoRA stays float32.
         quantize_base(model, quantization)
         self.quantization = quantization
@@ -244,7 +231,7 @@ class TrainerEngine:
         """One pass over the shared base for every valid item; per-item results or errors."""
         start = time.perf_counter()
         results: list[Any] = [None] * len(items)
-        plans: list[_Plan] = []
+        plans: list[Plan] = []
         first_of: dict[tuple[int, str], int] = {}
         duplicates: list[tuple[int, int]] = []
         for i, item in enumerate(items):
@@ -262,13 +249,13 @@ class TrainerEngine:
                         continue
                     first_of[key] = i
                 cfg, data = prepare_input(item.input, self.limits)
-                plans.append(_Plan(i, binding, item.slot, cfg, data, backward))
+                plans.append(Plan(i, binding, item.slot, cfg, data, backward))
             except LorafleetError as exc:
                 results[i] = exc
         if plans:
             outputs: Sequence[ForwardBackwardOutput | LorafleetError]
             try:
-                outputs = self._run(plans)
+                outputs = run_pass(self.model, self.router, self.device, self.share, plans)
             except Exception as exc:  # a failed pass poisons every window it touched
                 for plan in plans:
                     plan.binding.carried = None  # may hold a half-extended cache
@@ -290,207 +277,6 @@ class TrainerEngine:
             results[i] = results[first]
         metrics.OP_SECONDS.labels(kind="forward_backward").observe(time.perf_counter() - start)
         return results
-
-    def _run(self, plans: list[_Plan]) -> list[ForwardBackwardOutput]:
-        rows: list[tuple[_Plan, PreparedDatum]] = []
-        windows: list[tuple[_Plan, PreparedDatum, RowGroup]] = []  # truncated-BPTT rows
-        group_rows: dict[tuple[int, bool], list[int]] = {}
-        row_keys: list[int | None] = []  # each row's dropout mask key
-        ordinals: dict[int, int] = {}
-        for plan in plans:
-            spec = plan.binding.spec
-            dropout = plan.backward and spec.dropout > 0
-            for d in plan.data:
-                key = None
-                if dropout:
-                    ordinal = ordinals.get(plan.slot, plan.binding.pending_datums)
-                    ordinals[plan.slot] = ordinal + 1
-                    key = row_key(spec.seed, plan.binding.optimizer.steps, ordinal)
-                if d.context or d.window:  # runs alone after its detached context (bptt.py)
-                    rate = spec.dropout if dropout else 0.0
-                    keys = None if key is None else [key]
-                    windows.append(
-                        (plan, d, RowGroup(plan.slot, 1, spec.rank, spec.scale, rate, keys))
-                    )
-                    continue
-                group_rows.setdefault((plan.slot, dropout), []).append(len(rows))
-                rows.append((plan, d))
-                row_keys.append(key)
-        dev = self.device
-        share = self.share
-        # Sort rows by group, and groups by rank (largest first, stable), so every group is a
-        # contiguous split of the batch and every rank class a contiguous run of groups; a
-        # rank's share is a contiguous range of this order, so the same holds for its rows.
-        specs = {plan.slot: plan.binding.spec for plan in plans}
-        group_rows = dict(sorted(group_rows.items(), key=lambda kv: -specs[kv[0][0]].rank))
-        order = [r for members in group_rows.values() for r in members]
-        row_group = [g for g, members in group_rows.items() for _ in members]
-        rows = [rows[r] for r in order]
-        row_keys = [row_keys[r] for r in order]
-        first, last = share.share([len(d.tokens) for _, d in rows], row_group)
-        groups: list[RowGroup] = []
-        for r in range(first, last):
-            (slot, dropout), key = row_group[r], row_keys[r]
-            if groups and r > first and row_group[r - 1] == row_group[r]:
-                groups[-1].size += 1
-                if key is not None:
-                    assert groups[-1].dropout_keys is not None
-                    groups[-1].dropout_keys.append(key)
-                continue
-            spec = specs[slot]
-            rate = spec.dropout if dropout else 0.0
-            groups.append(
-                RowGroup(slot, 1, spec.rank, spec.scale, rate, None if key is None else [key])
-            )
-        # id(datum) -> (its summed loss, target logprobs, elementwise_loss)
-        scored: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        recomputed: dict[int, int] = {}  # id(plan) -> context tokens its windows computed
-
-        def score(plan: _Plan, d: PreparedDatum, logp: torch.Tensor) -> None:
-            n = len(d.tokens)
-            targets = d.target_tokens.to(dev)
-            lp_t = logp.gather(-1, targets.view(n, -1)).view(targets.shape)
-            terms = per_token_loss(plan.cfg, lp_t, _to_device(d, dev))
-            scored[id(d)] = (terms.sum(), lp_t.detach(), elementwise_output(terms))
-
-        need_grad = any(p.backward for p in plans)
-        bindings = {p.slot: p.binding for p in plans}
-        summed = {p.slot for p in plans if p.backward}
-        # This call's gradients alone: they are summed over ranks before joining what earlier
-        # calls accumulated, and slots that only ran forward keep theirs untouched.
-        earlier = {slot: [p.grad for p in b.optimizer.params] for slot, b in bindings.items()}
-        for b in bindings.values():
-            b.optimizer.clear_gradients()
-        # A group sums each slot's gradients over ranks in float64 (_join_gradients).
-        self.router.residuals = {} if share.world > 1 else None
-        local_tokens = sum(len(d.tokens) for _, d, _ in windows)
-        try:
-            with torch.set_grad_enabled(need_grad):
-                zero_term = None
-                if rows:
-                    local = rows[first:last]
-                    if not local:
-                        # Fewer rows than ranks: a one-token row through no slot keeps this
-                        # rank's collectives (FSDP's all-gathers) in step with the others.
-                        groups = [RowGroup(-1, 1, 1, 0.0)]
-                    width = max((len(d.tokens) for _, d in local), default=1)
-                    ids = torch.zeros(max(len(local), 1), width, dtype=torch.int64)
-                    for r, (_, d) in enumerate(local):
-                        ids[r, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.int64)
-                    local_tokens += sum(len(d.tokens) for _, d in local) or 1
-                    # Right padding needs no attention mask: causal attention never looks ahead.
-                    with self.router.route(groups, dev):
-                        logits = self.model(input_ids=ids.to(dev), use_cache=False).logits
-                    if share.world > 1 and need_grad:
-                        zero_term = logits.sum() * 0.0  # every rank runs the same backward
-                    logp_all = torch.log_softmax(logits.float(), dim=-1)
-                    for r, (plan, d) in enumerate(local):
-                        score(plan, d, logp_all[r, : len(d.tokens)])
-                for plan, d, group in windows:
-                    w = bptt.window_logits(
-                        self.model,
-                        self.router,
-                        group,
-                        d.context,
-                        d.tokens,
-                        dev,
-                        plan.binding.carried,
-                    )
-                    plan.binding.carried = w.carried
-                    recomputed[id(plan)] = recomputed.get(id(plan), 0) + w.context_tokens
-                    score(plan, d, torch.log_softmax(w.logits.float(), dim=-1))
-                # grad_scale is exactly 1 unless the call asked for token-mean normalisation
-                # (group_tokens: the caller's whole-batch count, so the same on every rank).
-                # Every rank computes every window (a window carries its slot's keys/values to
-                # the next, so windows run in order); only rank 0's count in the summed gradients.
-                zeroed = {id(d) for _, d, _ in windows} if share.rank else set()
-                backward_terms = [
-                    torch.stack(mine).sum() * p.cfg.grad_scale
-                    for p in plans
-                    if p.backward
-                    and (
-                        mine := [
-                            scored[id(d)][0] * 0.0 if id(d) in zeroed else scored[id(d)][0]
-                            for d in p.data
-                            if id(d) in scored
-                        ]
-                    )
-                ]
-                if zero_term is not None:
-                    backward_terms.append(zero_term)
-                if backward_terms:
-                    torch.stack(backward_terms).sum().backward()
-        except BaseException:  # forward_backward clears the trained slots' gradients
-            self.router.residuals = None
-            for slot, b in bindings.items():
-                if slot not in summed:
-                    for param, old in zip(b.optimizer.params, earlier[slot], strict=True):
-                        param.grad = old
-            raise
-        self._join_gradients(bindings, summed, earlier)
-        metrics.FORWARD_TOKENS.labels(kind="datum").inc(local_tokens)
-        if share.world > 1:  # every rank's rows, on the CPU (as the outputs are)
-            for key, (summed_loss, lp, el) in scored.items():
-                scored[key] = (summed_loss.detach().cpu(), lp.cpu(), el.cpu())
-            if rows:
-                computed = {r: scored[id(rows[r][1])] for r in range(first, last)}
-                for theirs in share.gather(computed):
-                    for r, result in theirs.items():
-                        scored[id(rows[r][1])] = result
-        outputs = []
-        for p in plans:
-            loss, logprobs, elementwise = zip(*(scored[id(d)] for d in p.data), strict=True)
-            out_metrics = {"loss:sum": float(torch.stack(loss).sum().detach())}
-            own = sum(len(d.tokens) for d in p.data)
-            if any(d.context or d.window for d in p.data):  # a document job's: what it cost
-                context = recomputed.get(id(p), 0)
-                metrics.FORWARD_TOKENS.labels(kind="context").inc(context)
-                out_metrics["forward_tokens:sum"] = float(own + context)
-                out_metrics["context_tokens_computed:sum"] = float(context)
-            outputs.append(
-                ForwardBackwardOutput(
-                    logprobs=[t.float().cpu() for t in logprobs],
-                    metrics=out_metrics,
-                    elementwise_loss=[t.float().cpu() for t in elementwise],
-                )
-            )
-        return outputs
-
-    def _join_gradients(
-        self,
-        bindings: dict[int, Binding],
-        summed: set[int],
-        earlier: dict[int, list[torch.Tensor | None]],
-    ) -> None:
-        """Sum this pass's gradients over ranks (one all-reduce of every trained slot's LoRA
-        gradients, replicated on every rank) and add them to the earlier accumulation; slots
-        that only ran forward get their earlier gradients back, untouched.
-
-        The all-reduce is in float64, each gradient with what its rounding to float32 lost
-        (`Router.residuals`), so a slot whose rows were split between ranks gets the float32
-        rounding of the same sum over its rows as in one process (lora.py), bit for bit."""
-        residuals, self.router.residuals = self.router.residuals or {}, None
-        trained = [p for slot in sorted(summed) for p in bindings[slot].optimizer.params]
-        if self.share.world > 1 and trained:
-
-            def exact(p: torch.Tensor) -> torch.Tensor:
-                if p.grad is None:
-                    return p.new_zeros(p.numel(), dtype=torch.float64)
-                g = p.grad.to(torch.float64, copy=True)
-                if id(p) in residuals:
-                    g += residuals[id(p)]
-                return g.reshape(-1)
-
-            flat = torch.cat([exact(p) for p in trained])
-            self.share.sum_gradients(flat)
-            for p, g in zip(trained, flat.split([p.numel() for p in trained]), strict=True):
-                p.grad = g.view_as(p).to(p.dtype)
-        for slot, b in bindings.items():
-            for p, old in zip(b.optimizer.params, earlier[slot], strict=True):
-                if slot not in summed or p.grad is None:
-                    p.grad = old
-                elif old is not None:
-                    p.grad = old + p.grad
 
     # ------------------------------------------------------------------ optimizer
     def optim_step(
@@ -521,43 +307,6 @@ class TrainerEngine:
                 reason="PENDING_GRADIENTS",
             )
 
-    def _adapter_config(self, binding: Binding) -> dict[str, Any]:
-        from peft import LoraConfig
-
-        spec = binding.spec
-        modules, parameters = peft_targets(binding.targets, self.sites)
-        cfg = LoraConfig(
-            r=spec.rank,
-            # PEFT annotates lora_alpha as int, but fractional alphas are valid Tinker
-            # options and PEFT only divides by them (scale = alpha / r).
-            lora_alpha=spec.effective_alpha,  # type: ignore[arg-type]
-            lora_dropout=spec.dropout,
-            target_modules=modules,
-            target_parameters=parameters or None,
-            bias="none",
-            task_type="CAUSAL_LM",
-            base_model_name_or_path=self.base_model,
-        )
-        config: dict[str, Any] = cfg.to_dict()
-        return config
-
-    def _adapter_tensors(self, binding: Binding) -> dict[str, torch.Tensor]:
-        """The slot's weights under PEFT's key names and layout (expert banks: see experts.py)."""
-        out = {}
-        prefixes = peft_prefixes(binding.targets, self.sites)
-        for name in binding.targets:
-            a, b = self.wrappers[name].to_peft(binding.a[name].detach(), binding.b[name].detach())
-            out[f"{prefixes[name]}.lora_A.weight"] = a
-            out[f"{prefixes[name]}.lora_B.weight"] = b
-        return out
-
-    def _param_keys(self, binding: Binding) -> list[str]:
-        """PEFT key of each optimizer parameter, in SlotOptimizer.params order."""
-        prefixes = peft_prefixes(binding.targets, self.sites)
-        return [f"{prefixes[n]}.lora_A.weight" for n in binding.targets] + [
-            f"{prefixes[n]}.lora_B.weight" for n in binding.targets
-        ]
-
     def save_state(
         self, operation_id: str, slot: int, registration_id: str, name: str, include_optimizer: bool
     ) -> StateRef:
@@ -575,7 +324,7 @@ class TrainerEngine:
         self._no_pending(binding, "save_state")
         optimizer = None
         if include_optimizer:
-            keys = self._param_keys(binding)
+            keys = self.layout.param_keys(binding)
             optimizer = {}
             for i, (m, v) in binding.optimizer.moments().items():
                 optimizer[keys[i] + ".exp_avg"] = m
@@ -583,8 +332,8 @@ class TrainerEngine:
         spec = dataclasses.asdict(binding.spec)
         ref = checkpoint.save_state(
             final,
-            adapter_config=self._adapter_config(binding),
-            adapter=self._adapter_tensors(binding),
+            adapter_config=self.layout.config(binding),
+            adapter=self.layout.tensors(binding),
             optimizer=optimizer,
             trainer_state={
                 "registration_id": registration_id,
@@ -604,48 +353,6 @@ class TrainerEngine:
         binding.carried = None
         metrics.STATE_IO_SECONDS.labels(op="save").observe(time.perf_counter() - start)
         return ref
-
-    def _check_weights(
-        self, binding: Binding, tensors: dict[str, torch.Tensor], field: str
-    ) -> None:
-        """Same key set, same shapes, finite values: the shape fence of load and import."""
-        expected = self._adapter_tensors(binding)
-        missing = sorted(set(expected) - set(tensors))
-        extra = sorted(set(tensors) - set(expected))
-        if missing or extra:
-            what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
-            raise FailedPrecondition(
-                f"the adapter's modules differ from the slot's targets ({what})",
-                field=field,
-                reason="TARGET_MISMATCH",
-            )
-        for key, ref in expected.items():
-            if tuple(tensors[key].shape) != tuple(ref.shape):
-                raise FailedPrecondition(
-                    f"{key} has shape {list(tensors[key].shape)}, the slot {list(ref.shape)}",
-                    field=field,
-                    reason="SHAPE_MISMATCH",
-                )
-            if not bool(torch.isfinite(tensors[key]).all()):
-                raise FailedPrecondition(
-                    f"{key} holds non-finite values", field=field, reason="NONFINITE_WEIGHTS"
-                )
-
-    def _assign(self, binding: Binding, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy PEFT-layout tensors into the slot; converts all before copying any."""
-        prefixes = peft_prefixes(binding.targets, self.sites)
-        shared = binding.spec.share_experts
-        pairs = {}
-        for name in binding.targets:
-            key = prefixes[name]
-            pairs[name] = self.wrappers[name].from_peft(
-                tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"], shared, key
-            )
-        with torch.no_grad():
-            for name, (a, b) in pairs.items():
-                binding.a[name].copy_(a)
-                binding.b[name].copy_(b)
-        binding.carried = None  # keys/values of other weights: no window may read them now
 
     def load_state(
         self,
@@ -678,7 +385,7 @@ class TrainerEngine:
                 field="manifest",
                 reason="TARGET_MISMATCH",
             )
-        self._check_weights(binding, state.adapter, "manifest")
+        self.layout.check(binding, state.adapter, "manifest")
         moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if include_optimizer:
             if state.optimizer is None or not saved.get("has_optimizer"):
@@ -687,13 +394,13 @@ class TrainerEngine:
                     field="include_optimizer",
                     reason="NO_OPTIMIZER",
                 )
-            for i, key in enumerate(self._param_keys(binding)):
+            for i, key in enumerate(self.layout.param_keys(binding)):
                 if key + ".exp_avg" in state.optimizer:
                     moments[i] = (
                         state.optimizer[key + ".exp_avg"],
                         state.optimizer[key + ".exp_avg_sq"],
                     )
-        self._assign(binding, state.adapter)
+        self.layout.assign(binding, state.adapter)
         binding.optimizer.restore(
             int(saved.get("optim_steps", 0)) if include_optimizer else 0, moments
         )
@@ -707,9 +414,7 @@ class TrainerEngine:
         """Write the slot's weights as an HF PEFT adapter folder."""
         start = time.perf_counter()
         binding = self.slots.leased(slot, registration_id)
-        checkpoint.write_adapter(
-            folder, self._adapter_config(binding), self._adapter_tensors(binding)
-        )
+        checkpoint.write_adapter(folder, self.layout.config(binding), self.layout.tensors(binding))
         metrics.STATE_IO_SECONDS.labels(op="export").observe(time.perf_counter() - start)
 
     def import_adapter(
@@ -740,22 +445,9 @@ class TrainerEngine:
                     reason=f"{key.upper()}_MISMATCH",
                 )
         tensors = {k: v.to(torch.float32) for k, v in tensors.items()}
-        self._check_weights(binding, tensors, "adapter")
-        self._assign(binding, tensors)
+        self.layout.check(binding, tensors, "adapter")
+        self.layout.assign(binding, tensors)
         binding.optimizer.restore(0, {})
         binding.ops.record(operation_id, None)
         metrics.STATE_IO_SECONDS.labels(op="import").observe(time.perf_counter() - start)
         return None
-
-
-def _to_device(d: PreparedDatum, dev: torch.device) -> PreparedDatum:
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dev)
-
-    return dataclasses.replace(
-        d,
-        weights=move(d.weights),
-        sampling_logprobs=move(d.sampling_logprobs),
-        advantages=move(d.advantages),
-        ratio_mask=move(d.ratio_mask),
-    )

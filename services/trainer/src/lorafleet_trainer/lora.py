@@ -91,7 +91,7 @@ class Router:
         self.routing: Routing | None = None
         # While a trainer group's pass collects them: what each LoRA gradient lost in its
         # rounding to float32, in float64 by id(parameter), so that the ranks' partial sums
-        # add up exactly (engine._join_gradients). None: not collected (one process).
+        # add up exactly (batch_pass._join_gradients). None: not collected (one process).
         self.residuals: dict[int, torch.Tensor] | None = None
 
     def add_residual(self, param: torch.Tensor, rest: torch.Tensor, index: int | None) -> None:

@@ -150,15 +150,15 @@ class Snapshotter:
 
 def capture(engine: Any, binding: Binding) -> dict[str, Any]:
     """A detached copy of a binding's full state, in `checkpoint.save_state`'s arguments."""
-    keys = engine._param_keys(binding)
+    keys = engine.layout.param_keys(binding)
     optimizer: dict[str, torch.Tensor] = {}
     for i, (m, v) in binding.optimizer.moments().items():
         optimizer[keys[i] + ".exp_avg"] = m.detach().clone()
         optimizer[keys[i] + ".exp_avg_sq"] = v.detach().clone()
     spec = dataclasses.asdict(binding.spec)
     return {
-        "adapter_config": engine._adapter_config(binding),
-        "adapter": {k: v.clone() for k, v in engine._adapter_tensors(binding).items()},
+        "adapter_config": engine.layout.config(binding),
+        "adapter": {k: v.clone() for k, v in engine.layout.tensors(binding).items()},
         "optimizer": optimizer,
         "trainer_state": {
             "registration_id": binding.registration_id,
