@@ -118,9 +118,7 @@ class Helpers:
 
     @staticmethod
     def adapter_tensors(engine, slot: int) -> dict[str, torch.Tensor]:
-        return {
-            k: v.clone() for k, v in engine.layout.tensors(engine.slots.bindings[slot]).items()
-        }
+        return {k: v.clone() for k, v in engine.layout.tensors(engine.slots.bindings[slot]).items()}
 
     def peft_model(self, engine, slot: int, dtype: torch.dtype = torch.float32):
         """An in-process PEFT model holding exactly the slot's adapter (the reference), in
