@@ -42,19 +42,12 @@ def main() -> None:
             raise SystemExit(2) from None
         settings = dataclasses.replace(settings, shared_adapter_root=root)
 
-    import redis
-
     from lorafleet.errors import LorafleetError
     from lorafleet.logging import setup_logging
-    from lorafleet_controller import cluster
+    from lorafleet_controller import cluster, store
 
-    try:
-        if settings.redis_cluster:
-            redis.RedisCluster.from_url(settings.redis_url, socket_connect_timeout=3).ping()
-        else:
-            redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
-    except (redis.RedisError, ValueError) as exc:
-        print(f"error: cannot reach Redis at {settings.redis_url}: {exc}", file=sys.stderr)
+    if (why := store.unreachable(settings.redis_url, cluster=settings.redis_cluster)) is not None:
+        print(f"error: cannot reach Redis at {settings.redis_url}: {why}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
         discovery = cluster.build_discovery(settings)

@@ -42,6 +42,7 @@ __all__ = [
     "connect",
     "named",
     "text",
+    "unreachable",
 ]
 
 
@@ -66,6 +67,21 @@ def connect(url: str, *, cluster: bool = False) -> Client:
         health_check_interval=5,
         socket_connect_timeout=2,
     )
+
+
+def unreachable(url: str, *, cluster: bool = False) -> str | None:
+    """Why Redis at `url` cannot be reached now (one synchronous PING), or None: checked at
+    start-up so that a wrong URL stops the controller with one line, not retries forever."""
+    import redis
+
+    try:
+        if cluster:
+            redis.RedisCluster.from_url(url, socket_connect_timeout=3).ping()
+        else:
+            redis.Redis.from_url(url, socket_connect_timeout=3).ping()
+    except (redis.RedisError, ValueError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 class Store:
