@@ -2,9 +2,9 @@
 
 Every Lua script that makes operations terminal PUBLISHes their ids on `<prefix>done`, once
 per script call and newline-separated, so a batch of completions costs one message. One
-subscription per controller fans the messages out to in-process waiters, so a thousand long
-polls cost one Redis connection, not a thousand. Waiters always re-read the
-record from Redis: the message is only a wake-up, never the state.
+subscription per controller (store/notify.py) fans the messages out to in-process waiters,
+so a thousand long polls cost one Redis connection, not a thousand. Waiters always re-read
+the record from Redis: the message is only a wake-up, never the state.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from typing import Any
+
+from lorafleet_controller.store.notify import done_ids
 
 log = logging.getLogger(__name__)
 
@@ -62,23 +64,16 @@ class Notifier:
 
     async def _run(self) -> None:
         while True:
-            pubsub = self.client.pubsub()
             try:
-                await pubsub.subscribe(self.channel)
-                self._ready.set()
-                # A reconnect may have missed messages: let every waiter re-read its record.
-                self._wake_all()
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        data = message["data"]
-                        text = data.decode() if isinstance(data, bytes) else data
-                        for opid in text.split("\n"):
+                async with done_ids(self.client, self.channel) as batches:
+                    self._ready.set()
+                    # A reconnect may have missed messages: let every waiter re-read its record.
+                    self._wake_all()
+                    async for opids in batches:
+                        for opid in opids:
                             self._wake(opid)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # connection loss: resubscribe after a pause
                 log.warning("notifier subscription lost (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()

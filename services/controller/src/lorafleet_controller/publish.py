@@ -31,14 +31,15 @@ from typing import Any
 from lorafleet import errors
 from lorafleet.contract import AdapterId, CheckpointKind, TinkerPath
 from lorafleet.shared_storage import FileRef, adapter_folder, common_folder, publish_folder
-from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
+from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller import metrics
 from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
 from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.ledger import Claim
 from lorafleet_controller.registry import ROLLOUT, Registry, RegRecord, Replica
 from lorafleet_controller.samplers import SamplerRecord, Samplers
-from lorafleet_controller.store import RegState, Store, blob, named, text
+from lorafleet_controller.store import RegState, Store
+from lorafleet_controller.store.adapters import AdaptersRepo, LiveVersion
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,7 @@ class Publisher:
         resident_versions: int,
         shared_root: Path | None = None,
     ) -> None:
-        self.store = store
-        self.keys = store.keys
+        self.repo = AdaptersRepo(store)
         self.storage_root = storage_root
         self.registry = registry
         self.catalog = catalog
@@ -90,7 +90,9 @@ class Publisher:
         if reg is None:
             raise errors.NotFound("registration vanished", field="registration_id")
         _require_bound(reg, claim)
-        version = await self._version(claim.registration_id, claim.operation_id)
+        version = await self.repo.allocate_version(
+            claim.registration_id, claim.operation_id, fenced=True
+        )
         ref = common_pb2.AdapterRef(registration_id=claim.registration_id, version=version)
         aid = str(AdapterId(claim.registration_id, version))
         live = await self._live(aid)
@@ -120,7 +122,8 @@ class Publisher:
             folder = await asyncio.to_thread(self._write, claim.registration_id, version, files)
             payload = Payload(files=files)
         if live is None:
-            await self._record_live(ref, reg.base_model, reg.lora, folder, payload.refs)
+            record = LiveVersion(ref, reg.base_model, reg.lora, folder, payload.refs)
+            await self.repo.record_live(record, fenced=True)
         await self.push_all(ref, reg.base_model, reg.lora, payload)
         path = ""
         if sw.name:
@@ -183,13 +186,6 @@ class Publisher:
                 reason="LEASE_MISMATCH",
             )
 
-    async def _version(self, rid: str, opid: str) -> int:
-        """The version a publish makes live, allocated once per operation (a re-dispatch
-        reuses it); `opid` '' allocates a fresh one."""
-        own = [self.keys.reg(rid)] + ([self.keys.op(opid)] if opid else [])
-        out = named(await self.store.scripts.run("publish_version", own, rid, opid))
-        return int(out["version"])
-
     def _write(self, rid: str, version: int, files: dict[str, bytes]) -> str:
         """Blocking: write a version's files once under the storage root (worker thread)."""
         folder = self.storage_root / "adapters" / rid / str(version)
@@ -211,7 +207,7 @@ class Publisher:
         shared storage the controller writes it there once and rollouts read it by reference
         (its bytes pass through here once, not once per rollout)."""
         files = await self.catalog.read_files(ckpt)
-        version = await self._version(ckpt.training_run_id, "")
+        version = await self.repo.allocate_version(ckpt.training_run_id, "", fenced=False)
         ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=version)
         if self.shared_root is not None:
             folder, payload = await asyncio.to_thread(
@@ -220,7 +216,8 @@ class Publisher:
         else:
             folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, files)
             payload = Payload(files=files)
-        await self._record_live(ref, ckpt.base_model, ckpt.lora, folder, payload.refs)
+        record = LiveVersion(ref, ckpt.base_model, ckpt.lora, folder, payload.refs)
+        await self.repo.record_live(record, fenced=False)
         await self.push_all(ref, ckpt.base_model, ckpt.lora, payload)
         return await self.samplers.record(
             sampler_id=sampler_id,
@@ -230,32 +227,6 @@ class Publisher:
             ref=ref,
             inflight=False,
         )
-
-    async def _record_live(
-        self,
-        ref: common_pb2.AdapterRef,
-        base_model: str,
-        lora: common_pb2.LoraConfig,
-        folder: str,
-        refs: dict[str, common_pb2.BlobRef],
-    ) -> None:
-        """`refs` (shared storage) are kept so reconciling a rollout also goes by reference."""
-        aid = str(AdapterId(ref.registration_id, ref.version))
-        shared = trainer_pb2.WriteSharedAdapterResponse(files=refs).SerializeToString()
-        async with self.store.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                self.keys.adapter(aid),
-                mapping={
-                    "files_dir": folder,
-                    "lora": lora.SerializeToString(),
-                    "base_model": base_model,
-                    "rid": ref.registration_id,
-                    "version": ref.version,
-                    "refs": shared,
-                },
-            )
-            pipe.zadd(self.keys.live(base_model), {aid: ref.version})
-            await pipe.execute()
 
     async def push_all(
         self,
@@ -298,52 +269,41 @@ class Publisher:
     async def reconcile(self, rollout: Replica) -> None:
         """Give a (re)started rollout the newest live versions of every registration."""
         newest: dict[str, list[str]] = {}
-        for raw_id in await self.store.redis.zrevrange(self.keys.live(rollout.base_model), 0, -1):
-            parsed = AdapterId.parse(text(raw_id))
+        for parsed in await self.repo.live_ids(rollout.base_model):
             versions = newest.setdefault(parsed.registration_id, [])
             if len(versions) < self.resident_versions:
                 versions.append(str(parsed))
         for rid, aids in newest.items():
-            state = await self.store.redis.hget(self.keys.reg(rid), "state")
-            if text(state) == RegState.RETIRED:
+            reg = await self.registry.get_any(rid)
+            if reg is not None and reg.state == RegState.RETIRED:
                 continue
             for aid in reversed(aids):
-                raw = await self.store.redis.hgetall(self.keys.adapter(aid))
-                if not raw:
+                live = await self.repo.live(aid)
+                if live is None:
                     continue
-                _, payload = await self._payload(raw)
-                ref = common_pb2.AdapterRef(registration_id=rid, version=int(raw[b"version"]))
-                lora = common_pb2.LoraConfig.FromString(blob(raw[b"lora"]))
+                payload = await _payload(live)
+                ref = common_pb2.AdapterRef(registration_id=rid, version=live.ref.version)
                 try:
-                    await self._load(rollout.address, ref, lora, payload)
+                    await self._load(rollout.address, ref, live.lora, payload)
                 except errors.LorafleetError as exc:
                     log.warning("reconciling %s on %s failed: %s", aid, rollout.replica_id, exc)
 
     async def _live(self, aid: str) -> tuple[str, Payload] | None:
         """The folder and files of a version recorded live, if it is."""
-        raw = await self.store.redis.hgetall(self.keys.adapter(aid))
-        return await self._payload(raw) if raw else None
-
-    @staticmethod
-    async def _payload(raw: dict[bytes | str, bytes | str]) -> tuple[str, Payload]:
-        """A live version's record: its folder, and its files by reference (shared storage)
-        or by content."""
-        refs = trainer_pb2.WriteSharedAdapterResponse.FromString(blob(raw.get(b"refs", b"")))
-        folder = text(raw[b"files_dir"])
-        if refs.files:
-            return folder, Payload(refs=dict(refs.files))
-        return folder, Payload(files=await asyncio.to_thread(_read_folder, Path(folder)))
+        live = await self.repo.live(aid)
+        return None if live is None else (live.folder, await _payload(live))
 
     async def forget(self, rid: str, base_model: str) -> None:
         """A retired registration's versions are no longer pushed to new rollouts."""
-        live = self.keys.live(base_model)
-        aids = [
-            text(a)
-            for a in await self.store.redis.zrange(live, 0, -1)
-            if AdapterId.parse(text(a)).registration_id == rid
-        ]
-        if aids:
-            await self.store.redis.zrem(live, *aids)
+        live = await self.repo.live_ids(base_model)
+        await self.repo.unlist(base_model, [a for a in live if a.registration_id == rid])
+
+
+async def _payload(live: LiveVersion) -> Payload:
+    """A live version's files by reference (shared storage) or by content."""
+    if live.refs:
+        return Payload(refs=live.refs)
+    return Payload(files=await asyncio.to_thread(_read_folder, Path(live.folder)))
 
 
 def _require_bound(reg: RegRecord, claim: Claim) -> None:

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import logging
 from collections import Counter
-from dataclasses import dataclass
 
 from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
@@ -22,24 +21,17 @@ from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Claim, Ledger, backpressure
 from lorafleet_controller.registry import ROLLOUT, Registry
 from lorafleet_controller.settings import ControllerSettings
-from lorafleet_controller.store import OpState, Store, named, text
+from lorafleet_controller.store import OpState, Store
+from lorafleet_controller.store.samplers import SampleLimits, SamplerRecord, SamplersRepo
 from lorafleet_controller.usage import sample_effects
+
+__all__ = ["SamplerRecord", "Samplers", "sampler_id_of"]
 
 log = logging.getLogger(__name__)
 
 
 def sampler_id_of(session_id: str, seq: int) -> str:
     return str(contract.SamplerId(session_id, seq))
-
-
-@dataclass(frozen=True)
-class SamplerRecord:
-    sampler_id: str
-    tenant: str
-    base_model: str
-    model_path: str
-    ref: common_pb2.AdapterRef
-    inflight: bool
 
 
 class Samplers:
@@ -51,8 +43,7 @@ class Samplers:
         pool: Pool,
         settings: ControllerSettings,
     ) -> None:
-        self.store = store
-        self.keys = store.keys
+        self.repo = SamplersRepo(store)
         self.ledger = ledger
         self.registry = registry
         self.pool = pool
@@ -72,40 +63,15 @@ class Samplers:
     ) -> SamplerRecord:
         """Record the sampler in one script unless it exists (idempotent on its id)."""
         session = contract.SamplerId.parse(sampler_id, "sampler_id").session_id
-        own = [self.keys.sampler(sampler_id), self.keys.session_samplers(session)]
-        await self.store.scripts.run(
-            "record_sampler",
-            own,
-            sampler_id,
-            session,
-            tenant,
-            "base_model",
-            base_model,
-            "model_path",
-            model_path,
-            "rid",
-            ref.registration_id,
-            "version",
-            ref.version,
-            "inflight",
-            "1" if inflight else "0",
-        )
+        rec = SamplerRecord(sampler_id, tenant, base_model, model_path, ref, inflight)
+        await self.repo.record(rec, session)
         return await self.get(tenant, sampler_id)
 
     async def get(self, tenant: str, sampler_id: str) -> SamplerRecord:
-        raw = await self.store.redis.hgetall(self.keys.sampler(sampler_id))
-        if not raw or text(raw.get(b"tenant")) != tenant or b"base_model" not in raw:
+        rec = await self.repo.load(sampler_id)
+        if rec is None or rec.tenant != tenant:
             raise errors.NotFound(f"no sampler {sampler_id!r}", field="sampler_id")
-        return SamplerRecord(
-            sampler_id=sampler_id,
-            tenant=tenant,
-            base_model=text(raw[b"base_model"]),
-            model_path=text(raw.get(b"model_path")),
-            ref=common_pb2.AdapterRef(
-                registration_id=text(raw.get(b"rid")), version=int(raw.get(b"version", b"0"))
-            ),
-            inflight=raw.get(b"inflight") == b"1",
-        )
+        return rec
 
     async def submit(
         self, tenant: str, req: controller_pb2.SubmitSampleRequest
@@ -127,37 +93,31 @@ class Samplers:
         opid = f"{req.sampler_id}#s{req.seq_id}"
         digest = hashlib.sha256(body).hexdigest()
         s = self.settings
-        out = named(
-            await self.store.scripts.run(
-                "submit_sample",
-                [self.keys.op(opid), self.keys.tenant(tenant)],
-                opid,
-                digest,
-                body,
-                self.ledger.clock(),
-                tenant,
-                sampler.ref.registration_id,
-                s.max_pending_per_tenant,
-                s.max_pending_global,
-                s.max_unacked_results_per_tenant,
-                s.max_unacked_results,
-            )
+        limits = SampleLimits(
+            s.max_pending_per_tenant,
+            s.max_pending_global,
+            s.max_unacked_results_per_tenant,
+            s.max_unacked_results,
         )
-        code = text(out["code"])
-        if code == "not_found":
+        now = self.ledger.clock()
+        out = await self.repo.submit(
+            opid, tenant, digest, body, now, sampler.ref.registration_id, limits
+        )
+        if out.code == "not_found":
             raise errors.NotFound(f"no sampler {req.sampler_id!r}", field="sampler_id")
-        if code == "conflict":
+        if out.code == "conflict":
             raise errors.Conflict(
                 f"seq_id {req.seq_id} of {req.sampler_id} was used with another request",
                 field="seq_id",
                 reason="PAYLOAD_CONFLICT",
             )
-        if code == "backpressure":
-            raise backpressure(text(out["scope"]))
+        if out.code == "backpressure":
+            raise backpressure(out.scope)
+        assert out.state is not None  # created and duplicate answer the operation's state
         seq_ids = [f"{opid}:{i}" for i in range(n)]
-        if code == "created":
+        if out.code == "created":
             self.spawn(opid)
-        return opid, OpState(int(out["state"])), code == "duplicate", seq_ids
+        return opid, out.state, out.code == "duplicate", seq_ids
 
     def spawn(self, opid: str) -> None:
         task = asyncio.create_task(self._run(opid))
@@ -166,8 +126,8 @@ class Samplers:
 
     async def recover(self) -> None:
         """Re-run samples that were open when the previous controller stopped."""
-        for opid in await self.store.redis.smembers(self.keys.open_samples):
-            self.spawn(text(opid))
+        for opid in await self.repo.open_samples():
+            self.spawn(opid)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -1,0 +1,170 @@
+"""The checkpoint catalog's records in Redis: one hash per `tinker://` path, indexed by tenant,
+by run and (when it expires) by expiry time.
+
+Recording (`add_checkpoint`), removing (`catalog_remove`) and updating (`catalog_update`) a
+checkpoint each touch the record and its indexes together, so each is one script: a
+controller killed half-way never leaves an index naming a missing record or an expiring
+record out of the expiry index. Fencing: removing expired checkpoints is the leader's sweep
+(`fenced=True` carries its epoch, refused once a newer leader took over); recording, deleting
+and updating serve a request or a dispatch any replica may make, and are not fenced.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from lorafleet import contract
+from lorafleet.v1 import common_pb2
+from lorafleet_controller.store import Store, blob, named, text
+
+TRAINING, SAMPLER = 1, 2
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    tinker_path: str
+    tenant: str
+    type: int
+    training_run_id: str
+    name: str
+    created_at: float
+    size_bytes: int
+    public: bool
+    expires_at: float
+    user_metadata: dict[str, str]
+    base_model: str
+    lora: common_pb2.LoraConfig
+    manifest: common_pb2.BlobRef
+    has_optimizer: bool
+    files_dir: str
+    version: int
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{'weights' if self.type == TRAINING else 'sampler_weights'}/{self.name}"
+
+
+class CatalogRepo:
+    """Every Redis access of the checkpoint catalog."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.keys = store.keys
+
+    async def add(self, rec: CheckpointRecord, operation_id: str) -> bool:
+        """Record `rec` unless its path exists (False: the existing entry is kept as it is).
+        `operation_id` names the save that made it."""
+        own = [
+            self.keys.ckpt(rec.tinker_path),
+            self.keys.tenant_ckpts(rec.tenant),
+            self.keys.run_ckpts(rec.training_run_id),
+        ]
+        out = named(
+            await self.store.scripts.run(
+                "add_checkpoint",
+                own,
+                rec.tinker_path,
+                rec.tenant,
+                rec.training_run_id,
+                rec.created_at,
+                rec.expires_at,
+                "type",
+                rec.type,
+                "size",
+                rec.size_bytes,
+                "public",
+                "1" if rec.public else "0",
+                "metadata",
+                json.dumps(rec.user_metadata, sort_keys=True),
+                "base_model",
+                rec.base_model,
+                "lora",
+                rec.lora.SerializeToString(deterministic=True),
+                "manifest",
+                rec.manifest.SerializeToString(),
+                "has_optimizer",
+                "1" if rec.has_optimizer else "0",
+                "files_dir",
+                rec.files_dir,
+                "version",
+                rec.version,
+                "op",
+                operation_id,
+            )
+        )
+        return text(out["code"]) == "created"
+
+    async def owner(self, tinker_path: str) -> str | None:
+        """The operation that saved the checkpoint, or None when there is none."""
+        op = await self.store.redis.hget(self.keys.ckpt(tinker_path), "op")
+        return None if op is None else text(op)
+
+    async def load(self, tinker_path: str) -> CheckpointRecord | None:
+        raw = await self.store.redis.hgetall(self.keys.ckpt(tinker_path))
+        if not raw or b"type" not in raw:
+            return None
+        return CheckpointRecord(
+            tinker_path=tinker_path,
+            tenant=text(raw[b"tenant"]),
+            type=int(raw[b"type"]),
+            training_run_id=text(raw[b"rid"]),
+            name=contract.TinkerPath.parse(tinker_path, "tinker_path").name,
+            created_at=float(raw[b"created_at"]),
+            size_bytes=int(raw.get(b"size", b"0")),
+            public=raw.get(b"public") == b"1",
+            expires_at=float(raw.get(b"expires_at", b"0")),
+            user_metadata=json.loads(raw.get(b"metadata", b"{}")),
+            base_model=text(raw.get(b"base_model")),
+            lora=common_pb2.LoraConfig.FromString(blob(raw.get(b"lora"))),
+            manifest=common_pb2.BlobRef.FromString(blob(raw.get(b"manifest"))),
+            has_optimizer=raw.get(b"has_optimizer") == b"1",
+            files_dir=text(raw.get(b"files_dir")),
+            version=int(raw.get(b"version", b"0")),
+        )
+
+    async def paths(self, tenant: str, training_run_id: str = "") -> list[str]:
+        """The paths of a run's checkpoints (or, without a run, the tenant's), newest first."""
+        key = (
+            self.keys.run_ckpts(training_run_id)
+            if training_run_id
+            else self.keys.tenant_ckpts(tenant)
+        )
+        return [text(p) for p in await self.store.redis.zrevrange(key, 0, -1)]
+
+    async def remove(self, rec: CheckpointRecord, *, fenced: bool = False) -> None:
+        """Drop the record and its index entries (`fenced`: the leader's expiry sweep)."""
+        own = [
+            self.keys.ckpt(rec.tinker_path),
+            self.keys.tenant_ckpts(rec.tenant),
+            self.keys.run_ckpts(rec.training_run_id),
+        ]
+        await self.store.scripts.run(
+            "catalog_remove",
+            own,
+            rec.tinker_path,
+            rec.tenant,
+            rec.training_run_id,
+            epoch=self.store.leader_epoch() if fenced else None,
+        )
+
+    async def update(self, tinker_path: str, public: bool | None, expires_at: float | None) -> None:
+        """Set `public` (None: unchanged) and the expiry: None unchanged, 0 never expires.
+        A record removed meanwhile is not brought back."""
+        await self.store.scripts.run(
+            "catalog_update",
+            [self.keys.ckpt(tinker_path)],
+            tinker_path,
+            "" if public is None else "1" if public else "0",
+            "" if expires_at is None else expires_at,
+        )
+
+    async def expired(self, now: float) -> list[str]:
+        """Paths whose expiry time has passed."""
+        return [
+            text(p) for p in await self.store.redis.zrangebyscore(self.keys.ckpt_ttl, "-inf", now)
+        ]
+
+    async def drop_expiry(self, tinker_path: str) -> None:
+        """Forget the expiry of a path whose record is already gone (the leader's sweep)."""
+        await self.store.redis.zrem(self.keys.ckpt_ttl, tinker_path)

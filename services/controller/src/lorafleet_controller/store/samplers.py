@@ -1,0 +1,127 @@
+"""Samplers and their sample operations in Redis.
+
+A sampler is one hash, listed under its session; recording it (`record_sampler`) is
+idempotent on its id. A sample operation is admitted by `submit_sample`, which checks the
+tenant's and the fleet's limits and writes the operation in one script. Neither is fenced:
+any replica serves SubmitSample and creates samplers, and samples run on the controller that
+admitted them (not seq-ordered, so no leader is needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorafleet.v1 import common_pb2
+from lorafleet_controller.store import OpState, Store, named, text
+
+
+@dataclass(frozen=True)
+class SamplerRecord:
+    sampler_id: str
+    tenant: str
+    base_model: str
+    model_path: str
+    ref: common_pb2.AdapterRef
+    inflight: bool
+
+
+@dataclass(frozen=True)
+class SampleLimits:
+    """The admission limits a sample operation counts against."""
+
+    pending_per_tenant: int
+    pending_global: int
+    unacked_per_tenant: int
+    unacked_global: int
+
+
+@dataclass(frozen=True)
+class SampleAdmission:
+    """`code`: created | duplicate | conflict | not_found | backpressure (`scope` says which
+    limit); `state` is the operation's for created and duplicate."""
+
+    code: str
+    state: OpState | None
+    scope: str
+
+
+class SamplersRepo:
+    """Every Redis access of samplers and sample operations."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.keys = store.keys
+
+    async def record(self, rec: SamplerRecord, session_id: str) -> None:
+        """Record the sampler unless it exists (an existing one is kept as it is)."""
+        own = [self.keys.sampler(rec.sampler_id), self.keys.session_samplers(session_id)]
+        await self.store.scripts.run(
+            "record_sampler",
+            own,
+            rec.sampler_id,
+            session_id,
+            rec.tenant,
+            "base_model",
+            rec.base_model,
+            "model_path",
+            rec.model_path,
+            "rid",
+            rec.ref.registration_id,
+            "version",
+            rec.ref.version,
+            "inflight",
+            "1" if rec.inflight else "0",
+        )
+
+    async def load(self, sampler_id: str) -> SamplerRecord | None:
+        raw = await self.store.redis.hgetall(self.keys.sampler(sampler_id))
+        if not raw or b"base_model" not in raw:
+            return None
+        return SamplerRecord(
+            sampler_id=sampler_id,
+            tenant=text(raw.get(b"tenant")),
+            base_model=text(raw[b"base_model"]),
+            model_path=text(raw.get(b"model_path")),
+            ref=common_pb2.AdapterRef(
+                registration_id=text(raw.get(b"rid")), version=int(raw.get(b"version", b"0"))
+            ),
+            inflight=raw.get(b"inflight") == b"1",
+        )
+
+    async def submit(
+        self,
+        opid: str,
+        tenant: str,
+        digest: str,
+        body: bytes,
+        now: float,
+        rid: str,
+        limits: SampleLimits,
+    ) -> SampleAdmission:
+        """Admit the sample operation `opid` (idempotent on its id and payload digest)."""
+        out = named(
+            await self.store.scripts.run(
+                "submit_sample",
+                [self.keys.op(opid), self.keys.tenant(tenant)],
+                opid,
+                digest,
+                body,
+                now,
+                tenant,
+                rid,
+                limits.pending_per_tenant,
+                limits.pending_global,
+                limits.unacked_per_tenant,
+                limits.unacked_global,
+            )
+        )
+        state = out.get("state")
+        return SampleAdmission(
+            code=text(out["code"]),
+            state=None if state is None else OpState(int(state)),
+            scope=text(out.get("scope")),
+        )
+
+    async def open_samples(self) -> list[str]:
+        """Sample operations not finished yet (re-run after a controller restart)."""
+        return [text(opid) for opid in await self.store.redis.smembers(self.keys.open_samples)]
