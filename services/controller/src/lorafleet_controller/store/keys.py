@@ -83,7 +83,7 @@ KEY_FAMILIES: dict[str, str] = {
     "session": "sess:{id}",  # hash: one session
     "tenant_sessions": "sessions:{id}",  # zset: a tenant's sessions by creation time
     "sessions_live": "sessions_live",  # zset: unfinished sessions by last heartbeat
-    # managed training jobs (jobs/records.py)
+    # managed training jobs (store/jobs.py)
     "job": "job:{id}",  # hash: one job (params, data, state, cursor, progress, result)
     "tenant_jobs": "jobs:{id}",  # zset: a tenant's jobs by creation time
     "run_jobs": "run_jobs:{id}",  # list: a run's unfinished jobs, in the order they run
