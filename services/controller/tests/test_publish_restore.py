@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from lorafleet_controller.samplers import Samplers
 from lorafleet_controller.store import RegState
 
 from .conftest import Domain
-from .fleet import Proc, fb_payload, optim_payload, trainer_proc
+from .fleet import Proc, fb_payload, optim_payload, rollout_proc, trainer_proc
 
 K = controller_pb2
 T = "tenant-p"
@@ -105,6 +106,28 @@ def trainer(tmp_path: Path, tiny_model_dir: Path, shared: Path | None) -> Iterat
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture
+def rollout(tmp_path: Path, tiny_model_dir: Path, shared: Path | None) -> Iterator[Proc]:
+    """A rollout on its own (the test records it in the registry), counting its pushes."""
+    proc = rollout_proc(tiny_model_dir, free_port(), tmp_path, "rollout-0", register=False)
+    proc.env["LORAFLEET_ROLLOUT_METRICS_PORT"] = str(free_port())
+    if shared is not None:
+        proc.env["LORAFLEET_ROLLOUT_SHARED_ADAPTER_ROOT"] = str(shared)
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def pushes(rollout: Proc) -> float:
+    """The rollout's lorafleet_rollout_adapter_pushes_total, over both ways."""
+    url = f"http://127.0.0.1:{rollout.env['LORAFLEET_ROLLOUT_METRICS_PORT']}/metrics"
+    lines = urllib.request.urlopen(url, timeout=5).read().decode().splitlines()
+    total = "lorafleet_rollout_adapter_pushes_total{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(total))
 
 
 @pytest.fixture
@@ -232,3 +255,77 @@ async def test_a_publish_retried_into_a_restore_exports_nothing_and_reruns_after
         await relay.stop()
         await pool.close()
         await direct.close()
+
+
+async def test_a_rerun_of_a_live_version_pushes_its_recorded_files(
+    domain: Domain, trainer: Proc, rollout: Proc, shared: Path | None, tmp_path: Path
+) -> None:
+    """Regression (ac75fe9): an attempt made the version live and its controller died before
+    the outcome; the re-dispatch must push the files recorded live, not export the slot
+    again. Here the run trained on meanwhile, as a run replayed after a restore may differ in
+    the last bits (a fresh export carries other files, which the rollout that loaded the
+    version refuses), and the trainer is gone by the re-dispatch, as in the fault campaign
+    (whose re-run then found the slot rebound and deleted the live folder). Before ac75fe9
+    the re-run exported again and failed; now it pushes the recorded files, unchanged."""
+    trainer_client = TrainerClient(f"127.0.0.1:{trainer.port}", retry_seconds=30)
+    pool = Pool(retry_seconds=3, timeout=120)  # a dead trainer fails an export in seconds
+    registry, clock = domain.registry, domain.clock
+    try:
+        info = await trainer_client.info()
+        base = info.base_model
+        address = f"127.0.0.1:{trainer.port}"
+        rep = Replica("trainer", "trainer-0", address, base, info.num_slots, "i", clock(), True)
+        await registry.register_replica(rep)
+        await registry.register_replica(
+            Replica("rollout", "rollout-0", f"127.0.0.1:{rollout.port}", base, 0, "r", 0, True)
+        )
+        rec, _ = await registry.create(T, "s1", 0, base, LORA, {}, "adamw", False)
+        rid = rec.registration_id
+        placement = await registry.place(rid)
+        assert placement.code == "placed"
+        await trainer_client.bind(placement.slot, rid, LORA)
+        assert await registry.bound(rid, placement.replica, placement.slot)
+        await train(trainer_client, rid, placement.slot, "")
+        trained = await exported(trainer_client, rid, placement.slot)
+        publisher = Publisher(
+            domain.store,
+            tmp_path / "storage",
+            registry,
+            Catalog(domain.store, clock),
+            Samplers(domain.store, domain.ledger, registry, pool, domain.settings),
+            pool,
+            resident_versions=2,
+            shared_root=shared,
+        )
+        claim = Claim(
+            operation_id=f"{rid}#5",
+            registration_id=rid,
+            seq_id=5,
+            kind=K.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER,
+            payload=b"",
+            replica=placement.replica,
+            slot=placement.slot,
+            dirty=False,
+            base_model=base,
+            tenant=T,
+            submitted_at=clock(),
+        )
+        sw = K.SaveWeightsForSamplerPayload()
+        first, _ = await publisher.publish(claim, sw)  # live; its outcome is never recorded
+        version = first.save_weights_for_sampler.version
+        folder = (shared or tmp_path / "storage") / "adapters" / rid / str(version)
+        recorded = {p.name: p.read_bytes() for p in folder.iterdir()}
+        assert same(load_tensors(recorded[WEIGHTS]), trained)
+        pushed = pushes(rollout)
+        assert pushed == 1
+
+        await train(trainer_client, rid, placement.slot, "more-")  # the slot moved on
+        assert not same(await exported(trainer_client, rid, placement.slot), trained)
+        trainer.stop()  # and the re-dispatch finds its trainer killed: it needs none
+        again, _ = await publisher.publish(claim, sw)
+        assert again.save_weights_for_sampler.version == version
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == recorded
+        assert pushes(rollout) == pushed + 1  # pushed again: the recorded files, accepted
+    finally:
+        await pool.close()
+        await trainer_client.close()
