@@ -21,6 +21,7 @@ from lorafleet_controller.controller import Controller
 from lorafleet_controller.recovery import Corrupted, Recovery
 from lorafleet_controller.registry import Replica
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import StaleEpoch, Store
 from lorafleet_controller.store.keys import Keys
 
 from .conftest import Clock
@@ -271,7 +272,7 @@ async def test_the_replay_log_keeps_what_a_snapshot_does_not_cover(domain) -> No
     each once, in seq_id order; a newer snapshot drops what it covers; a missing link, or a
     log gone although steps were applied, is corruption instead of a shorter history."""
     keys = domain.store.keys
-    recovery = Recovery(domain.client, keys.replay, keys.reg, _no_manifest, _no_retire)
+    recovery = Recovery(domain.store, _no_manifest, _no_retire)
     rid = await domain.ready_registration()
     fb, opt = fb_payload(tokens(1)), optim_payload()
     forward = fb_payload(tokens(2), forward_only=True)
@@ -404,3 +405,26 @@ async def test_batches_queued_behind_a_frozen_trainer_never_land_in_a_restore(pr
     finally:
         await r.aclose()
         await client.close()
+
+
+async def test_a_deposed_leader_cannot_write_the_replay_log(domain) -> None:
+    """Logging and snapshots are the leader's (store/recovery_log.py): once a newer leader
+    took over, the deposed one's writes are refused and the log is what the new one wrote."""
+    rid = await domain.ready_registration()
+    old = Recovery(domain.store, _no_manifest, _no_retire)
+    newer = Store(domain.client, domain.settings.key_prefix)
+    await newer.take_epoch()
+    new = Recovery(newer, _no_manifest, _no_retire)
+    fb = fb_payload(tokens(1))
+    applied = [(rid, 1, K.OPERATION_KIND_FORWARD_BACKWARD, fb.SerializeToString())]
+    with pytest.raises(StaleEpoch):
+        await old.log(applied)
+    manifest = common_pb2.BlobRef(uri="file:///states/snap")
+    with pytest.raises(StaleEpoch):
+        await old.record_page(rid, 1, manifest)
+    plan = await new.plan(rid)
+    assert plan.snapshot is None and plan.ops == []
+    await new.log(applied)
+    assert [(s, p) for s, p in (await new.plan(rid)).ops] == [(1, fb)]
+    await new.record_page(rid, 1, manifest)
+    assert await new.snapshot_uri(rid) == "file:///states/snap"

@@ -80,11 +80,8 @@ class Controller:
         self.catalog = Catalog(self.store, clock)
         self.tenancy = Tenancy(self.store, clock)
         self.usage = Usage(self.store, self.registry)  # per-tenant usage (chargeback)
-        keys = self.store.keys
         self.recovery = Recovery(
-            self.store.redis,
-            keys.replay,
-            keys.reg,
+            self.store,
             self.catalog.manifest_for,
             self._retire_corrupted,
             self._trainer_of,

@@ -43,6 +43,8 @@ from typing import Any
 from lorafleet import errors
 from lorafleet.rpc.errors import exception_from_info
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
+from lorafleet_controller.store import Store
+from lorafleet_controller.store.recovery_log import RecoveryLog
 
 log = logging.getLogger(__name__)
 
@@ -52,33 +54,6 @@ LOGGED_KINDS = frozenset(
     {K.OPERATION_KIND_FORWARD_BACKWARD, K.OPERATION_KIND_OPTIM_STEP, K.OPERATION_KIND_LOAD_STATE}
 )
 
-# KEYS: the run's replay log, its registration. ARGV: seq_id, payload. The entry is
-# '<previous seq_id>:<payload>' ('' before the first); the registration keeps the newest
-# seq_id (`replay_last`), the witness that a log existed at all. Idempotent.
-_LOG = """
-local seq = tonumber(ARGV[1])
-if seq <= tonumber(redis.call('HGET', KEYS[1], 'snap_seq') or '-1') then return 0 end
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-local prev = redis.call('HGET', KEYS[2], 'replay_last') or ''
-redis.call('HSET', KEYS[1], ARGV[1], prev .. ':' .. ARGV[2])
-redis.call('HSET', KEYS[2], 'replay_last', ARGV[1])
-return 1
-"""
-
-# KEYS: the run's replay log. ARGV: seq_id the snapshot covers, SlotSnapshot bytes.
-# Records a newer snapshot and drops the entries it covers. Returns 1 when recorded.
-_SNAPSHOT = """
-local seq = tonumber(ARGV[1])
-if seq <= tonumber(redis.call('HGET', KEYS[1], 'snap_seq') or '-1') then return 0 end
-redis.call('HSET', KEYS[1], 'snap_seq', ARGV[1], 'snap', ARGV[2])
-for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
-  local n = tonumber(f)
-  if n ~= nil and n <= seq then redis.call('HDEL', KEYS[1], f) end
-end
-return 1
-"""
-
-KeyOf = Callable[[str], str]
 ManifestFor = Callable[[str], Awaitable[common_pb2.BlobRef | None]]
 Retire = Callable[[str, errors.LorafleetError], Awaitable[None]]
 TrainerFor = Callable[[str], Awaitable[Any]]  # a run id -> a client of a healthy trainer, or None
@@ -108,22 +83,16 @@ class Recovery:
 
     def __init__(
         self,
-        redis: Any,
-        replay_key: KeyOf,
-        reg_key: KeyOf,
+        store: Store,
         manifest_for: ManifestFor,
         retire: Retire,
         trainer_for: TrainerFor | None = None,
     ) -> None:
-        self.redis = redis
-        self.replay_key = replay_key
-        self.reg_key = reg_key
+        self.replay_log = RecoveryLog(store)  # fenced by the leader epoch (see there)
         self.manifest_for = manifest_for
         self.retire = retire
         self.trainer_for = trainer_for
         self._pruning: set[asyncio.Task[None]] = set()  # retired runs' prunes in flight
-        self._log = redis.register_script(_LOG)
-        self._snapshot = redis.register_script(_SNAPSHOT)
 
     # --- dispatch side --------------------------------------------------------------------
     async def log(self, applied: Sequence[tuple[str, int, int, bytes]]) -> None:
@@ -140,7 +109,7 @@ class Recovery:
     async def _log_run(self, rid: str, entries: list[tuple[int, bytes]]) -> None:
         """One run's entries in seq_id order: each names the one before it."""
         for seq, body in entries:
-            await self._log(keys=[self.replay_key(rid), self.reg_key(rid)], args=[seq, body])
+            await self.replay_log.append(rid, seq, body)
 
     async def record_snapshot(self, rid: str, snapshot: trainer_pb2.SlotSnapshot) -> None:
         """Record the trainer's newest complete snapshot of a run (from an OptimStep answer)."""
@@ -153,33 +122,28 @@ class Recovery:
         """Record a snapshot of the run's exact state after seq_id `seq` (an automatic one, or
         a page-out's: paging.py); ignored unless newer than the one recorded."""
         snapshot = trainer_pb2.SlotSnapshot(operation_id=f"{rid}#{seq}", manifest=manifest)
-        body = snapshot.SerializeToString(deterministic=True)
-        await self._snapshot(keys=[self.replay_key(rid)], args=[seq, body])
+        await self.replay_log.record_snapshot(rid, seq, snapshot)
 
     # --- restoring ------------------------------------------------------------------------
     async def plan(self, rid: str) -> Plan:
         """The snapshot and operations that rebuild `rid`; Corrupted when a link is missing."""
-        raw: dict[bytes, bytes] = await self.redis.hgetall(self.replay_key(rid))
-        last, steps = await self.redis.hmget(self.reg_key(rid), "replay_last", "optim_steps")
-        snap_seq = int(raw.get(b"snap_seq", b"-1"))
-        snapshot = trainer_pb2.SlotSnapshot.FromString(raw[b"snap"]) if b"snap" in raw else None
-        if last is None and snapshot is None and int(steps or 0) > 0:
-            raise Corrupted(
-                f"its replay log is gone although {int(steps)} optimizer steps were applied"
-            )
+        history = await self.replay_log.load(rid)
+        snapshot, snap_seq = history.snapshot, history.snapshot_seq
+        steps = history.optim_steps
+        if history.last is None and snapshot is None and steps > 0:
+            raise Corrupted(f"its replay log is gone although {steps} optimizer steps were applied")
         ops: list[tuple[int, controller_pb2.OperationPayload]] = []
-        cursor = last.decode() if last is not None else ""
-        while cursor and int(cursor) > snap_seq:
-            entry = raw.get(cursor.encode())
+        cursor = history.last
+        while cursor is not None and cursor > snap_seq:
+            entry = history.entries.get(cursor)
             if entry is None:
                 after = f"its last snapshot (seq_id {snap_seq})" if snapshot else "its start"
                 raise Corrupted(
                     f"the payload of seq_id {cursor} is gone (expired or deleted), so the "
                     f"operations since {after} cannot be replayed"
                 )
-            prev, _, body = entry.partition(b":")
-            ops.append((int(cursor), controller_pb2.OperationPayload.FromString(body)))
-            cursor = prev.decode()
+            ops.append((cursor, controller_pb2.OperationPayload.FromString(entry.payload)))
+            cursor = entry.prev
         ops.reverse()
         return Plan(snapshot, snap_seq, ops)
 
@@ -269,7 +233,7 @@ class Recovery:
             "are lost; continue from a saved state in a new run"
         )
         log.error("%s", message)
-        await self.redis.hset(self.reg_key(rid), "corrupted", message)
+        await self.replay_log.mark_corrupted(rid, message)
         await self.retire(
             rid,
             errors.FailedPrecondition(message, field="registration_id", reason="RUN_CORRUPTED"),
@@ -280,7 +244,7 @@ class Recovery:
         background (a stopped trainer must not hold up a session's finish). Its checkpoints
         (what the user saved) stay; so do the folders when no trainer is healthy now or the
         controller stops first."""
-        await self.redis.delete(self.replay_key(rid))
+        await self.replay_log.drop(rid)
         task = asyncio.create_task(self._prune_retired(rid))
         self._pruning.add(task)
         task.add_done_callback(self._pruning.discard)
@@ -311,10 +275,8 @@ class Recovery:
 
     async def snapshot_uri(self, rid: str) -> str | None:
         """The folder (file:// URI) of the snapshot the run's log points to, if any."""
-        raw = await self.redis.hget(self.replay_key(rid), "snap")
-        if raw is None:
-            return None
-        return trainer_pb2.SlotSnapshot.FromString(raw).manifest.uri or None
+        snapshot = await self.replay_log.snapshot(rid)
+        return None if snapshot is None else snapshot.manifest.uri or None
 
 
 _LEASE_REASONS = frozenset({"SLOT_UNBOUND", "LEASE_MISMATCH", "STALE_INCARNATION"})
