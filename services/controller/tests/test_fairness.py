@@ -8,7 +8,14 @@ import pytest
 
 from lorafleet import errors
 from lorafleet.settings import SettingsError, load_settings
-from lorafleet_controller.scheduler import BATCH_PER_TENANT, fair_batch
+from lorafleet_controller.ledger import Claim, Outcome
+from lorafleet_controller.scheduler import (
+    BATCH_PER_TENANT,
+    BATCH_SHARE_CONTENDED,
+    LIGHT_RECENT_S,
+    FairBatcher,
+    fair_batch,
+)
 from lorafleet_controller.settings import PREFIX, ControllerSettings
 from lorafleet_controller.store import OpState, RegState
 
@@ -88,22 +95,105 @@ async def test_a_tenants_step_is_batched_before_another_tenants_backlog_drains(
         await d.ledger.submit("b", rid, 1, FORWARD, b"f", f"f-{rid}")
     backlog = await d.ledger.claim_many([], 64)
     assert [c.registration_id for c in backlog] == b_runs  # claimed in arrival order
-    first = fair_batch(backlog, BATCH_PER_TENANT)
+    first = fair_batch(backlog, lambda _: BATCH_PER_TENANT)
     assert [c.registration_id for c in first] == b_runs[:BATCH_PER_TENANT]
     assert [c.registration_id for c in backlog] == b_runs[BATCH_PER_TENANT:]
     # A's step arrives behind B's whole backlog and still runs in the next batch.
     await d.ledger.submit("a", a_run, 1, FORWARD, b"s", "s1")
     backlog += await d.ledger.claim_many([], 64)
-    second = fair_batch(backlog, BATCH_PER_TENANT)
+    second = fair_batch(backlog, lambda _: BATCH_PER_TENANT)
     assert [c.tenant for c in second][:2] == ["b", "a"]  # interleaved tenant by tenant
     assert [c.registration_id for c in second if c.tenant == "b"] == b_runs[
         BATCH_PER_TENANT : 2 * BATCH_PER_TENANT
     ]  # B keeps its arrival order, and its cap
     assert a_run in {c.registration_id for c in second}
     assert backlog and all(c.tenant == "b" for c in backlog)  # B's backlog is not drained yet
-    drained = fair_batch(backlog, BATCH_PER_TENANT)
+    drained = fair_batch(backlog, lambda _: BATCH_PER_TENANT)
     assert [c.registration_id for c in drained] == b_runs[2 * BATCH_PER_TENANT :]
     assert backlog == []
+    await d.notifier.stop()
+
+
+async def run_batch(d: Domain, batcher: FairBatcher) -> list[Claim]:
+    """Take the next batch and record every operation in it, as the data worker does."""
+    batch = batcher.take()
+    done = await d.ledger.complete_many(
+        [Outcome(c.operation_id, OpState.SUCCEEDED, b"out") for c in batch]
+    )
+    assert all(done)
+    batcher.finished()
+    return batch
+
+
+def flood_ops(batch: list[Claim]) -> list[str]:
+    return [c.registration_id for c in batch if c.tenant == "b"]
+
+
+async def test_a_light_tenants_step_joins_and_waits_behind_only_a_small_share_of_a_flood(
+    domain: Domain,
+) -> None:
+    """A light tenant (one run stepping in lockstep) pays for a flood's batch twice: the one
+    its step joins and the one already on the trainer when its step arrives. While it is
+    about, both hold BATCH_SHARE_CONTENDED of the flood's operations, not BATCH_PER_TENANT;
+    with no light tenant about, the flood is batched BATCH_PER_TENANT at a time again. Every
+    operation is batched exactly once, each tenant's in arrival order. Ordering and counts
+    only: the batcher reads the domain's settable clock."""
+    assert 0 < BATCH_SHARE_CONTENDED < BATCH_PER_TENANT
+    d = domain
+    b_runs = [await d.ready_registration(tenant="b", session="sb", seq=i) for i in range(24)]
+    a_run = await d.ready_registration(tenant="a", session="sa")
+    for rid in b_runs:
+        await d.ledger.submit("b", rid, 1, FORWARD, b"f", f"f-{rid}")
+    batcher = FairBatcher(clock=d.clock)
+    batcher.backlog += await d.ledger.claim_many([], 64)
+    # No one else about: the flood takes its whole share.
+    batches = [await run_batch(d, batcher)]
+    assert flood_ops(batches[-1]) == b_runs[:BATCH_PER_TENANT]
+    for seq in (1, 2):
+        # A's step arrives behind the rest of the flood and joins the very next batch, with
+        # only a small share of the flood beside it.
+        await d.ledger.submit("a", a_run, seq, FORWARD, b"s", f"s{seq}")
+        batcher.backlog += await d.ledger.claim_many([], 64)
+        batches.append(await run_batch(d, batcher))
+        assert a_run in {c.registration_id for c in batches[-1]}
+        assert len(flood_ops(batches[-1])) == BATCH_SHARE_CONTENDED
+        await d.ledger.ack("a", f"{a_run}#{seq}")
+        # Its next step is on its way: the batch it will find on the trainer is small too.
+        batches.append(await run_batch(d, batcher))
+        assert len(flood_ops(batches[-1])) == BATCH_SHARE_CONTENDED
+    # A has been gone for longer than LIGHT_RECENT_S: the flood's full share again.
+    d.clock.now += 2 * LIGHT_RECENT_S
+    batches.append(await run_batch(d, batcher))
+    assert len(flood_ops(batches[-1])) == BATCH_PER_TENANT
+    while batcher.backlog:
+        batches.append(await run_batch(d, batcher))
+    assert [rid for batch in batches for rid in flood_ops(batch)] == b_runs
+    assert [c.seq_id for batch in batches for c in batch if c.tenant == "a"] == [1, 2]
+    assert await d.ledger.claim_many([], 64) == []  # nothing left behind
+    await d.notifier.stop()
+
+
+async def test_busy_tenants_alone_keep_their_whole_share(domain: Domain) -> None:
+    """The smaller share is for a light tenant's sake only: busy tenants (each with more than
+    BATCH_SHARE_CONTENDED waiting) share batches of BATCH_PER_TENANT each, and a tenant that
+    was light itself is not held back by its own past."""
+    d = domain
+    b_runs = [await d.ready_registration(tenant="b", session="sb", seq=i) for i in range(12)]
+    c_runs = [await d.ready_registration(tenant="c", session="sc", seq=i) for i in range(12)]
+    batcher = FairBatcher(clock=d.clock)
+    await d.ledger.submit("b", b_runs[0], 1, FORWARD, b"f", "f1")
+    batcher.backlog += await d.ledger.claim_many([], 64)
+    assert flood_ops(await run_batch(d, batcher)) == b_runs[:1]  # B alone and light
+    for rid in b_runs[1:]:
+        await d.ledger.submit("b", rid, 1, FORWARD, b"f", f"f-{rid}")
+    batcher.backlog += await d.ledger.claim_many([], 64)
+    assert flood_ops(await run_batch(d, batcher)) == b_runs[1 : 1 + BATCH_PER_TENANT]
+    for rid in c_runs:
+        await d.ledger.submit("c", rid, 1, FORWARD, b"f", f"f-{rid}")
+    batcher.backlog += await d.ledger.claim_many([], 64)
+    both = await run_batch(d, batcher)
+    assert [c.tenant for c in both] == ["b", "c"] * 3 + ["c"] * (BATCH_PER_TENANT - 3)
+    assert [c.registration_id for c in both if c.tenant == "c"] == c_runs[:BATCH_PER_TENANT]
     await d.notifier.stop()
 
 

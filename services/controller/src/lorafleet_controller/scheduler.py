@@ -6,9 +6,10 @@ Wake-up is a blocking BLPOP on two Redis lists that the Lua scripts fill (no pol
 starves them. Data operations are handed to one worker per trainer replica, which waits a
 short coalescing window, then sends what is ready for that trainer as one cross-slot
 ForwardBackward batch, at most `BATCH_PER_TENANT` operations of each tenant, ordered
-round-robin across tenants (`fair_batch`: one tenant's flood waits for later batches rather
-than slowing every other tenant's steps); each operation is recorded as soon as the batch
-returns. Per registration at most one operation is in flight (the ledger
+round-robin across tenants, and only `BATCH_SHARE_CONTENDED` of each while a light tenant
+(one stepping a run or two in lockstep) is about (`FairBatcher`: one tenant's flood waits for
+later batches rather than slowing every other tenant's steps); each operation is recorded as
+soon as the batch returns. Per registration at most one operation is in flight (the ledger
 only releases the head), so seq_id order is execution order.
 
 A claim is durable before dispatch: a controller killed mid-dispatch leaves the operation
@@ -31,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -61,9 +62,15 @@ KIND_NAMES = {
 
 Effects = list[tuple[str, str, Any]]
 CLAIM_BATCH = 64  # ready operations claimed per round trip
-# Most data operations of one tenant in one trainer batch (see fair_batch): small enough
-# that a flood's batch in flight costs another tenant's step little, large enough to batch.
+# Most data operations of one tenant in one trainer batch (see fair_batch): large enough to
+# batch a busy tenant's runs when no light tenant is about.
 BATCH_PER_TENANT = 8
+# Most data operations of one tenant in one batch while another tenant is light (see
+# FairBatcher); a tenant with at most this many claims waiting is light.
+BATCH_SHARE_CONTENDED = 2
+# How long after its batch returned a light tenant still counts as about: its next step is on
+# its way (an SDK client's turnaround, result to next submit, is milliseconds on a LAN).
+LIGHT_RECENT_S = 0.05
 K = controller_pb2
 # Kinds a lost contact leaves in doubt (re-sent under their id, never failed): everything the
 # trainer executes by operation id. Publishing also involves rollouts and fails as before.
@@ -181,20 +188,22 @@ class Scheduler:
 
     # --- data operations ------------------------------------------------------------------
     async def _data_worker(self, replica: str, queue: asyncio.Queue[Claim]) -> None:
-        backlog: list[Claim] = []  # claimed, not yet sent: fair_batch takes from it
+        batcher = FairBatcher()  # its backlog: claimed, not yet sent
         while True:
-            if not backlog:
-                backlog.append(await queue.get())
+            if not batcher.backlog:
+                batcher.backlog.append(await queue.get())
                 if self.settings.coalesce_window_ms > 0:
                     await asyncio.sleep(self.settings.coalesce_window_ms / 1000)
             while not queue.empty():
-                backlog.append(queue.get_nowait())
-            batch = fair_batch(backlog, BATCH_PER_TENANT)
+                batcher.backlog.append(queue.get_nowait())
+            batch = batcher.take()
             try:
                 await self._run_batch(replica, batch)
             except Exception as exc:  # never lose the worker, nor report what may have run
                 log.exception("data batch on %s failed unexpectedly", replica)
                 self.doubt(batch, exc)
+            finally:
+                batcher.finished()
             raise_if_stopped()
 
     async def _run_batch(self, replica: str, batch: list[Claim]) -> None:
@@ -504,9 +513,9 @@ def in_doubt(exc: BaseException) -> bool:
     return isinstance(exc, errors.LorafleetError) and exc.reason in LEASE_REASONS
 
 
-def fair_batch(backlog: list[Claim], per_tenant: int) -> list[Claim]:
+def fair_batch(backlog: list[Claim], cap: Callable[[str], int]) -> list[Claim]:
     """Take the next trainer batch out of `backlog` (claims in arrival order, changed in
-    place): at most `per_tenant` claims of each tenant, interleaved tenant by tenant, each
+    place): at most `cap(tenant)` claims of each tenant, interleaved tenant by tenant, each
     tenant's claims in arrival order; what is left stays in the backlog, in order, for the
     next batch.
 
@@ -515,7 +524,7 @@ def fair_batch(backlog: list[Claim], per_tenant: int) -> list[Claim]:
     with never-retrieved forward calls) fills every batch, so another tenant's one step
     pays for the flood twice: behind the flood's batch in flight, then inside a batch made
     mostly of flood. Capped, a new tenant's claim joins the very next batch whatever the
-    flood's backlog, and a batch is at most `per_tenant` per tenant long (bench/fairness.py).
+    flood's backlog (bench/fairness.py).
     The backlog holds at most one claim per registration (the ledger only releases a
     registration's head), so deferring a claim never reorders a run's operations; claims
     left here stay CLAIMED in the ledger, so a controller that dies with a backlog leaves
@@ -524,12 +533,65 @@ def fair_batch(backlog: list[Claim], per_tenant: int) -> list[Claim]:
     rest: list[Claim] = []
     for claim in backlog:
         lane = taken.setdefault(claim.tenant, [])
-        (lane if len(lane) < per_tenant else rest).append(claim)
+        (lane if len(lane) < cap(claim.tenant) else rest).append(claim)
     backlog[:] = rest
     out: list[Claim] = []
     for i in range(max(map(len, taken.values()), default=0)):
         out += [lane[i] for lane in taken.values() if i < len(lane)]
     return out
+
+
+class FairBatcher:
+    """One trainer's backlog of claims and the batches taken from it (`fair_batch`): each
+    tenant at most `per_tenant` per batch, and only `contended` while another tenant is light.
+
+    A light tenant has at most `contended` claims waiting (a run or two stepping in
+    lockstep, as SDK clients do); with none waiting, it stays "about" for `recent_s` after
+    its batch returned, while its next step is on its way. Why the smaller share: a capped
+    flood still costs a light tenant two batches of up to `per_tenant` of the flood's
+    operations, the one already on the trainer when its step arrives and the one its step
+    joins, and they made its tail (bench/fairness.py: 7 ms in each of its slowest steps at a
+    share of 8). While a light tenant is about, both hold at most `contended` of each other
+    tenant. Busy tenants alone (each with more waiting) still share batches of `per_tenant`
+    each, so batching throughput only yields to a light tenant's step. A light tenant's
+    claims fit its share, so they are never split over batches; the backlog holds at most
+    one claim per registration, so no share reorders a run's operations."""
+
+    def __init__(
+        self,
+        per_tenant: int = BATCH_PER_TENANT,
+        contended: int = BATCH_SHARE_CONTENDED,
+        recent_s: float = LIGHT_RECENT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backlog: list[Claim] = []  # claimed, not yet taken, in arrival order
+        self.per_tenant = per_tenant
+        self.contended = contended
+        self.recent_s = recent_s
+        self.clock = clock
+        self._about: dict[str, float] = {}  # light tenant -> when its last batch returned
+        self._serving: set[str] = set()  # light tenants of the batch taken last
+
+    def take(self) -> list[Claim]:
+        """The next batch; call `finished` when it returned."""
+        now = self.clock()
+        self._about = {t: at for t, at in self._about.items() if now - at <= self.recent_s}
+        waiting = Counter(claim.tenant for claim in self.backlog)
+        self._serving = {t for t, n in waiting.items() if n <= self.contended}
+        # one that was light but has more waiting now is busy, whatever its past
+        light = self._serving | (self._about.keys() - waiting.keys())
+
+        def cap(tenant: str) -> int:
+            return self.contended if light - {tenant} else self.per_tenant
+
+        return fair_batch(self.backlog, cap)
+
+    def finished(self) -> None:
+        """The batch taken last returned: its light tenants' next steps are on their way."""
+        now = self.clock()
+        for tenant in self._serving:
+            self._about[tenant] = now
+        self._serving = set()
 
 
 def _server_failure(exc: errors.LorafleetError, replica: str) -> errors.LorafleetError:
