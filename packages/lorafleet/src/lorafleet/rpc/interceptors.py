@@ -3,13 +3,20 @@
 An aio `intercept_service` only sees the handler, not the outcome, so both interceptors
 wrap the handler's behaviour (the pattern of grpc's service-latency example). Metric names
 are the go-grpc-prometheus ones, so stock gRPC dashboards work unchanged.
+
+A client-streaming RPC refused before the client half-closes is read out before the status
+goes back: a grpc aio client whose write is in flight as the call ends reports INTERNAL
+("Internal error from Core") in place of the server's status (grpc#36066), so our own
+callers would see a refusal they cannot act on as an internal fault.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -32,6 +39,18 @@ HANDLING = Histogram(
     _LABELS,
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
+
+
+DRAIN_S = 30.0
+"""How long a refused client stream is read out (and discarded) before the status goes back
+anyway: a legitimate stream ends well within it; one that does not gets the status regardless."""
+
+
+async def _drain(requests: AsyncIterator[Any]) -> None:
+    with contextlib.suppress(Exception):  # the timeout too: the status goes back either way
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in requests:
+                pass
 
 
 def _split(method: str) -> tuple[str, str]:
@@ -78,6 +97,8 @@ def _wrap(
                 return await behavior(request_or_iterator, context)
             except errors.LorafleetError as exc:
                 failed = True
+                if handler.request_streaming:
+                    await _drain(request_or_iterator)
                 await _abort(context, exc)
             except Exception:
                 failed = True
