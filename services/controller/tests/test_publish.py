@@ -167,3 +167,30 @@ async def test_publish_reaches_every_rollout_then_samples(
         return f"{rid}@1" in await resident(rollouts[1])
 
     await wait_until_async(reconciled, "the restarted rollout-1 serving the live version")
+
+    # A replica that lost the version without the controller noticing (its reconcile still
+    # running, or lost with the controller that ran it; found by CAMPAIGN_FAULTS=500): the
+    # sample pinned to it gets the live version put back and is served, not failed.
+    for rollout in rollouts:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{rollout.port}") as ch:
+            await rollout_pb2_grpc.RolloutServiceStub(ch).UnloadAdapter(
+                rollout_pb2.UnloadAdapterRequest(
+                    adapter=common_pb2.AdapterRef(registration_id=rid, version=1)
+                ),
+                timeout=10,
+            )
+        assert f"{rid}@1" not in await resident(rollout)
+    sample = await fleet.client(
+        "SubmitSample",
+        K.SubmitSampleRequest(
+            tenant=T,
+            sampler_id=result.sampler_id,
+            seq_id=2,
+            prompt_tokens=TOKENS[:4],
+            params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_k=-1, top_p=1),
+            num_samples=1,
+        ),
+    )
+    op = await wait_done(fleet.client, T, sample.operation_id)  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
+    assert any([f"{rid}@1" in await resident(r) for r in rollouts])

@@ -24,7 +24,6 @@ import logging
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
 from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.ledger import Claim
 from lorafleet_controller.registry import ROLLOUT, Registry, RegRecord, Replica
+from lorafleet_controller.residency import Payload, Pusher, payload_of
 from lorafleet_controller.samplers import SamplerRecord, Samplers
 from lorafleet_controller.store import RegState, Store
 from lorafleet_controller.store.adapters import AdaptersRepo, LiveVersion
@@ -44,21 +44,6 @@ from lorafleet_controller.store.adapters import AdaptersRepo, LiveVersion
 log = logging.getLogger(__name__)
 
 Effects = list[tuple[str, str, Any]]
-
-
-@dataclass(frozen=True)
-class Payload:
-    """A version's files as they travel to rollouts: the bytes (streamed push) or, on shared
-    storage, references the rollouts read themselves."""
-
-    files: dict[str, bytes] = field(default_factory=dict)
-    refs: dict[str, common_pb2.BlobRef] = field(default_factory=dict)
-
-    @property
-    def size_bytes(self) -> int:
-        if self.refs:
-            return sum(r.size_bytes for r in self.refs.values())
-        return sum(map(len, self.files.values()))
 
 
 class Publisher:
@@ -74,6 +59,7 @@ class Publisher:
         shared_root: Path | None = None,
     ) -> None:
         self.repo = AdaptersRepo(store)
+        self.pusher = Pusher(self.repo, pool)
         self.storage_root = storage_root
         self.registry = registry
         self.catalog = catalog
@@ -238,7 +224,7 @@ class Publisher:
         """Load the version on every healthy rollout of the base model; all must ack."""
         rollouts = [r for r in await self.registry.replicas(ROLLOUT, base_model) if r.healthy]
         outcomes = await asyncio.gather(
-            *(self._load(r.address, ref, lora, payload) for r in rollouts),
+            *(self.pusher.load(r.address, ref, lora, payload) for r in rollouts),
             return_exceptions=True,
         )
         failed = [
@@ -252,19 +238,6 @@ class Publisher:
                 + "; ".join(failed),
                 reason="PUBLISH_INCOMPLETE",
             )
-
-    async def _load(
-        self,
-        address: str,
-        ref: common_pb2.AdapterRef,
-        lora: common_pb2.LoraConfig,
-        payload: Payload,
-    ) -> None:
-        client = self.pool.rollout(address)
-        if payload.refs:
-            await client.load_shared_adapter(ref, lora, payload.refs)
-        else:
-            await client.load_adapter(ref, lora, payload.files)
 
     async def reconcile(self, rollout: Replica) -> None:
         """Give a (re)started rollout the newest live versions of every registration."""
@@ -281,29 +254,22 @@ class Publisher:
                 live = await self.repo.live(aid)
                 if live is None:
                     continue
-                payload = await _payload(live)
+                payload = await payload_of(live)
                 ref = common_pb2.AdapterRef(registration_id=rid, version=live.ref.version)
                 try:
-                    await self._load(rollout.address, ref, live.lora, payload)
+                    await self.pusher.load(rollout.address, ref, live.lora, payload)
                 except errors.LorafleetError as exc:
                     log.warning("reconciling %s on %s failed: %s", aid, rollout.replica_id, exc)
 
     async def _live(self, aid: str) -> tuple[str, Payload] | None:
         """The folder and files of a version recorded live, if it is."""
         live = await self.repo.live(aid)
-        return None if live is None else (live.folder, await _payload(live))
+        return None if live is None else (live.folder, await payload_of(live))
 
     async def forget(self, rid: str, base_model: str) -> None:
         """A retired registration's versions are no longer pushed to new rollouts."""
         live = await self.repo.live_ids(base_model)
         await self.repo.unlist(base_model, [a for a in live if a.registration_id == rid])
-
-
-async def _payload(live: LiveVersion) -> Payload:
-    """A live version's files by reference (shared storage) or by content."""
-    if live.refs:
-        return Payload(refs=live.refs)
-    return Payload(files=await asyncio.to_thread(_read_folder, Path(live.folder)))
 
 
 def _require_bound(reg: RegRecord, claim: Claim) -> None:
@@ -317,10 +283,6 @@ def _require_bound(reg: RegRecord, claim: Claim) -> None:
             field="registration_id",
             reason="LEASE_MISMATCH",
         )
-
-
-def _read_folder(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
 def _shared_folder(root: Path, refs: dict[str, common_pb2.BlobRef]) -> str:

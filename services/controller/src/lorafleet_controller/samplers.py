@@ -20,8 +20,10 @@ from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Claim, Ledger, backpressure
 from lorafleet_controller.registry import ROLLOUT, Registry
+from lorafleet_controller.residency import Pusher
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, Store
+from lorafleet_controller.store.adapters import AdaptersRepo
 from lorafleet_controller.store.samplers import SampleLimits, SamplerRecord, SamplersRepo
 from lorafleet_controller.usage import sample_effects
 
@@ -44,6 +46,7 @@ class Samplers:
         settings: ControllerSettings,
     ) -> None:
         self.repo = SamplersRepo(store)
+        self.pusher = Pusher(AdaptersRepo(store), pool)
         self.ledger = ledger
         self.registry = registry
         self.pool = pool
@@ -184,6 +187,28 @@ class Samplers:
         chosen = min(rollouts, key=lambda r: (self._load[r.replica_id], r.replica_id))
         self._load[chosen.replica_id] += 1
         try:
-            return await self.pool.rollout(chosen.address).sample(req)
+            client = self.pool.rollout(chosen.address)
+            try:
+                return await client.sample(req)
+            except errors.NotFound as exc:
+                if exc.reason != "VERSION_NOT_RESIDENT" or not ref.registration_id:
+                    raise
+                # The replica lost or never got a live version (restarted, its reconcile
+                # still running or lost with a controller): give it back, then serve.
+                try:
+                    restored = await self.pusher.restore(chosen.address, ref)
+                except errors.LorafleetError as push_error:
+                    log.warning("restoring %s on %s failed: %s", ref, chosen.replica_id, push_error)
+                    raise exc from None
+                if not restored:
+                    raise
+                log.info(
+                    "%s@%s was not on %s: restored it for %s",
+                    ref.registration_id,
+                    ref.version,
+                    chosen.replica_id,
+                    opid,
+                )
+                return await client.sample(req)
         finally:
             self._load[chosen.replica_id] -= 1

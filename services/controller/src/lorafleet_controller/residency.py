@@ -1,0 +1,77 @@
+"""Putting a live adapter version on a rollout replica: the push both publishing and
+sampling use.
+
+A version recorded live (store/adapters.py) has its files durable under the storage root
+or on shared storage, so any replica can be given it again at any time. Publishing pushes a
+new version to every rollout (the barrier) and reconciles a restarted one; sampling puts a
+version back on the replica it chose when that replica answers that it does not hold it (a
+restart whose reconcile has not finished, or was lost with the controller that ran it), so
+a pinned sample is served rather than failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorafleet.contract import AdapterId
+from lorafleet.v1 import common_pb2
+from lorafleet_controller.clients import Pool
+from lorafleet_controller.store.adapters import AdaptersRepo, LiveVersion
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A version's files as they travel to rollouts: the bytes (streamed push) or, on shared
+    storage, references the rollouts read themselves."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    refs: dict[str, common_pb2.BlobRef] = field(default_factory=dict)
+
+    @property
+    def size_bytes(self) -> int:
+        if self.refs:
+            return sum(r.size_bytes for r in self.refs.values())
+        return sum(map(len, self.files.values()))
+
+
+async def payload_of(live: LiveVersion) -> Payload:
+    """A live version's files by reference (shared storage) or by content."""
+    if live.refs:
+        return Payload(refs=live.refs)
+    return Payload(files=await asyncio.to_thread(_read_folder, Path(live.folder)))
+
+
+def _read_folder(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+class Pusher:
+    """Loads versions onto rollout replicas (LoadAdapter, or its by-reference form)."""
+
+    def __init__(self, repo: AdaptersRepo, pool: Pool) -> None:
+        self.repo = repo
+        self.pool = pool
+
+    async def load(
+        self,
+        address: str,
+        ref: common_pb2.AdapterRef,
+        lora: common_pb2.LoraConfig,
+        payload: Payload,
+    ) -> None:
+        client = self.pool.rollout(address)
+        if payload.refs:
+            await client.load_shared_adapter(ref, lora, payload.refs)
+        else:
+            await client.load_adapter(ref, lora, payload.files)
+
+    async def restore(self, address: str, ref: common_pb2.AdapterRef) -> bool:
+        """Push `ref` to the replica at `address` if it is a version recorded live; False
+        when it is not (never published, or its run retired): nothing to restore."""
+        live = await self.repo.live(str(AdapterId(ref.registration_id, ref.version)))
+        if live is None:
+            return False
+        await self.load(address, ref, live.lora, await payload_of(live))
+        return True
