@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 
@@ -206,6 +207,11 @@ def test_limits_are_settings() -> None:
     } <= names
 
 
+def spread(rid: str) -> float:
+    """submit.lua's offset of a registration into the half-bucket window, in [0, 1)."""
+    return int(hashlib.sha1(rid.encode()).hexdigest()[:8], 16) / 2**32
+
+
 async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_leave_no_trace(
     domain: Domain,
 ) -> None:
@@ -241,9 +247,16 @@ async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_lea
         await d.ledger.submit("b", b, 4, FORWARD, b"f", "f4")
     assert refused.value.reason == "BACKPRESSURE" and refused.value.field == "seq_id"
     assert "admissions per second" in refused.value.message
-    # Retry when the bucket is half full again: 1.5 tokens at 2/s.
-    assert refused.value.retry_after == pytest.approx(0.75)
+    # Retry when the bucket is half full again (1.5 tokens at 2/s), plus this registration's
+    # own offset into the next half-bucket window.
+    assert refused.value.retry_after == pytest.approx(0.75 + 0.75 * spread(b))
     assert await trace() == before  # nothing written: not the op, the bucket or a counter
+    # Another of B's runs refused at the same moment is told another time: no herd.
+    b2 = await d.ready_registration(tenant="b", session="sb", seq=1)
+    with pytest.raises(errors.ResourceExhausted) as other:
+        await d.ledger.submit("b", b2, 1, FORWARD, b"f", "g1")
+    assert other.value.retry_after == pytest.approx(0.75 + 0.75 * spread(b2))
+    assert abs(other.value.retry_after - refused.value.retry_after) > 1e-3
     # A duplicate of an admitted seq_id is answered, not charged or refused.
     assert (await d.ledger.submit("b", b, 3, FORWARD, b"f", "f3")).duplicate
     # Tenant A's bucket is its own: its whole burst is there while B's is empty.
@@ -254,7 +267,7 @@ async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_lea
     d.clock.now += 0.25
     with pytest.raises(errors.ResourceExhausted) as refused:
         await d.ledger.submit("b", b, 4, FORWARD, b"f", "f4")
-    assert refused.value.retry_after == pytest.approx(0.5)
+    assert refused.value.retry_after == pytest.approx(0.5 + 0.75 * spread(b))
     d.clock.now += 0.25
     retried = await d.ledger.submit("b", b, 4, FORWARD, b"f", "f4")
     assert not retried.duplicate and retried.state == OpState.QUEUED  # a first admission
@@ -273,7 +286,7 @@ async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_lea
     await d.ledger.submit("b", b, 8, FORWARD, b"f", "f8")
     with pytest.raises(errors.ResourceExhausted) as refused:
         await d.ledger.submit("b", b, 10, FORWARD, b"f", "f10")
-    assert refused.value.retry_after == pytest.approx(1.25)
+    assert refused.value.retry_after == pytest.approx(1.25 + 0.75 * spread(b))
     # Ordering by seq_id is unchanged: B's operations run 1..9, one head at a time.
     ran: list[int] = []
     for _ in range(20):

@@ -12,8 +12,10 @@
 -- says to retry when the bucket is half full again, not when one token is: a tenant flooding
 -- from N runs would otherwise retry N times per token, a herd of refused scripts that costs
 -- the controller more than the admissions it limits (bench/fairness.py: A's p99 ratio 3.6
--- with one-token retries, see the README for the half-bucket figure). The sustained rate is
--- the same either way. A hole-filling seq_id pays too (the balance may go
+-- with one-token retries, see the README for the half-bucket figure). Each registration
+-- retries at its own point of the half-bucket window after that (an offset from a hash of its
+-- id), so a tenant's refused runs do not all come back in the same millisecond, a herd whose
+-- admissions queue ahead of another tenant's step. The sustained rate is the same either way. A hole-filling seq_id pays too (the balance may go
 -- negative) but is never refused, so a gap cannot wait on the bucket and a tenant cannot
 -- dodge it by submitting ahead and filling behind. Refill is a function of the stored balance
 -- and time only, so a refusal writes nothing; `now` never runs backwards for the bucket (a
@@ -74,8 +76,9 @@ if rate > 0 then
   end
   if tokens < 1 and seq > max_seq then
     local due = math.max(1, burst / 2)
+    local spread = tonumber(string.sub(redis.sha1hex(rid), 1, 8), 16) / 4294967296
     return result('code', 'backpressure', 'scope', 'rate',
-      'retry_after', tostring((due - tokens) / rate))
+      'retry_after', tostring((due - tokens + spread * due) / rate))
   end
   redis.call('HSET', keys.tenant(tenant), 'bucket_tokens', tokens - 1, 'bucket_at', filled_at)
 end
