@@ -194,3 +194,45 @@ async def test_publish_reaches_every_rollout_then_samples(
     op = await wait_done(fleet.client, T, sample.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
     assert any([f"{rid}@1" in await resident(r) for r in rollouts])
+
+    # No healthy rollout: a sample waits out their restart (the SDK cannot retry a failed
+    # operation; found by CAMPAIGN_FAULTS=500), and fails at once only when every rollout
+    # failed for good.
+    def sample_request(seq: int) -> K.SubmitSampleRequest:
+        return K.SubmitSampleRequest(
+            tenant=T,
+            sampler_id=result.sampler_id,
+            seq_id=seq,
+            prompt_tokens=TOKENS[:4],
+            params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_k=-1, top_p=1),
+            num_samples=1,
+        )
+
+    async def rollouts_healthy() -> set[bool]:
+        status = await fleet.client("GetFleetStatus", K.GetFleetStatusRequest())
+        replicas = status.replicas  # type: ignore[attr-defined]
+        return {r.healthy for r in replicas if r.replica_id.startswith("rollout")}
+
+    for rollout in rollouts:
+        rollout.kill()
+
+    async def all_down() -> bool:
+        return await rollouts_healthy() == {False}
+
+    await wait_until_async(all_down, "both rollouts seen down (heartbeat timeout)")
+    waiting = await fleet.client("SubmitSample", sample_request(3))
+    for rollout in rollouts:
+        rollout.start()
+    op = await wait_done(fleet.client, T, waiting.operation_id)  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
+
+    for i, rollout in enumerate(rollouts):
+        rollout.kill()
+        await fleet.client(
+            "ReportReplicaFailed",
+            K.ReportReplicaFailedRequest(replica_id=f"rollout-{i}", reason="restart budget spent"),
+        )
+    failing = await fleet.client("SubmitSample", sample_request(4))
+    op = await wait_done(fleet.client, T, failing.operation_id, within=10)  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_FAILED  # type: ignore[attr-defined]
+    assert "(failed: restart budget spent)" in op.error.message, op.error  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Claim, Ledger, backpressure
-from lorafleet_controller.registry import ROLLOUT, Registry
+from lorafleet_controller.registry import ROLLOUT, Registry, Replica
 from lorafleet_controller.residency import Pusher
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, Store
@@ -34,6 +34,27 @@ log = logging.getLogger(__name__)
 
 def sampler_id_of(session_id: str, seq: int) -> str:
     return str(contract.SamplerId(session_id, seq))
+
+
+DOWN_FOR_GOOD = frozenset({"NO_ROLLOUT", "ROLLOUT_FAILED"})
+"""Reasons a sample fails at once instead of waiting for a rollout to come back."""
+
+
+def _no_healthy_rollout(base_model: str, known: list[Replica]) -> errors.Unavailable:
+    """Why no rollout can take a sample: none registered or every one failed for good (the
+    sample fails at once), or they are restarting or silent (the sample waits)."""
+    if not known:
+        reason, why = "NO_ROLLOUT", "no rollout replica is registered"
+    elif all(r.failed for r in known):
+        reason = "ROLLOUT_FAILED"
+        why = ", ".join(f"{r.replica_id} (failed: {r.failed})" for r in known) + " is down"
+    else:
+        reason, why = "NO_HEALTHY_ROLLOUT", "every rollout replica is restarting or silent"
+    return errors.Unavailable(
+        f"no healthy rollout replica serves {base_model!r}: {why}",
+        field="sampler_id",
+        reason=reason,
+    )
 
 
 class Samplers:
@@ -146,7 +167,7 @@ class Samplers:
         if claim is None:
             return
         try:
-            output = await self._sample(opid, claim)
+            output = await self._sample_through_restarts(opid, claim)
         except errors.LorafleetError as exc:
             await self.ledger.complete(opid, OpState.FAILED, error=exc, fenced=False)
         except Exception as exc:
@@ -164,6 +185,28 @@ class Samplers:
                 fenced=False,
             )
 
+    async def _sample_through_restarts(self, opid: str, claim: Claim) -> common_pb2.SampleOutput:
+        """A sample waits out a rollout's restart rather than failing: the SDK cannot retry
+        an operation that failed (its seq_id is spent), while a rollout killed or stopped
+        comes back in seconds under the supervisor. Unavailable (no healthy replica, or the
+        chosen one still unreachable after its transport retries) is retried with backoff
+        for `transport_retry_seconds` from the first refusal; a replica that failed for
+        good (its restart budget spent) fails the sample at once, naming it. Running a
+        sample again changes nothing: it writes no state and is seeded."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = None, 0.05
+        while True:
+            try:
+                return await self._sample(opid, claim)
+            except errors.Unavailable as exc:
+                now = loop.time()
+                deadline = deadline or now + self.settings.transport_retry_seconds
+                if now >= deadline or exc.reason in DOWN_FOR_GOOD:
+                    raise
+                log.info("sample %s waits for a rollout: %s", opid, exc)
+                await asyncio.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, 1.0)
+
     async def _sample(self, opid: str, claim: Claim) -> common_pb2.SampleOutput:
         sampler_id = opid.rsplit("#s", 1)[0]
         tenant = claim.tenant
@@ -177,13 +220,10 @@ class Samplers:
         req = rollout_pb2.SampleRequest.FromString(claim.payload)
         req.request_id = opid
         req.adapter.CopyFrom(ref)
-        rollouts = [
-            r for r in await self.registry.replicas(ROLLOUT, sampler.base_model) if r.healthy
-        ]
+        known = await self.registry.replicas(ROLLOUT, sampler.base_model)
+        rollouts = [r for r in known if r.healthy]
         if not rollouts:
-            raise errors.Unavailable(
-                f"no healthy rollout replica serves {sampler.base_model!r}", field="sampler_id"
-            )
+            raise _no_healthy_rollout(sampler.base_model, known)
         chosen = min(rollouts, key=lambda r: (self._load[r.replica_id], r.replica_id))
         self._load[chosen.replica_id] += 1
         try:
