@@ -101,7 +101,7 @@ async def run(
     client = aioredis.from_url(url)
     store = Store(client, prefix)
     await store.take_epoch()
-    notifier = Notifier(client, store.keys.done)
+    notifier = Notifier(store)
     await notifier.start()
     ledger = L.Ledger(store, settings, notifier)
     registry = Registry(store, settings)

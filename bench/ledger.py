@@ -72,7 +72,7 @@ async def run(
     await client.config_resetstat()  # Redis's own time per script call, for this run only
     store = Store(client, settings.key_prefix)
     await store.take_epoch()
-    notifier = Notifier(client, store.keys.done)
+    notifier = Notifier(store)
     await notifier.start()
     ledger = L.Ledger(store, settings, notifier)
     registry = Registry(store, settings)
@@ -212,7 +212,7 @@ def cluster_settings(url: str, cluster: bool, prefix: str) -> ControllerSettings
         max_registrations_per_tenant=1_000_000,
         admission_rate_per_tenant=0.0,  # the bucket off, as in the default mode above
         # One EVALSHA per call on both sides: redis-py refuses EVALSHA in a Cluster pipeline
-        # (coalesce.py), so the one-server side must not share round trips either.
+        # (store/coalesce.py), so the one-server side must not share round trips either.
         pipeline_submits=False,
     )
 
@@ -235,7 +235,7 @@ async def cluster_worker_main(
     store = Store(client, prefix)
     store.epoch = epoch
     # Never started: only `Ledger.wait` listens, and the workload does not wait.
-    ledger = L.Ledger(store, cluster_settings(url, cluster, prefix), Notifier(client, ""))
+    ledger = L.Ledger(store, cluster_settings(url, cluster, prefix), Notifier(store))
     payload = b"x" * 256
     submit_lat: list[float] = []
 

@@ -68,7 +68,7 @@ async def build(client: Client, settings: ControllerSettings, clock: Clock) -> D
     """The domain objects of one controller that dispatches (it holds the newest epoch)."""
     store = Store(client, settings.key_prefix)
     await store.take_epoch()
-    notifier = Notifier(client, store.keys.done)
+    notifier = Notifier(store)
     await notifier.start()
     ledger = Ledger(store, settings, notifier, clock)
     registry = Registry(store, settings, clock)

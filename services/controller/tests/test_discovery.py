@@ -339,7 +339,7 @@ class Actor:
 
     def __init__(self, who: str, store: Store, settings: ControllerSettings, rid: str) -> None:
         self.who, self.store, self.rid = who, store, rid
-        self.ledger = Ledger(store, settings, Notifier(store.redis, store.keys.done))
+        self.ledger = Ledger(store, settings, Notifier(store))
         self.elector: LeaderElector | None = None
         self.task: asyncio.Task[None] | None = None
         self.refused = 0

@@ -310,7 +310,7 @@ async def test_concurrent_submits_share_one_round_trip(domain: Domain, pipelined
         assert [a.duplicate for a in admitted] == [False] * 6 + [True]
     assert isinstance(out[7], errors.Conflict) and out[7].field == "seq_id"
     assert isinstance(out[8], errors.NotFound) and out[8].field == "registration_id"
-    if not d.settings.redis_cluster:  # a Cluster pipeline cannot carry EVALSHA (coalesce.py)
+    if not d.settings.redis_cluster:  # a Cluster pipeline cannot carry EVALSHA (store/coalesce.py)
         assert (made == 1) if pipelined else (made == len(calls)), made
     assert (await d.ledger.get("t1", L.operation_id(rid, 7))).state == OpState.QUEUED
 

@@ -73,7 +73,7 @@ class Controller:
         )
         # BLPOP holds a connection: the scheduler's intake gets a client of its own.
         self.blocking = connect(settings.redis_url, cluster=settings.redis_cluster)
-        self.notifier = Notifier(self.store.redis, self.store.keys.done)
+        self.notifier = Notifier(self.store)
         self.pool = Pool(settings.transport_retry_seconds, settings.rpc_timeout_seconds)
         self.ledger = Ledger(self.store, settings, self.notifier, clock)
         self.registry = Registry(self.store, settings, clock)
@@ -137,7 +137,7 @@ class Controller:
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self, lead: bool = True) -> None:
-        await self.store.redis.ping()
+        await self.store.ping()
         await self.notifier.start()
         if lead:
             await self.start_leading()
@@ -191,7 +191,7 @@ class Controller:
         await self.notifier.stop()
         await self.pool.close()
         await self.blocking.aclose()
-        await self.store.redis.aclose()
+        await self.store.close()
 
     @property
     def leading(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -26,7 +26,8 @@ from lorafleet.v1 import controller_pb2
 from lorafleet_controller import metrics
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.settings import ControllerSettings
-from lorafleet_controller.store import TERMINAL, OpState, RegState, Store, blob, named, text
+from lorafleet_controller.store import TERMINAL, OpState, RegState, Store, named, text
+from lorafleet_controller.store.operations import OperationsRepo, StoredOp
 
 WaitingFor: TypeAlias = controller_pb2.WaitingFor.ValueType
 BACKPRESSURE_SCOPES = {
@@ -113,7 +114,11 @@ class Claim:
     @classmethod
     def decode(cls, out: Sequence[Any]) -> Claim:
         """A claim from the named result of `claim_op` (store/lua/common.lua)."""
-        f = named(out)
+        return cls.of(named(out))
+
+    @classmethod
+    def of(cls, f: Mapping[str, Any]) -> Claim:
+        """A claim from its fields by `claim_op`'s names, as Redis gave them."""
         slot = text(f["slot"])
         return cls(
             operation_id=text(f["operation_id"]),
@@ -149,6 +154,7 @@ class Ledger:
     ) -> None:
         self.store = store
         self.keys = store.keys
+        self.operations = OperationsRepo(store)
         self.settings = settings
         self.notifier = notifier
         self.clock = clock
@@ -296,64 +302,61 @@ class Ledger:
 
     # --- reads ----------------------------------------------------------------------------
     async def get(self, tenant: str, opid: str) -> OpRecord:
-        raw = await self.store.redis.hgetall(self.keys.op(opid))
-        if not raw or text(raw.get(b"tenant")) != tenant:
+        op = await self.operations.load(opid)
+        if op is None or op.tenant != tenant:
             raise errors.NotFound(f"no operation {opid!r}", field="operation_id")
-        return await self._record(opid, raw)
+        return await self._record(opid, op)
 
     async def get_any(self, opid: str) -> OpRecord | None:
-        raw = await self.store.redis.hgetall(self.keys.op(opid))
-        return await self._record(opid, raw) if raw else None
+        op = await self.operations.load(opid)
+        return await self._record(opid, op) if op is not None else None
 
-    async def _record(self, opid: str, raw: dict[Any, Any]) -> OpRecord:
-        state = OpState(int(raw[b"state"]))
-        finished = float(raw.get(b"finished_at", b"0"))
-        ttl_over = finished + self.settings.result_ttl_seconds < self.clock()
+    async def _record(self, opid: str, op: StoredOp) -> OpRecord:
+        state = op.state
+        ttl_over = op.finished_at + self.settings.result_ttl_seconds < self.clock()
         if state in TERMINAL and state != OpState.EXPIRED and ttl_over:
             state = OpState.EXPIRED
-        rid = text(raw.get(b"rid"))
-        seq = int(raw.get(b"seq", b"0"))
         waiting, waiting_for = "", controller_pb2.WAITING_FOR_UNSPECIFIED
-        if state == OpState.QUEUED and raw.get(b"ordered") == b"1":
-            waiting, waiting_for = await self._waiting(rid, seq)
+        if state == OpState.QUEUED and op.ordered:
+            waiting, waiting_for = await self._waiting(op.registration_id, op.seq_id)
         elif state == OpState.QUEUED:
             waiting_for = controller_pb2.WAITING_FOR_DISPATCH
         elif state == OpState.CLAIMED:
             waiting_for = controller_pb2.WAITING_FOR_TRAINER
-        err = raw.get(b"error")
         expired = state == OpState.EXPIRED
         return OpRecord(
             operation_id=opid,
-            registration_id=rid,
-            tenant=text(raw.get(b"tenant")),
-            seq_id=seq,
-            kind=int(raw.get(b"kind", b"0")),
+            registration_id=op.registration_id,
+            tenant=op.tenant,
+            seq_id=op.seq_id,
+            kind=op.kind,
             state=state,
-            payload=raw.get(b"payload", b""),
-            result=b"" if expired else raw.get(b"result", b""),
-            error=None if expired or not err else json.loads(err),
-            submitted_at=float(raw.get(b"submitted_at", b"0")),
-            finished_at=finished,
+            payload=op.payload,
+            result=b"" if expired else op.result,
+            error=None if expired or not op.error else json.loads(op.error),
+            submitted_at=op.submitted_at,
+            finished_at=op.finished_at,
             waiting_reason=waiting,
             waiting_for=waiting_for,
-            version=int(raw.get(b"version", b"0")),
+            version=op.version,
         )
 
     async def _waiting(self, rid: str, seq: int) -> tuple[str, WaitingFor]:
         """Why a queued operation has not been claimed: text for people, a value for code."""
-        state, head, reason = await self.store.redis.hmget(
-            self.keys.reg(rid), "state", "head", "unavailable_reason"
-        )
-        st = text(state)
+        reg = await self.operations.progress(rid)
+        st = reg.state
         if st in (RegState.QUEUED, RegState.BINDING):
             return "waiting for a slot", controller_pb2.WAITING_FOR_SLOT
         if st in (RegState.PAGING, RegState.PAGED):
             return "paged out: waiting for a slot", controller_pb2.WAITING_FOR_SLOT
         if st == RegState.UNAVAILABLE:
-            return f"registration unavailable: {text(reason)}", controller_pb2.WAITING_FOR_TRAINER
-        h = int(head or 0)
+            return (
+                f"registration unavailable: {reg.unavailable_reason}",
+                controller_pb2.WAITING_FOR_TRAINER,
+            )
+        h = reg.head
         if seq > h:
-            exists = await self.store.redis.exists(self.keys.op(operation_id(rid, h)))
+            exists = await self.operations.exists(operation_id(rid, h))
             return (
                 f"waiting for seq_id {h}" + ("" if not exists else " to finish"),
                 controller_pb2.WAITING_FOR_SEQUENCE,
@@ -405,33 +408,8 @@ class Ledger:
 
     async def load_claim(self, opid: str) -> Claim | None:
         """The claim of an operation already CLAIMED (re-dispatch after a restart)."""
-        redis = self.store.redis
-        fields = ("state", "rid", "seq", "kind", "payload", "tenant", "submitted_at")
-        op = dict(zip(fields, await redis.hmget(self.keys.op(opid), *fields), strict=True))
-        if op["state"] is None or int(op["state"]) != OpState.CLAIMED:
-            return None
-        reg_fields = ("replica", "slot", "dirty", "base_model")
-        reg = dict(
-            zip(
-                reg_fields,
-                await redis.hmget(self.keys.reg(text(op["rid"])), *reg_fields),
-                strict=True,
-            )
-        )
-        slot = text(reg["slot"])
-        return Claim(
-            operation_id=opid,
-            registration_id=text(op["rid"]),
-            seq_id=int(op["seq"] or 0),
-            kind=int(op["kind"] or 0),
-            payload=blob(op["payload"]),
-            replica=text(reg["replica"]),
-            slot=int(slot) if slot not in ("", "-1") else -1,
-            dirty=text(reg["dirty"]) == "1",
-            base_model=text(reg["base_model"]),
-            tenant=text(op["tenant"]),
-            submitted_at=float(op["submitted_at"] or 0),
-        )
+        fields = await self.operations.claim_fields(opid)
+        return Claim.of(fields) if fields is not None else None
 
     async def complete(
         self,
@@ -490,7 +468,7 @@ class Ledger:
         return int(out["failed"])
 
     async def claimed_ids(self) -> list[str]:
-        return [text(x) for x in await self.store.redis.zrange(self.keys.claimed, 0, -1)]
+        return await self.operations.claimed_ids()
 
     async def repush(self, registration_id: str) -> None:
         await self.store.scripts.run(
@@ -531,8 +509,7 @@ class Ledger:
         )
         sealed = 0
         cutoff = now - s.gap_timeout_seconds
-        for raw in await self.store.redis.zrangebyscore(self.keys.gaps, "-inf", cutoff, 0, limit):
-            rid = text(raw)
+        for rid in await self.operations.gaps_older_than(cutoff, limit):
             sealing = named(
                 await self.store.scripts.run(
                     "seal", [self.keys.reg(rid)], rid, now, cutoff, epoch=epoch
@@ -542,16 +519,14 @@ class Ledger:
         return Swept(int(out["claims_failed"]), int(out["results_expired"]), sealed)
 
     async def depth(self) -> dict[str, int]:
-        raw = await self.store.redis.hgetall(self.keys.depth)
-        return {OpState(int(k)).label: int(v) for k, v in raw.items()}
+        return {state.label: n for state, n in (await self.operations.depth()).items()}
 
     async def gap_stalls(self) -> int:
-        return int(await self.store.redis.zcard(self.keys.gaps))
+        return await self.operations.gap_stalls()
 
     async def tenant_load(self, tenant: str) -> dict[str, int]:
         """The tenant's open operations, unacknowledged results and live registrations."""
-        raw = await self.store.redis.hgetall(self.keys.tenant(tenant))
-        return {text(k): int(v) for k, v in raw.items()}
+        return await self.operations.tenant_load(tenant)
 
 
 def backpressure(scope: str, retry_after: float = 1.0) -> errors.ResourceExhausted:

@@ -13,19 +13,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
 
-from lorafleet_controller.store.notify import done_ids
+from lorafleet_controller.store import Store
 
 log = logging.getLogger(__name__)
 
 
 class Notifier:
-    """`client` is a Redis or RedisCluster client; `channel` the store's `keys.done`."""
+    """The wake-ups of one controller, from its store's `done` subscription."""
 
-    def __init__(self, client: Any, channel: str) -> None:
-        self.client = client
-        self.channel = channel
+    def __init__(self, store: Store) -> None:
+        self.store = store
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -65,7 +63,7 @@ class Notifier:
     async def _run(self) -> None:
         while True:
             try:
-                async with done_ids(self.client, self.channel) as batches:
+                async with self.store.done_ids() as batches:
                     self._ready.set()
                     # A reconnect may have missed messages: let every waiter re-read its record.
                     self._wake_all()

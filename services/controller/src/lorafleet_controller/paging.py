@@ -73,6 +73,7 @@ from lorafleet_controller.recovery import Recovery
 from lorafleet_controller.registry import TRAINER, Placer, Registry, RegRecord
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import RegState, named, text
+from lorafleet_controller.store.paging import PageOutsRepo
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class Pager:
         self.registry = registry
         self.store = registry.store
         self.keys = registry.store.keys
+        self.page_outs = PageOutsRepo(registry.store)
         self.pool = pool
         self.recovery = recovery
         self.placer = placer
@@ -227,8 +229,7 @@ class Pager:
     # --- the leader's sweep ---------------------------------------------------------------
     async def sweep(self) -> None:
         """Abort page-outs nobody drives any more, then page idle runs out for waiting ones."""
-        for raw in await self.store.redis.smembers(self.keys.paging):
-            rid = text(raw)
+        for rid in await self.page_outs.in_progress():
             if rid not in self._driving:
                 log.warning("a page-out of %s was interrupted: it stays bound", rid)
                 await self._abort(rid)

@@ -36,8 +36,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from lorafleet import errors
 from lorafleet.contract import CheckpointKind, TinkerPath
 from lorafleet.rpc.errors import exception_from_info
@@ -50,7 +48,16 @@ from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.recovery import Recovery
 from lorafleet_controller.registry import Registry
 from lorafleet_controller.settings import ControllerSettings
-from lorafleet_controller.store import DATA_KINDS, Client, Keys, OpState, RegState, StaleEpoch, text
+from lorafleet_controller.store import (
+    DATA_KINDS,
+    Client,
+    Keys,
+    OpState,
+    RegState,
+    StaleEpoch,
+    StoreError,
+    text,
+)
 from lorafleet_controller.usage import forward_effects, optim_effects
 
 log = logging.getLogger(__name__)
@@ -304,7 +311,7 @@ class Scheduler:
                 if exc.category == "server" and not isinstance(exc, errors.Internal):
                     exc = _server_failure(exc, claim.replica)
                 await self._finish(claim, OpState.FAILED, error=exc)
-            except RedisError:
+            except StoreError:
                 raise
             except Exception as exc:
                 log.exception("control operation %s failed", claim.operation_id)
@@ -313,7 +320,7 @@ class Scheduler:
                 await self._finish(claim, OpState.SUCCEEDED, result, effects=effects)
         except StaleEpoch:
             raise
-        except RedisError as exc:  # the outcome is not recorded: ask again later
+        except StoreError as exc:  # the outcome is not recorded: ask again later
             self.doubt([claim], exc)
 
     async def _control(self, claim: Claim) -> tuple[controller_pb2.OperationResult, Effects]:
@@ -449,7 +456,7 @@ class Scheduler:
             for claim in claims:
                 try:
                     holds = await self._still_holds(claim)
-                except RedisError:
+                except StoreError:
                     unsure.append(claim)
                     continue
                 if holds:

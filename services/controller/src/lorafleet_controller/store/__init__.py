@@ -5,6 +5,8 @@ Ledger, registry, catalog, samplers, tenancy and publishing reach Redis only thr
 each, results read by name), stored states are `OpState` / `RegState`, and bytes become
 text through `text`. `connect` builds the client for one Redis or a Redis Cluster
 (`LORAFLEET_CONTROLLER_REDIS_CLUSTER`); see `keys.py` for why the fleet shares one hash tag.
+A store call that Redis fails (connection lost, timeout, error reply) raises `StoreError`
+(redis-py's `RedisError`), so callers that retry later need not import redis-py.
 
 Fencing: a controller that starts dispatching takes a new epoch (`take_epoch`, an INCR of
 the fleet's epoch counter) and passes it with every dispatch write (claims, outcomes,
@@ -16,14 +18,19 @@ not fenced, since every replica may take them.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError as StoreError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from lorafleet_controller.store.keys import Keys
+from lorafleet_controller.store.notify import done_ids as subscribe_done
 from lorafleet_controller.store.scripts import Client, Scripts, StaleEpoch, blob, named, text
 from lorafleet_controller.store.states import DATA_KINDS, OPEN, TERMINAL, OpState, RegState
 
@@ -38,6 +45,7 @@ __all__ = [
     "Scripts",
     "StaleEpoch",
     "Store",
+    "StoreError",
     "blob",
     "connect",
     "named",
@@ -92,6 +100,17 @@ class Store:
         self.keys = Keys(prefix)
         self.scripts = Scripts(client, self.keys)
         self.epoch: int | None = None  # set while this controller dispatches
+
+    async def ping(self) -> None:
+        """Raise (StoreError) unless Redis answers now: a controller checks it as it starts."""
+        await self.redis.ping()
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    def done_ids(self) -> AbstractAsyncContextManager[AsyncIterator[list[str]]]:
+        """A subscription to the ids of operations as they finish (store/notify.py)."""
+        return subscribe_done(self.redis, self.keys.done)
 
     async def take_epoch(self) -> int:
         """Become the newest dispatcher: every older epoch's writes are refused from now."""

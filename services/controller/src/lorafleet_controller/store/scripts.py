@@ -23,9 +23,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from lorafleet import errors
-from lorafleet_controller.coalesce import Coalescer
 from lorafleet_controller.store import keys as keys_module
 from lorafleet_controller.store import states
+from lorafleet_controller.store.coalesce import Coalescer
 from lorafleet_controller.store.keys import Keys
 
 Client = aioredis.Redis | RedisCluster
@@ -122,7 +122,7 @@ class Scripts:
         self, name: str, own: Sequence[str], *args: Any, epoch: int | None = None
     ) -> Any:
         """`run`, but sharing one pipeline with the calls of `name` made in the same
-        event-loop tick (see coalesce.py); same result, same atomicity."""
+        event-loop tick (see store/coalesce.py); same result, same atomicity."""
         try:
             return await self._coalescers[name](self._keys(name, own), self._argv(epoch, args))
         except ResponseError as exc:

@@ -1,0 +1,127 @@
+"""The operations' records in Redis: what the ledger (ledger.py) reads outside its scripts.
+
+Every ledger transition is a script (`store.scripts`); the reads here are an operation's
+record (`op`), what a queued operation waits for on its registration (`reg`: state, head),
+the fleet's CLAIMED index (`claimed`), the registrations stalled on a missing seq_id (`gaps`),
+the operations per state (`depth`) and a tenant's counters (`tenant`). They return typed
+values; what they mean (an expired result, why an operation waits) is the ledger's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet_controller.store import OpState, Store, blob, text
+
+
+@dataclass(frozen=True)
+class StoredOp:
+    """An operation's record as stored (`error` is its JSON, '' without one)."""
+
+    registration_id: str
+    tenant: str
+    seq_id: int
+    kind: int
+    state: OpState
+    payload: bytes
+    result: bytes
+    error: str
+    submitted_at: float
+    finished_at: float
+    ordered: bool  # queued behind the registration's earlier seq_ids
+    version: int
+
+
+@dataclass(frozen=True)
+class RegProgress:
+    """Where a registration's ledger stands: its state, its head seq_id and, when
+    unavailable, why."""
+
+    state: str
+    head: int
+    unavailable_reason: str
+
+
+class OperationsRepo:
+    """The ledger's reads of the operation family and its indexes."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.keys = store.keys
+
+    async def load(self, opid: str) -> StoredOp | None:
+        raw = await self.store.redis.hgetall(self.keys.op(opid))
+        if not raw:
+            return None
+        err = raw.get(b"error")
+        return StoredOp(
+            registration_id=text(raw.get(b"rid")),
+            tenant=text(raw.get(b"tenant")),
+            seq_id=int(raw.get(b"seq", b"0")),
+            kind=int(raw.get(b"kind", b"0")),
+            state=OpState(int(raw[b"state"])),
+            payload=blob(raw.get(b"payload")),
+            result=blob(raw.get(b"result")),
+            error=text(err) if err else "",
+            submitted_at=float(raw.get(b"submitted_at", b"0")),
+            finished_at=float(raw.get(b"finished_at", b"0")),
+            ordered=raw.get(b"ordered") == b"1",
+            version=int(raw.get(b"version", b"0")),
+        )
+
+    async def exists(self, opid: str) -> bool:
+        return bool(await self.store.redis.exists(self.keys.op(opid)))
+
+    async def progress(self, rid: str) -> RegProgress:
+        state, head, reason = await self.store.redis.hmget(
+            self.keys.reg(rid), "state", "head", "unavailable_reason"
+        )
+        return RegProgress(text(state), int(head or 0), text(reason))
+
+    async def claim_fields(self, opid: str) -> dict[str, Any] | None:
+        """A CLAIMED operation's claim, by the names `claim_op` returns them
+        (store/lua/common.lua); None unless the operation is CLAIMED."""
+        redis = self.store.redis
+        fields = ("state", "rid", "seq", "kind", "payload", "tenant", "submitted_at")
+        op = dict(zip(fields, await redis.hmget(self.keys.op(opid), *fields), strict=True))
+        if op["state"] is None or int(op["state"]) != OpState.CLAIMED:
+            return None
+        reg_fields = ("replica", "slot", "dirty", "base_model")
+        reg = dict(
+            zip(
+                reg_fields,
+                await redis.hmget(self.keys.reg(text(op["rid"])), *reg_fields),
+                strict=True,
+            )
+        )
+        return {
+            "operation_id": opid,
+            "registration_id": op["rid"],
+            "seq_id": op["seq"],
+            "kind": op["kind"],
+            "payload": blob(op["payload"]),
+            "tenant": op["tenant"],
+            "submitted_at": op["submitted_at"],
+            **reg,
+        }
+
+    async def claimed_ids(self) -> list[str]:
+        return [text(x) for x in await self.store.redis.zrange(self.keys.claimed, 0, -1)]
+
+    async def gaps_older_than(self, cutoff: float, limit: int) -> list[str]:
+        """Up to `limit` registrations stalled on a missing seq_id since `cutoff` or before."""
+        raw = await self.store.redis.zrangebyscore(self.keys.gaps, "-inf", cutoff, 0, limit)
+        return [text(x) for x in raw]
+
+    async def gap_stalls(self) -> int:
+        return int(await self.store.redis.zcard(self.keys.gaps))
+
+    async def depth(self) -> dict[OpState, int]:
+        """The fleet's operations per state."""
+        raw = await self.store.redis.hgetall(self.keys.depth)
+        return {OpState(int(k)): int(v) for k, v in raw.items()}
+
+    async def tenant_load(self, tenant: str) -> dict[str, int]:
+        raw = await self.store.redis.hgetall(self.keys.tenant(tenant))
+        return {text(k): int(v) for k, v in raw.items()}
