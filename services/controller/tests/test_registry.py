@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lorafleet import errors
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.registry import Placement, Replica
@@ -102,3 +104,25 @@ async def test_heartbeat_silence_is_detected(domain: Domain) -> None:
     assert await domain.registry.silent_replicas(5) == []
     domain.clock.now += 6
     assert [r.replica_id for r in await domain.registry.silent_replicas(5)] == ["tr-a"]
+
+
+async def test_an_announcement_reports_what_changed_and_a_failure_needs_a_replica(
+    domain: Domain,
+) -> None:
+    """replica_register.lua classifies an announcement in the step that records it;
+    replica_failed.lua writes only on a known replica."""
+    assert await add_trainer(domain, "tr-a", 2) == "new"
+    assert await add_trainer(domain, "tr-a", 2) == "same"
+    assert await domain.registry.replicas("trainer", "base") == [
+        await domain.registry.replica("tr-a")
+    ]
+    with pytest.raises(errors.NotFound):
+        await domain.registry.replica_failed("tr-x", "gave up")
+    assert await domain.registry.replica("tr-x") is None  # no record made for it
+    rep = await domain.registry.replica_failed("tr-a", "gave up after 5 restarts")
+    assert rep.kind == "trainer" and rep.base_model == "base"
+    failed = await domain.registry.replica("tr-a")
+    assert failed is not None and not failed.healthy and failed.failed.startswith("gave up")
+    assert await add_trainer(domain, "tr-a", 2) == "returned"
+    back = await domain.registry.replica("tr-a")
+    assert back is not None and back.healthy and back.failed == ""

@@ -1,0 +1,248 @@
+"""Registrations in Redis: every read and write of a training run's record and placement
+(registry.py holds the rules and calls this).
+
+A registration is a hash (`reg`); `regs` lists every one, `tenant_regs` a tenant's by creation
+time, `session_runs` a session's, `binding` the placed ones whose trainer has not confirmed
+the slot yet, and `regq` a base model's waiting ones in the order they get a slot.
+
+Every transition is one script: `create_reg` (refused past the tenant's limit of live runs),
+`place`, `bound` and `release` (a slot's holder changes with the registration). Recording
+why a trainer refused a run is one field of its own record, a plain write.
+
+Fencing: `place` and `bound` carry the epoch of a controller that leads (`Store.epoch`; None
+on one that does not), so a deposed leader's sweeper cannot place or confirm a run the new
+leader has moved; creating and releasing are requests any replica serves, never fenced.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from lorafleet import contract, errors
+from lorafleet.v1 import common_pb2
+from lorafleet_controller.store import RegState, Store, named, text
+
+
+@dataclass(frozen=True)
+class RegRecord:
+    registration_id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    lora: common_pb2.LoraConfig
+    state: RegState
+    replica: str
+    slot: int
+    queue_position: int
+    optim_steps: int
+    published_version: int
+    last_checkpoint: str
+    created_at: float
+    last_request_time: float
+    user_metadata: dict[str, str]
+    unavailable_reason: str
+    optimizer: str
+    head: int
+    max_seq: int
+    pending: int
+    dirty: bool
+    restore: bool
+    corrupted: str  # what a lost trainer took that replay could not rebuild (recovery.py)
+    failed: str = ""  # why the trainer refused to bind it (Placer.fail), as error JSON
+    last_done: float = 0.0  # when its last ordered operation ended
+    paged_at: float = 0.0  # when it was paged out, while PAGED and until restored (paging.py)
+    bound_at: float = 0.0  # when its trainer confirmed the slot it holds or last held
+
+    def failure(self) -> errors.LorafleetError | None:
+        """The error every call on a failed run ends with (None unless it failed)."""
+        return contract.run_failure(self.failed) if self.failed else None
+
+    @property
+    def placed(self) -> bool:
+        """Holds a trainer slot (bound, binding, or being paged out)."""
+        return self.state in (RegState.READY, RegState.BINDING, RegState.PAGING)
+
+    @property
+    def last_active(self) -> float:
+        """When it last submitted an operation or had one end (paging's idleness)."""
+        return max(self.last_request_time, self.last_done)
+
+
+@dataclass(frozen=True)
+class NewRegistration:
+    """What creating a registration records (the script adds its state and counters)."""
+
+    registration_id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    lora: common_pb2.LoraConfig
+    user_metadata: dict[str, str]
+    optimizer: str
+    with_initial_load: bool  # its ledger starts at seq_id 0 (the initial load), else 1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The outcome of placing a registration: placed (or already bound) on a replica's slot,
+    queued at a position, or retired."""
+
+    code: str  # placed | bound | queued | capped | retired
+    replica: str = ""
+    slot: int = -1
+    position: int = 0
+
+
+# States whose queue position is reported (a PAGED run is in the queue once it has work).
+_WAITING = (RegState.QUEUED, RegState.UNAVAILABLE, RegState.PAGED)
+
+
+class RegistrationsRepo:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.keys = store.keys
+
+    async def create(self, new: NewRegistration, now: float, max_per_tenant: int) -> str:
+        """Create it unless it exists: 'created', 'exists', or 'limit' (its tenant holds
+        `max_per_tenant` live registrations; nothing written)."""
+        rid, tenant = new.registration_id, new.tenant
+        own = [
+            self.keys.reg(rid),
+            self.keys.tenant(tenant),
+            self.keys.tenant_regs(tenant),
+            self.keys.session_runs(new.session_id),
+        ]
+        out = named(
+            await self.store.scripts.run(
+                "create_reg",
+                own,
+                rid,
+                tenant,
+                new.session_id,
+                now,
+                0 if new.with_initial_load else 1,
+                max_per_tenant,
+                "base_model",
+                new.base_model,
+                "lora",
+                new.lora.SerializeToString(deterministic=True),
+                "metadata",
+                json.dumps(new.user_metadata, sort_keys=True),
+                "optimizer",
+                new.optimizer,
+            )
+        )
+        return text(out["code"])
+
+    async def set_failed(self, rid: str, error_json: str) -> None:
+        """Record why the run's trainer refused it (`RegRecord.failed`)."""
+        await self.store.redis.hset(self.keys.reg(rid), "failed", error_json)
+
+    async def get_many(self, rids: list[str]) -> list[RegRecord | None]:
+        """Several registrations in two round trips (records, then queue positions)."""
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.hgetall(self.keys.reg(rid))
+            raws = await pipe.execute()
+        queued = [
+            (i, text(raw.get(b"base_model")))
+            for i, raw in enumerate(raws)
+            if raw and text(raw.get(b"state")) in _WAITING
+        ]
+        ranks: list[int | None] = []
+        if queued:
+            async with self.store.redis.pipeline(transaction=False) as pipe:
+                for i, base in queued:
+                    pipe.zrank(self.keys.regq(base), rids[i])
+                ranks = await pipe.execute()
+        positions = {
+            i: (rank + 1 if rank is not None else 0)
+            for (i, _), rank in zip(queued, ranks, strict=True)
+        }
+        return [
+            _record(rid, raw, positions.get(i, 0)) if raw else None
+            for i, (rid, raw) in enumerate(zip(rids, raws, strict=True))
+        ]
+
+    async def of_tenant(self, tenant: str, offset: int, count: int) -> tuple[list[str], int]:
+        """`count` of the tenant's registration ids from `offset`, newest first, and how many
+        it has in all."""
+        key = self.keys.tenant_regs(tenant)
+        total = int(await self.store.redis.zcard(key))
+        ids = await self.store.redis.zrevrange(key, offset, offset + count - 1)
+        return [text(i) for i in ids], total
+
+    async def all_ids(self) -> list[str]:
+        return sorted(text(x) for x in await self.store.redis.smembers(self.keys.regs))
+
+    async def binding_ids(self) -> list[str]:
+        return sorted(text(x) for x in await self.store.redis.smembers(self.keys.binding))
+
+    async def queued(self, base_model: str) -> list[str]:
+        """The base model's waiting registrations, the next to get a slot first."""
+        return [text(x) for x in await self.store.redis.zrange(self.keys.regq(base_model), 0, -1)]
+
+    async def place(self, rid: str, now: float, cap: int) -> Placement:
+        """Place on a free slot or queue (fenced while this controller leads). `capped`: its
+        tenant holds `cap` slots of the base model's trainers, so it waits."""
+        out = named(
+            await self.store.scripts.run(
+                "place", [self.keys.reg(rid)], rid, now, cap, epoch=self.store.epoch
+            )
+        )
+        code = text(out["code"])
+        if code in ("placed", "bound"):
+            return Placement(code, text(out["replica"]), int(out["slot"]))
+        if code in ("queued", "capped"):
+            return Placement(code, position=int(out["position"]))
+        return Placement(code)
+
+    async def bound(self, rid: str, replica: str, slot: int, now: float) -> bool:
+        """The trainer confirmed the slot (fenced while this controller leads); False when
+        the placement changed meanwhile."""
+        out = named(
+            await self.store.scripts.run(
+                "bound", [self.keys.reg(rid)], rid, replica, slot, now, epoch=self.store.epoch
+            )
+        )
+        return text(out["code"]) == "ok"
+
+    async def release(self, rid: str) -> tuple[str, int, str]:
+        """Retire the placement: (replica, slot) freed ('', -1 when none) and the base model."""
+        out = named(await self.store.scripts.run("release", [self.keys.reg(rid)], rid))
+        replica = text(out["replica"])
+        return replica, int(out["slot"]) if replica else -1, text(out["base_model"])
+
+
+def _record(rid: str, raw: dict[bytes, bytes], position: int) -> RegRecord:
+    slot = text(raw.get(b"slot"), "-1")
+    return RegRecord(
+        registration_id=rid,
+        tenant=text(raw.get(b"tenant")),
+        session_id=text(raw.get(b"session_id")),
+        base_model=text(raw.get(b"base_model")),
+        lora=common_pb2.LoraConfig.FromString(raw.get(b"lora", b"")),
+        state=RegState(text(raw.get(b"state"))),
+        replica=text(raw.get(b"replica")),
+        slot=int(slot) if slot else -1,
+        queue_position=position,
+        optim_steps=int(raw.get(b"optim_steps", b"0")),
+        published_version=int(raw.get(b"published_version", b"0")),
+        last_checkpoint=text(raw.get(b"last_checkpoint")),
+        created_at=float(raw.get(b"created_at", b"0")),
+        last_request_time=float(raw.get(b"last_request_time", b"0")),
+        user_metadata=json.loads(raw.get(b"metadata", b"{}")),
+        unavailable_reason=text(raw.get(b"unavailable_reason")),
+        optimizer=text(raw.get(b"optimizer")),
+        head=int(raw.get(b"head", b"1")),
+        max_seq=int(raw.get(b"max_seq", b"0")),
+        pending=int(raw.get(b"pending", b"0")),
+        dirty=raw.get(b"dirty") == b"1",
+        restore=raw.get(b"restore") == b"1",
+        corrupted=text(raw.get(b"corrupted")),
+        failed=text(raw.get(b"failed")),
+        bound_at=float(raw.get(b"bound_at", b"0")),
+        last_done=float(raw.get(b"last_done", b"0")),
+        paged_at=float(raw.get(b"paged_at", b"0")),
+    )
