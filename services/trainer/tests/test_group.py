@@ -33,6 +33,18 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     )
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The in-process reference computes on one thread, as each rank does: a GEMM split over
+    two threads sums in another order, and three AdamW steps (which divide by the square root
+    of tiny second moments) grow that rounding past the tolerance (3e-5 on the weights here
+    with torch's default two threads; 0.0 with one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def launch_ranks(
     argv: list[str], world: int, log_dir: Path, base_env: dict[str, str] | None = None
 ) -> list[subprocess.Popen]:
