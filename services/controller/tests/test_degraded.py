@@ -136,8 +136,10 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
     # trainer) queues for a slot, and the sweep fails that call too.
     redis = aioredis.from_url(redis_server.url)
     keys = Store(redis, ControllerSettings().key_prefix).keys
-    await redis.hset(keys.reg(runs[1]), "state", RegState.PAGED.value)
-    await redis.zrem(keys.regq("m"), runs[1])
+    async with redis.pipeline(transaction=True) as pipe:  # one step: the sweep runs meanwhile
+        pipe.hset(keys.reg(runs[1]), "state", RegState.PAGED.value)
+        pipe.zrem(keys.regq("m"), runs[1])
+        await pipe.execute()
     await redis.aclose()
     submitted = await client(
         "SubmitOperation",
