@@ -222,7 +222,9 @@ async def test_publish_reaches_every_rollout_then_samples(
     await wait_until_async(all_down, "both rollouts seen down (heartbeat timeout)")
     waiting = await fleet.client("SubmitSample", sample_request(3))
     for rollout in rollouts:
-        rollout.start()
+        rollout.launch()
+    for rollout in rollouts:
+        rollout.wait()
     op = await wait_done(fleet.client, T, waiting.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
 

@@ -190,7 +190,7 @@ class Samplers:
         an operation that failed (its seq_id is spent), while a rollout killed or stopped
         comes back in seconds under the supervisor. Unavailable (no healthy replica, or the
         chosen one still unreachable after its transport retries) is retried with backoff
-        for `transport_retry_seconds` from the first refusal; a replica that failed for
+        for `rollout_wait_seconds` from the first refusal; a replica that failed for
         good (its restart budget spent) fails the sample at once, naming it. Running a
         sample again changes nothing: it writes no state and is seeded."""
         loop = asyncio.get_running_loop()
@@ -200,7 +200,7 @@ class Samplers:
                 return await self._sample(opid, claim)
             except errors.Unavailable as exc:
                 now = loop.time()
-                deadline = deadline or now + self.settings.transport_retry_seconds
+                deadline = deadline or now + self.settings.rollout_wait_seconds
                 if now >= deadline or exc.reason in DOWN_FOR_GOOD:
                     raise
                 log.info("sample %s waits for a rollout: %s", opid, exc)

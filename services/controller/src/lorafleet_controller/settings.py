@@ -175,6 +175,13 @@ class ControllerSettings:
         min=0.0,
         max=3600.0,
     )
+    rollout_wait_seconds: float = setting(
+        300.0,
+        doc="How long a sample waits for a rollout to come back (no healthy one, or its own "
+        "unreachable) before it fails: a restarting SGLang server on a GPU takes minutes.",
+        min=0.0,
+        max=3600.0,
+    )
     resident_versions: int = setting(
         3, doc="Published adapter versions kept resident per registration.", min=1, max=64
     )
