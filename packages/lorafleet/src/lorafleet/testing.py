@@ -126,20 +126,49 @@ def redis_server_binary() -> str:
     return path
 
 
-def start_redis(
-    data_dir: Path,
-    *,
-    port: int | None = None,
-    appendonly: bool = False,
-    extra: list[str] | None = None,
-) -> RedisServer:
-    """Start redis-server in the foreground of a child process (so its PID is ours).
+# How often a server started on ports chosen here is tried again on fresh ports: a port from
+# free_port() is free a moment before the server binds it, and in that moment any outgoing
+# connection on the machine may take it as its own local port (CI failed a cluster test on
+# "bind: Address already in use"). Retrying is right only for that cause.
+_PORT_ATTEMPTS = 5
 
-    With `appendonly`, every write is fsynced before it is acknowledged, for the
-    durability-across-restart tests; `extra` adds server options (cluster mode).
-    """
-    data_dir.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
+
+class PortTaken(RuntimeError):
+    """The server exited because one of the ports chosen for it was taken before it bound."""
+
+
+def _redis_pid(port: int) -> int | None:
+    """The PID of the redis-server answering on 127.0.0.1:port, or None when none answers
+    yet (an inline INFO command: no client library needed)."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"INFO server\r\n")
+        reply = b""
+        while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        for line in reply.decode(errors="replace").splitlines():
+            if line.startswith("process_id:"):
+                return int(line.split(":", 1)[1])
+    return None
+
+
+def _wait_for_own_redis(port: int, proc: subprocess.Popen[bytes]) -> None:
+    """Until the server answering on `port` is `proc` itself: an open port alone may be
+    another process's, which took it first (and `proc` is about to exit on EADDRINUSE)."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
+        if _redis_pid(port) == proc.pid:
+            return
+        time.sleep(_POLL_SECONDS)
+    raise TimeoutError(f"redis-server {proc.pid} not answering on 127.0.0.1:{port}")
+
+
+def _launch_redis(data_dir: Path, port: int, appendonly: bool, extra: list[str]) -> RedisServer:
     args = [
         redis_server_binary(),
         "--port",
@@ -159,13 +188,42 @@ def start_redis(
         args += ["--appendonly", "yes", "--appendfsync", "always"]
     else:
         args += ["--appendonly", "no"]
-    args += extra or []
+    args += extra
     # Own session: a Ctrl-C meant for `lorafleet up` must not kill Redis before the services.
     proc = subprocess.Popen(
         args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
-    wait_for_port(port, proc=proc)
+    try:
+        _wait_for_own_redis(port, proc)
+    except RuntimeError as exc:
+        log = data_dir / "redis.log"
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        if "Address already in use" in tail:
+            raise PortTaken(f"{exc}: a port was taken by another process first") from exc
+        raise RuntimeError(f"{exc}; redis.log ends:\n{tail}") from exc
     return RedisServer(port=port, proc=proc, data_dir=data_dir)
+
+
+def start_redis(
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    appendonly: bool = False,
+    extra: list[str] | None = None,
+) -> RedisServer:
+    """Start redis-server in the foreground of a child process (so its PID is ours).
+
+    With `appendonly`, every write is fsynced before it is acknowledged, for the
+    durability-across-restart tests; `extra` adds server options. A port chosen here that
+    another process takes first is replaced by a fresh one; a port the caller gave is not.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if port is not None:
+        return _launch_redis(data_dir, port, appendonly, extra or [])
+    for _ in range(_PORT_ATTEMPTS - 1):
+        with contextlib.suppress(PortTaken):
+            return _launch_redis(data_dir, free_port(), appendonly, extra or [])
+    return _launch_redis(data_dir, free_port(), appendonly, extra or [])
 
 
 @contextlib.contextmanager
@@ -199,63 +257,97 @@ class RedisClusterNodes:
             node.stop()
 
 
-def start_redis_cluster(
-    data_dir: Path, masters: int = 3, timeout: float = WAIT_SECONDS
-) -> RedisClusterNodes:
-    """Start `masters` cluster-enabled redis-servers and join them with `redis-cli --cluster
-    create` (no replicas), then wait until every node reports `cluster_state:ok`."""
-    cli = shutil.which("redis-cli")
-    if cli is None:
-        raise RuntimeError("redis-cli is not installed: apt-get install -y redis-tools")
-    nodes: list[RedisServer] = []
+def _start_cluster_node(folder: Path) -> RedisServer:
+    """One cluster-enabled redis-server; its client and bus ports are both chosen afresh when
+    either was taken first. The bus port is given: the default (port + 10000) overflows for
+    the high ephemeral ports free_port() hands out."""
+
+    def launch() -> RedisServer:
+        (folder / "nodes.conf").unlink(missing_ok=True)
+        extra = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            str(folder / "nodes.conf"),
+            "--cluster-node-timeout",
+            "5000",
+            "--cluster-port",
+            str(free_port()),
+        ]
+        return _launch_redis(folder, free_port(), False, extra)
+
+    for _ in range(_PORT_ATTEMPTS - 1):
+        with contextlib.suppress(PortTaken):
+            return launch()
+    return launch()
+
+
+# A cluster of idle local nodes joins in well under a second; this bounds one attempt on a
+# loaded machine. CI once spent its whole 600 s test timeout in this fixture with no trace.
+_CLUSTER_JOIN_SECONDS = 120.0
+_CLUSTER_ATTEMPTS = 3
+
+
+def _join_cluster(cli: str, nodes: list[RedisServer], within: float) -> None:
+    """`redis-cli --cluster create` (no replicas), then wait for `cluster_state:ok` on every
+    node; TimeoutError (with each node's log tail) when that takes longer than `within`."""
+    deadline = time.monotonic() + within
+    addresses = [f"127.0.0.1:{n.port}" for n in nodes]
     try:
-        for i in range(masters):
-            folder = data_dir / f"node-{i}"
-            folder.mkdir(parents=True, exist_ok=True)
-            nodes.append(
-                start_redis(
-                    folder,
-                    # The bus port is given: the default (port + 10000) overflows for the
-                    # high ephemeral ports free_port() hands out.
-                    extra=[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        str(folder / "nodes.conf"),
-                        "--cluster-node-timeout",
-                        "5000",
-                        "--cluster-port",
-                        str(free_port()),
-                    ],
-                )
-            )
-        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
         subprocess.run(
             [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
             check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
-            timeout=timeout,
+            timeout=within,
         )
-        deadline = time.monotonic() + timeout
         for node in nodes:
             while True:
                 info = subprocess.run(
                     [cli, "-p", str(node.port), "cluster", "info"],
                     capture_output=True,
                     text=True,
-                    timeout=timeout,
+                    timeout=max(1.0, deadline - time.monotonic()),
                 ).stdout
                 if "cluster_state:ok" in info:
                     break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"Redis Cluster node {node.port} never became ok")
                 time.sleep(0.1)
-    except BaseException:
-        for node in nodes:
-            node.stop()
-        raise
-    return RedisClusterNodes(nodes)
+    except subprocess.TimeoutExpired as exc:
+        logs = "\n".join(
+            f"--- node {n.port}:\n" + (n.data_dir / "redis.log").read_text(errors="replace")[-1500:]
+            for n in nodes
+        )
+        raise TimeoutError(f"Redis Cluster did not join within {within:.0f}s\n{logs}") from exc
+
+
+def start_redis_cluster(
+    data_dir: Path, masters: int = 3, timeout: float = _CLUSTER_JOIN_SECONDS
+) -> RedisClusterNodes:
+    """Start `masters` cluster-enabled redis-servers and join them. A join that does not finish
+    within `timeout` is reported on stderr with the nodes' logs and tried again on fresh nodes
+    and ports (a startup race, bounded by _CLUSTER_ATTEMPTS); the last attempt's error is
+    raised."""
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        raise RuntimeError("redis-cli is not installed: apt-get install -y redis-tools")
+    for attempt in range(1, _CLUSTER_ATTEMPTS + 1):
+        nodes: list[RedisServer] = []
+        try:
+            for i in range(masters):
+                folder = data_dir / f"attempt-{attempt}" / f"node-{i}"
+                folder.mkdir(parents=True)
+                nodes.append(_start_cluster_node(folder))
+            _join_cluster(cli, nodes, timeout)
+            return RedisClusterNodes(nodes)
+        except BaseException as exc:
+            for node in nodes:
+                node.stop()
+            if not isinstance(exc, TimeoutError) or attempt == _CLUSTER_ATTEMPTS:
+                raise
+            print(f"Redis Cluster attempt {attempt} failed, trying again: {exc}", file=sys.stderr)
+    raise AssertionError("the last attempt returns or raises")
 
 
 @contextlib.contextmanager
