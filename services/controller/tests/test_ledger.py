@@ -8,6 +8,7 @@ import pytest
 
 from lorafleet import errors
 from lorafleet_controller import ledger as L
+from lorafleet_controller.registry import Replica
 from lorafleet_controller.store import OpState, RegState, Store, connect
 
 from .conftest import Domain
@@ -322,3 +323,36 @@ async def test_pipelined_submits_survive_a_flushed_script_cache(domain: Domain) 
     out = await asyncio.gather(*(submit(domain, rid, seq, b"x%d" % seq) for seq in (1, 2, 3)))
     assert [a.operation_id for a in out] == [L.operation_id(rid, s) for s in (1, 2, 3)]
     assert [a.duplicate for a in out] == [False] * 3
+
+
+async def test_only_the_newest_claim_records_an_outcome(domain: Domain) -> None:
+    """An operation whose trainer was lost is queued again and claimed again; the answer to
+    its first claim (the old binding's, arriving late: a trainer frozen while its batch was
+    in flight) must not be recorded, or the run's restored binding never applies it."""
+    d = domain
+    rid = await d.ready_registration()
+    opid = (await submit(d, rid, 1)).operation_id
+    first = await d.ledger.claim(opid)
+    assert first is not None and first.claim == 1
+    assert rid in await d.registry.replica_lost("tr-tiny", "trainer tr-tiny stopped answering")
+    assert (await d.ledger.get("t1", opid)).state == OpState.QUEUED
+    await d.registry.register_replica(  # the trainer is back, a new incarnation
+        Replica("trainer", "tr-tiny", "127.0.0.1:1", "tiny", 64, "inc-2", 0, True)
+    )
+    placement = await d.registry.place(rid)
+    assert placement.code == "placed"
+    assert await d.registry.bound(rid, placement.replica, placement.slot)
+    second = await d.ledger.claim(opid)
+    assert second is not None and second.claim == 2
+    loaded = await d.ledger.load_claim(opid)
+    assert loaded is not None and loaded.claim == 2
+
+    late = L.Outcome(opid, OpState.SUCCEEDED, b"old binding", claim=first.claim)
+    assert await d.ledger.complete_many([late]) == [False]
+    op = await d.ledger.get("t1", opid)
+    assert op.state == OpState.CLAIMED
+    assert (await d.registry.get_any(rid)).head == 1  # type: ignore[union-attr]
+    current = L.Outcome(opid, OpState.SUCCEEDED, b"new binding", claim=second.claim)
+    assert await d.ledger.complete_many([current]) == [True]
+    op = await d.ledger.get("t1", opid)
+    assert op.state == OpState.SUCCEEDED and op.result == b"new binding"

@@ -48,6 +48,7 @@ async def test_a_deposed_leader_cannot_publish(domain: Domain, tmp_path: Path) -
         base_model=rec.base_model,
         tenant="t1",
         submitted_at=domain.clock(),
+        claim=1,
     )
     try:  # refused before the trainer is asked for anything (none listens at its address)
         with pytest.raises(StaleEpoch):

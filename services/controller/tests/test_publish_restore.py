@@ -220,6 +220,7 @@ async def test_a_publish_retried_into_a_restore_exports_nothing_and_reruns_after
             base_model=base,
             tenant=T,
             submitted_at=clock(),
+            claim=1,
         )
         sw = K.SaveWeightsForSamplerPayload()
         publish = asyncio.create_task(publisher.publish(claim, sw))
@@ -309,6 +310,7 @@ async def test_a_rerun_of_a_live_version_pushes_its_recorded_files(
             base_model=base,
             tenant=T,
             submitted_at=clock(),
+            claim=1,
         )
         sw = K.SaveWeightsForSamplerPayload()
         first, _ = await publisher.publish(claim, sw)  # live; its outcome is never recorded

@@ -95,6 +95,9 @@ class Outcome:
     result: bytes = b""
     error: errors.LorafleetError | None = None
     effects: Sequence[tuple[str, str, Any]] = ()
+    # The number of the claim this answers (Claim.claim); 0 records under whatever claim
+    # holds the operation.
+    claim: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ class Claim:
     base_model: str
     tenant: str
     submitted_at: float
+    # Which claim of the operation this is (claim_op counts them): an operation re-queued and
+    # claimed again is held only by its newest claim.
+    claim: int
 
     @classmethod
     def decode(cls, out: Sequence[Any]) -> Claim:
@@ -132,6 +138,7 @@ class Claim:
             base_model=text(f["base_model"]),
             tenant=text(f["tenant"]),
             submitted_at=float(f["submitted_at"] or 0),
+            claim=int(f["claim"] or 0),
         )
 
 
@@ -419,11 +426,12 @@ class Ledger:
         error: errors.LorafleetError | None = None,
         effects: Sequence[tuple[str, str, Any]] = (),
         *,
+        claim: int = 0,
         fenced: bool = True,
     ) -> bool:
         """Record an outcome; `effects` update the registration in the same transaction."""
         (done,) = await self.complete_many(
-            [Outcome(opid, state, result, error, effects)], fenced=fenced
+            [Outcome(opid, state, result, error, effects, claim)], fenced=fenced
         )
         return done
 
@@ -435,7 +443,8 @@ class Ledger:
         own: list[str] = []
         for o in outcomes:
             err = error_json(o.error) if o.error is not None else ""
-            flat += [o.operation_id, int(o.state), o.result, err, from_state, len(o.effects)]
+            flat += [o.operation_id, int(o.state), o.result, err, from_state, o.claim]
+            flat.append(len(o.effects))
             for op, field, value in o.effects:
                 flat += [op, field, value]
             own.append(self.keys.op(o.operation_id))

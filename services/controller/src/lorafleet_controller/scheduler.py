@@ -281,7 +281,8 @@ class Scheduler:
 
     async def _fail_all(self, batch: Sequence[Claim], exc: errors.LorafleetError) -> None:
         await self._record(
-            batch, [Outcome(c.operation_id, OpState.FAILED, error=exc) for c in batch]
+            batch,
+            [Outcome(c.operation_id, OpState.FAILED, error=exc, claim=c.claim) for c in batch],
         )
 
     async def _record(self, batch: Sequence[Claim], outcomes: list[Outcome]) -> None:
@@ -464,9 +465,10 @@ class Scheduler:
             claims = unsure
 
     async def _still_holds(self, claim: Claim) -> bool:
-        """The claim is still CLAIMED and its registration still holds the claim's slot."""
-        op = await self.ledger.get_any(claim.operation_id)
-        if op is None or op.state != OpState.CLAIMED:
+        """The operation is still CLAIMED by this claim (not re-queued and claimed again) and
+        its registration still holds the claim's slot."""
+        current = await self.ledger.load_claim(claim.operation_id)
+        if current is None or current.claim != claim.claim:
             return False
         if not claim.registration_id:
             return True
@@ -488,7 +490,9 @@ class Scheduler:
         effects: Sequence[tuple[str, str, Any]] = (),
     ) -> None:
         body = result.SerializeToString() if result is not None else b""
-        if await self.ledger.complete(claim.operation_id, state, body, error, effects):
+        if await self.ledger.complete(
+            claim.operation_id, state, body, error, effects, claim=claim.claim
+        ):
             _observe(claim)
 
 
@@ -500,16 +504,18 @@ def _observe(claim: Claim) -> None:
 
 def _outcome(claim: Claim, item: trainer_pb2.ForwardBackwardItemResult | None) -> Outcome:
     """A data operation's outcome from its item of the trainer's batch answer."""
-    opid = claim.operation_id
+    opid, number = claim.operation_id, claim.claim
     if item is None:
-        return Outcome(opid, OpState.FAILED, error=errors.Internal("trainer returned no result"))
+        return Outcome(
+            opid, OpState.FAILED, error=errors.Internal("trainer returned no result"), claim=number
+        )
     if item.WhichOneof("outcome") != "output":
-        return Outcome(opid, OpState.FAILED, error=exception_from_info(item.error))
+        return Outcome(opid, OpState.FAILED, error=exception_from_info(item.error), claim=number)
     result = controller_pb2.OperationResult(forward_backward=item.output).SerializeToString()
     forward = claim.kind == controller_pb2.OPERATION_KIND_FORWARD
     effects: Effects = [] if forward else [("set", "dirty", "1")]
     effects += forward_effects(claim.kind, item.output)
-    return Outcome(opid, OpState.SUCCEEDED, result, effects=effects)
+    return Outcome(opid, OpState.SUCCEEDED, result, effects=effects, claim=number)
 
 
 def in_doubt(exc: BaseException) -> bool:

@@ -83,7 +83,7 @@ class OperationsRepo:
         """A CLAIMED operation's claim, by the names `claim_op` returns them
         (store/lua/common.lua); None unless the operation is CLAIMED."""
         redis = self.store.redis
-        fields = ("state", "rid", "seq", "kind", "payload", "tenant", "submitted_at")
+        fields = ("state", "rid", "seq", "kind", "payload", "tenant", "submitted_at", "claim")
         op = dict(zip(fields, await redis.hmget(self.keys.op(opid), *fields), strict=True))
         if op["state"] is None or int(op["state"]) != OpState.CLAIMED:
             return None
@@ -103,6 +103,7 @@ class OperationsRepo:
             "payload": blob(op["payload"]),
             "tenant": op["tenant"],
             "submitted_at": op["submitted_at"],
+            "claim": op["claim"],
             **reg,
         }
 

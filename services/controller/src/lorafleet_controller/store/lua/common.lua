@@ -142,7 +142,10 @@ local function retire_state(rid, tenant)
 end
 
 -- Claim a queued operation for dispatch. Ordered operations are claimable only at their
--- registration's head while it is bound. Returns false, or the claim as a named result.
+-- registration's head while it is bound. Each claim of an operation gets the next number: an
+-- operation re-queued (its trainer lost) and claimed again may still be answered under its
+-- old claim, and only the claim that holds it may record its outcome (complete.lua).
+-- Returns false, or the claim as a named result.
 local function claim_op(id, now)
   local ok = keys.op(id)
   local f = redis.call('HMGET', ok, 'state', 'rid', 'seq', 'kind', 'payload', 'ordered',
@@ -155,11 +158,12 @@ local function claim_op(id, now)
     return false
   end
   redis.call('HSET', ok, 'state', OP.CLAIMED, 'claimed_at', now)
+  local number = redis.call('HINCRBY', ok, 'claim', 1)
   redis.call('HDEL', ok, 'pushed')
   redis.call('ZADD', keys.claimed, now, id)
   depth(OP.QUEUED, -1)
   depth(OP.CLAIMED, 1)
   return result('operation_id', id, 'registration_id', f[2], 'seq_id', f[3], 'kind', f[4],
     'payload', f[5] or '', 'replica', r[3] or '', 'slot', r[4] or '', 'dirty', r[5] or '0',
-    'base_model', r[6] or '', 'tenant', f[7], 'submitted_at', f[8])
+    'base_model', r[6] or '', 'tenant', f[7], 'submitted_at', f[8], 'claim', number)
 end

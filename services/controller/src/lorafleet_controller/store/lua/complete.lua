@@ -1,21 +1,27 @@
 -- fleet-keys: claimed results pending unacked depth open_samples gaps ready_ctl ready_data
 -- Record the outcomes of one or more operations. ARGS: now, then per operation: opid, state,
--- result, error, from ('claimed' or 'open'), n, and n triples (op, field, value) applied to
+-- result, error, from ('claimed' or 'open'), claim (the claim's number, claim_op; 0: any
+-- claim), n, and n triples (op, field, value) applied to
 -- the registration hash in the same transaction (op: 'set' or 'incr'), for example
 -- optim_steps or the published version; op 'usage' adds value to that field of the
 -- operation's tenant's usage totals instead (usage.py: counted exactly once). Result: per
--- operation 1 when recorded, 0 when it was no longer open (a fence or the sweeper won).
+-- operation 1 when recorded, 0 when it was no longer open (a fence or the sweeper won) or,
+-- from 'claimed', no longer held by that claim (re-queued and claimed again: the answer to
+-- the old claim came from a binding the run has since left).
 local now = tonumber(ARGS[1])
 local out = {}
 local i = 2
 while i <= #ARGS do
   local id, state, body, err, from = ARGS[i], tonumber(ARGS[i + 1]), ARGS[i + 2], ARGS[i + 3],
     ARGS[i + 4]
-  local n = tonumber(ARGS[i + 5])
-  local effects = i + 6
+  local claim = tonumber(ARGS[i + 5])
+  local n = tonumber(ARGS[i + 6])
+  local effects = i + 7
   i = effects + 3 * n
+  local held = from ~= 'claimed' or (op_state(id) == OP.CLAIMED and (claim == 0 or
+    tonumber(redis.call('HGET', keys.op(id), 'claim') or '0') == claim))
   local recorded = 0
-  if (from ~= 'claimed' or op_state(id) == OP.CLAIMED) and finish(id, state, body, err, now) then
+  if held and finish(id, state, body, err, now) then
     recorded = 1
     local ok = keys.op(id)
     local rid = redis.call('HGET', ok, 'rid')
