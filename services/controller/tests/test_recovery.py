@@ -257,11 +257,13 @@ async def test_silence_while_redis_was_out_of_reach_is_not_a_lost_replica(redis_
         rep = Replica("trainer", "tr-a", "127.0.0.1:1", "tiny", 2, "inc", 0, True)
         await controller.registry.register_replica(rep)
         clock.now += 10  # ten seconds without a heartbeat ...
-        controller._swept_at -= 10  # ... because the sweeper could not reach Redis either
-        await controller.sweep_once()
+        controller.sweeper._swept_at -= 10  # ... because the sweeper could not reach Redis either
+        await controller.sweeper.sweep_once()
         assert (await controller.registry.replica("tr-a")).healthy  # type: ignore[union-attr]
-        controller._heard_since -= settings.heartbeat_timeout_seconds  # Redis back that long
-        await controller.sweep_once()
+        controller.sweeper._heard_since -= (
+            settings.heartbeat_timeout_seconds
+        )  # Redis back that long
+        await controller.sweeper.sweep_once()
         assert not (await controller.registry.replica("tr-a")).healthy  # type: ignore[union-attr]
     finally:
         await controller.stop()
@@ -345,10 +347,10 @@ async def test_a_ready_id_lost_around_a_redis_outage_is_queued_again(redis_serve
             "t1", rec.registration_id, 1, K.OPERATION_KIND_FORWARD_BACKWARD, b"", "d"
         )
         assert await r.lpop(keys.ready_data) == adm.operation_id.encode()  # ... and lost
-        await controller.sweep_once()
+        await controller.sweeper.sweep_once()
         assert await r.lrange(keys.ready_data, 0, -1) == []  # no outage: nothing to do
-        controller._swept_at -= 10  # the previous good sweep was long ago: Redis was away
-        await controller.sweep_once()
+        controller.sweeper._swept_at -= 10  # the previous good sweep was long ago: Redis was away
+        await controller.sweeper.sweep_once()
         assert await r.lrange(keys.ready_data, 0, -1) == [adm.operation_id.encode()]
     finally:
         await controller.stop()

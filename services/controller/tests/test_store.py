@@ -213,9 +213,9 @@ def test_every_ledger_and_registry_transition_is_one_lua_script() -> None:
 
 
 def test_controller_py_only_wires() -> None:
-    """README: controller.py wires the flows together (and holds the few flows that span
-    several of them); it reads or writes no Redis key itself: every store access is the
-    flows' (registry, ledger, ...). It may only check and close the connection it made."""
+    """README: controller.py wires the parts and the flows over them (`flows/`) together; it
+    reads or writes no Redis key itself: every store access is the parts' (registry, ledger,
+    ...). It may only check and close the connection it made."""
     tree = ast.parse((SRC / "controller.py").read_text())
     own = [
         f"controller.py:{node.lineno}: {ast.unparse(node.func)}"

@@ -1,12 +1,16 @@
-"""Domain records → protobuf messages (the only place that knows both shapes)."""
+"""Domain records → protobuf messages, and requests → the flows' domain values (the only
+place that knows both shapes)."""
 
 from __future__ import annotations
 
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller.catalog import CheckpointRecord
 from lorafleet_controller.fleet import BaseModelView, FleetView
+from lorafleet_controller.flows.operations import Submission
+from lorafleet_controller.flows.registrations import NewRegistration
+from lorafleet_controller.flows.sampling import NewSampler
 from lorafleet_controller.ledger import OpRecord
-from lorafleet_controller.registry import TRAINER, RegRecord
+from lorafleet_controller.registry import ROLLOUT, TRAINER, RegRecord, Replica
 from lorafleet_controller.samplers import SamplerRecord
 from lorafleet_controller.store import RegState
 from lorafleet_controller.tenancy import Session
@@ -151,3 +155,63 @@ def fleet_status(view: FleetView) -> controller_pb2.GetFleetStatusResponse:
     resp.attention.extend(registration(r) for r in view.attention)
     resp.attention_total = view.attention_total
     return resp
+
+
+# --- requests → domain values -----------------------------------------------------------------
+def new_registration(req: controller_pb2.CreateRegistrationRequest) -> NewRegistration:
+    return NewRegistration(
+        tenant=req.tenant,
+        session_id=req.session_id,
+        model_seq_id=req.model_seq_id,
+        base_model=req.base_model,
+        lora=req.lora_config,
+        user_metadata=dict(req.user_metadata),
+        optimizer=req.optimizer,
+        initial_checkpoint=req.initial_checkpoint,
+        initial_with_optimizer=req.initial_with_optimizer,
+    )
+
+
+def submission(req: controller_pb2.SubmitOperationRequest) -> Submission:
+    return Submission(
+        tenant=req.tenant,
+        registration_id=req.registration_id,
+        seq_id=req.seq_id,
+        payload=req.payload,
+    )
+
+
+def new_sampler(req: controller_pb2.CreateSamplerRequest) -> NewSampler:
+    return NewSampler(
+        tenant=req.tenant,
+        session_id=req.session_id,
+        sampling_session_seq_id=req.sampling_session_seq_id,
+        model_path=req.model_path,
+        base_model=req.base_model,
+    )
+
+
+REPLICA_KINDS = {
+    controller_pb2.REPLICA_KIND_TRAINER: TRAINER,
+    controller_pb2.REPLICA_KIND_ROLLOUT: ROLLOUT,
+}
+
+
+def replica(req: controller_pb2.RegisterReplicaRequest) -> Replica:
+    """The replica as it reports itself (an unknown kind is ""): `Replicas.register` checks it."""
+    return Replica(
+        kind=REPLICA_KINDS.get(req.kind, ""),
+        replica_id=req.replica_id,
+        address=req.address,
+        base_model=req.base_model,
+        num_slots=req.num_slots,
+        incarnation=req.incarnation,
+        last_seen=0,
+        healthy=True,
+        tokenizer_id=req.tokenizer_id,
+        max_rank=req.max_rank,
+        max_context_length=req.max_context_length,
+        arch=req.arch,
+        max_num_samples=req.max_num_samples,
+        quantization=req.quantization,
+    )

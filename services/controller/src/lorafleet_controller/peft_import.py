@@ -29,6 +29,7 @@ from lorafleet import contract, errors, names
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.catalog import TRAINING, Catalog
 from lorafleet_controller.clients import Pool
+from lorafleet_controller.flows.sessions import Sessions
 from lorafleet_controller.registry import TRAINER, Placer, Registry, Replica, base_model_name
 from lorafleet_controller.store import RegState
 from lorafleet_controller.tenancy import Tenancy
@@ -218,8 +219,7 @@ class ImportHost(Protocol):
     pool: Pool
     tenancy: Tenancy
     catalog: Catalog
-
-    async def finish_session(self, tenant: str, session_id: str, reason: str) -> None: ...
+    sessions: Sessions
 
 
 class Importer:
@@ -254,7 +254,7 @@ class Importer:
         try:
             return await self._import(tenant, session_id, name, base, adapter, files)
         finally:
-            await c.finish_session(tenant, session_id, "PEFT import finished")
+            await c.sessions.finish(tenant, session_id, "PEFT import finished")
 
     async def _import(
         self,

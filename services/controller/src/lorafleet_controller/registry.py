@@ -67,7 +67,7 @@ def terminal(exc: errors.LorafleetError) -> bool:
 # placed slot; False when it cannot be rebuilt (it was retired as corrupted). recovery.py.
 Restore = Callable[[TrainerClient, "RegRecord", "Replica"], Awaitable[bool]]
 # Fails a registration whose bind cannot succeed: its calls end with the error, its slot is
-# freed (Controller.fail_run).
+# freed (flows.runs.Runs.fail).
 Fail = Callable[[str, errors.LorafleetError], Awaitable[None]]
 
 

@@ -1,8 +1,9 @@
 """ControllerService: translates protobuf requests to controller calls and back.
 
-No logic lives here: every method unpacks its request, calls the controller (or one of its
-Redis-backed parts), and packs the answer. Failures are `lorafleet.errors` exceptions that
-the shared interceptor maps to status codes; nothing here calls `context.abort`.
+No logic lives here: every method unpacks its request (into domain values, `convert.py`),
+calls a flow (`flows/`) or one of the controller's Redis-backed parts, and packs the answer.
+Failures are `lorafleet.errors` exceptions that the shared interceptor maps to status codes;
+nothing here calls `context.abort`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def RevokeApiKey(
         self, request: pb.RevokeApiKeyRequest, context: ServerContext
     ) -> pb.RevokeApiKeyResponse:
-        await self.controller.revoke_api_key(request.key_id)
+        await self.controller.sessions.revoke_api_key(request.key_id)
         return pb.RevokeApiKeyResponse()
 
     async def CreateSession(
@@ -84,7 +85,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def FinishSession(
         self, request: pb.FinishSessionRequest, context: ServerContext
     ) -> pb.FinishSessionResponse:
-        await self.controller.finish_session(request.tenant, request.session_id, request.reason)
+        await self.controller.sessions.finish(request.tenant, request.session_id, request.reason)
         return pb.FinishSessionResponse()
 
     async def GetSession(
@@ -105,7 +106,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def CreateRegistration(
         self, request: pb.CreateRegistrationRequest, context: ServerContext
     ) -> pb.CreateRegistrationResponse:
-        rec, load_op = await self.controller.create_registration(request)
+        rec, load_op = await self.controller.registrations.create(convert.new_registration(request))
         return pb.CreateRegistrationResponse(
             registration=convert.registration(rec), load_operation_id=load_op
         )
@@ -129,17 +130,19 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def DeleteRegistration(
         self, request: pb.DeleteRegistrationRequest, context: ServerContext
     ) -> pb.DeleteRegistrationResponse:
-        await self.controller.delete_registration(request.tenant, request.registration_id)
+        await self.controller.registrations.delete(request.tenant, request.registration_id)
         return pb.DeleteRegistrationResponse()
 
     # --- ledger ---------------------------------------------------------------------------
     async def SubmitOperation(
         self, request: pb.SubmitOperationRequest, context: ServerContext
     ) -> pb.SubmitOperationResponse:
-        rejected = None
+        sub = convert.submission(request)
         if request.HasField("rejection"):
             rejected = exception_from_info(request.rejection, errors.InvalidArgument)
-        adm = await self.controller.submit_operation(request, rejected)
+            adm = await self.controller.operations.reject(sub, request.rejection, rejected)
+        else:
+            adm = await self.controller.operations.submit(sub)
         return pb.SubmitOperationResponse(
             operation_id=adm.operation_id,
             state=controller_pb2.OperationState.ValueType(adm.state),
@@ -163,7 +166,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def CreateSampler(
         self, request: pb.CreateSamplerRequest, context: ServerContext
     ) -> pb.CreateSamplerResponse:
-        rec = await self.controller.create_sampler(request)
+        rec = await self.controller.sampling.create(convert.new_sampler(request))
         return pb.CreateSamplerResponse(sampler=convert.sampler(rec))
 
     async def GetSampler(
@@ -256,7 +259,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def RegisterReplica(
         self, request: pb.RegisterReplicaRequest, context: ServerContext
     ) -> pb.RegisterReplicaResponse:
-        await self.controller.register_replica(request)
+        await self.controller.replicas.register(convert.replica(request))
         return pb.RegisterReplicaResponse(
             heartbeat_interval_seconds=self.controller.settings.heartbeat_interval_seconds
         )
@@ -269,5 +272,5 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def ReportReplicaFailed(
         self, request: pb.ReportReplicaFailedRequest, context: ServerContext
     ) -> pb.ReportReplicaFailedResponse:
-        stranded = await self.controller.replica_failed(request.replica_id, request.reason)
+        stranded = await self.controller.replicas.failed(request.replica_id, request.reason)
         return pb.ReportReplicaFailedResponse(stranded=stranded)

@@ -4,9 +4,9 @@
 before it writes anything, then records the job and queues it on its run. The leader runs
 one worker per run with unfinished jobs, one job at a time (they share the run's seq_ids).
 A job starts at the run's next seq_id (stored in its cursor) and submits every operation
-through the controller's `submit_operation` (named by `jobs.host.JobHost`, so nothing here
-imports the controller), exactly as the gateway does for an SDK client, then waits on the
-ledger for its result.
+through the controller's admission flow (`flows.operations`, named by `jobs.host.JobHost`,
+so nothing here imports the controller), exactly as the gateway does for an SDK client, then
+waits on the ledger for its result.
 
 Durability: the cursor is written at every pass boundary (`loop.Cursor`), and results are
 acknowledged only after the cursor that no longer needs them is durable. A controller that
@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet_controller.flows.operations import Submission
+from lorafleet_controller.flows.registrations import NewRegistration
 from lorafleet_controller.jobs import data, loop, params, tokenizer, units
 from lorafleet_controller.jobs.host import JobHost
 from lorafleet_controller.jobs.params import JobKind, JobParams
@@ -101,7 +103,7 @@ class LedgerExecutor:
 
     async def _submit(self, payload: pb.OperationPayload) -> str:
         """Admit the job's next operation (retrying backpressure); its operation id."""
-        req = pb.SubmitOperationRequest(
+        sub = Submission(
             tenant=self.rec.tenant,
             registration_id=self.rec.registration_id,
             seq_id=self.seq,
@@ -110,7 +112,7 @@ class LedgerExecutor:
         while True:
             await self._check_cancel()
             try:
-                adm = await self.host.submit_operation(req)
+                adm = await self.host.operations.submit(sub)
                 break
             except errors.ResourceExhausted as exc:  # backpressure: nothing was admitted
                 await asyncio.sleep(min(exc.retry_after or 1.0, WAIT_SECONDS))
@@ -331,7 +333,7 @@ class JobRunner:
             rid = (await self.records.default_run(tenant)).get("rid", "")
             if rid:
                 with contextlib.suppress(errors.NotFound):
-                    await self.host.delete_registration(tenant, rid)
+                    await self.host.registrations.delete(tenant, rid)
             await self.records.clear_default_run(tenant)
             return rid
 
@@ -458,18 +460,18 @@ class JobRunner:
             target_modules=p.lora_targets,
             lora_plus_ratio=p.lora_plus_ratio,
         )
-        req = pb.CreateRegistrationRequest(
+        new = NewRegistration(
             tenant=tenant,
             session_id=session,
             model_seq_id=0,
             base_model=base_model,
-            lora_config=lora,
+            lora=lora,
             initial_checkpoint=previous.get("checkpoint", ""),
             # with its Adam moments and step count: giving the slot back between jobs
             # (`_release_default`) changes nothing the next job computes
             initial_with_optimizer=True,
         )
-        reg, _ = await self.host.create_registration(req)
+        reg, _ = await self.host.registrations.create(new)
         await self.records.set_default_run(tenant, rid=reg.registration_id, checkpoint="")
         return reg
 
@@ -545,7 +547,7 @@ class JobRunner:
             reg = await self.host.registry.get(rec.tenant, rec.registration_id)
             if reg.state != RegState.RETIRED:
                 log.info("run %s: its jobs are done, giving its slot back", reg.registration_id)
-                await self.host.finish_session(rec.tenant, reg.session_id, "jobs done")
+                await self.host.sessions.finish(rec.tenant, reg.session_id, "jobs done")
 
     async def _execute(self, rec: JobRecord) -> JobState:
         """Run one job to its end; the state it finished in."""

@@ -1,0 +1,62 @@
+"""An operation's admission to its run's queue (with the page-in it may start)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from lorafleet import errors
+from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet_controller import validate
+from lorafleet_controller.flows import Background
+from lorafleet_controller.ledger import Admission, Ledger
+from lorafleet_controller.registry import Placer
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One operation of a run, as SubmitOperation (or a managed job) submits it."""
+
+    tenant: str
+    registration_id: str
+    seq_id: int
+    payload: controller_pb2.OperationPayload
+
+
+class Operations:
+    def __init__(self, ledger: Ledger, placer: Placer, background: Background):
+        self.ledger = ledger
+        self.placer = placer
+        self.background = background
+
+    async def submit(self, sub: Submission) -> Admission:
+        """Admit an operation (refused as FAILED(user) when its payload is invalid)."""
+        payload = sub.payload
+        body = payload.SerializeToString(deterministic=True)
+        kind = validate.payload_kind(payload)
+        rejection = validate.validate(payload)
+        admission = await self.ledger.submit(
+            sub.tenant,
+            sub.registration_id,
+            sub.seq_id,
+            kind,
+            body,
+            validate.digest(payload),
+            rejection,
+        )
+        if admission.page_in:  # a paged run has work again: give it a free slot if one is
+            self.background(self.placer.fill(admission.page_in))
+        return admission
+
+    async def reject(
+        self, sub: Submission, info: common_pb2.ErrorInfo, rejected: errors.LorafleetError
+    ) -> Admission:
+        """The gateway refused the operation's payload at the edge (`info`, as `rejected`):
+        the seq_id is spent as a FAILED(user) record with that error and nothing runs."""
+        digest = (
+            "rejected:" + hashlib.sha256(info.SerializeToString(deterministic=True)).hexdigest()
+        )
+        unspecified = controller_pb2.OPERATION_KIND_UNSPECIFIED
+        return await self.ledger.submit(
+            sub.tenant, sub.registration_id, sub.seq_id, unspecified, b"", digest, rejected
+        )
