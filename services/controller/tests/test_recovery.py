@@ -430,3 +430,17 @@ async def test_a_deposed_leader_cannot_write_the_replay_log(domain) -> None:
     assert [(s, p) for s, p in (await new.plan(rid)).ops] == [(1, fb)]
     await new.record_page(rid, 1, manifest)
     assert await new.snapshot_uri(rid) == "file:///states/snap"
+
+
+async def test_a_plan_read_while_operations_are_logged_is_whole(domain) -> None:
+    """A restore reads its plan while the scheduler may still log (a late answer from a
+    trainer the run has left): the log and the registration's newest seq_id are read in one
+    step, so a plan never names an entry it does not hold (a run was corrupted for a
+    payload that was there, under load)."""
+    rid = await domain.ready_registration()
+    recovery = Recovery(domain.store, _no_manifest, _no_retire)
+    fb = fb_payload(tokens(1)).SerializeToString()
+    for seq in range(1, 61):
+        logged = recovery.log([(rid, seq, K.OPERATION_KIND_FORWARD_BACKWARD, fb)])
+        _, plan = await asyncio.gather(logged, recovery.plan(rid))
+        assert [s for s, _ in plan.ops] in (list(range(1, seq)), list(range(1, seq + 1)))

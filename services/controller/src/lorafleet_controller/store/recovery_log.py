@@ -78,18 +78,20 @@ class RecoveryLog:
         return text(out["code"]) == "recorded"
 
     async def load(self, rid: str) -> ReplayLog:
-        raw = await self.store.redis.hgetall(self.keys.replay(rid))
-        last, steps = await self.store.redis.hmget(self.keys.reg(rid), "replay_last", "optim_steps")
+        """The log and the registration's newest seq_id, read in one step (recovery_load)."""
+        flat, (last, steps) = await self.store.scripts.run(
+            "recovery_load", [self.keys.replay(rid), self.keys.reg(rid)], rid
+        )
+        raw = {text(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
         entries = {}
-        for field, value in raw.items():
-            name = text(field)
+        for name, value in raw.items():
             if name.isdigit():
                 prev, _, payload = blob(value).partition(b":")
                 entries[int(name)] = LogEntry(int(prev) if prev else None, payload)
-        snap = raw.get(b"snap")
+        snap = raw.get("snap")
         return ReplayLog(
             snapshot=None if snap is None else trainer_pb2.SlotSnapshot.FromString(blob(snap)),
-            snapshot_seq=int(raw.get(b"snap_seq", b"-1")),
+            snapshot_seq=int(raw.get("snap_seq", b"-1")),
             last=None if last is None else int(last),
             optim_steps=int(steps or 0),
             entries=entries,
