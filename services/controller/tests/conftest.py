@@ -56,12 +56,25 @@ class Domain:
     def client(self) -> Client:
         return self.store.redis
 
+    # Every domain restarted from this one, so the fixture stops their notifiers before it
+    # closes the client: one left subscribed hung the event loop's teardown on a Cluster
+    # pubsub's close (CI spent test_concurrent_submits_share_one_round_trip's 600 s there).
+    restarted: list[Domain] = dataclasses.field(default_factory=list)
+
     async def restart(self, **overrides: Any) -> Domain:
         """A fresh set of domain objects on the same Redis (a controller restart)."""
         await self.notifier.stop()
-        return await build(
+        fresh = await build(
             self.store.redis, dataclasses.replace(self.settings, **overrides), self.clock
         )
+        self.restarted.append(fresh)
+        return fresh
+
+    async def stop(self) -> None:
+        """Stop this domain's notifier and those of every domain restarted from it."""
+        for child in self.restarted:
+            await child.stop()
+        await self.notifier.stop()
 
 
 async def build(client: Client, settings: ControllerSettings, clock: Clock) -> Domain:
@@ -103,5 +116,5 @@ async def domain(redis_url: tuple[str, bool]) -> AsyncIterator[Domain]:
     try:
         yield d
     finally:
-        await d.notifier.stop()
+        await d.stop()
         await client.aclose()
