@@ -8,7 +8,6 @@ servicer converts requests at the edge (`convert.py`); `controller.py` only wire
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import pkgutil
@@ -19,6 +18,8 @@ from typing import Any
 
 from lorafleet.v1 import controller_pb2
 from lorafleet_controller import flows
+
+from .test_import_graph import import_graph, module_sources
 
 CONTROLLER = "lorafleet_controller.controller"
 
@@ -95,35 +96,23 @@ def test_the_check_sees_a_request_in_any_annotation_shape() -> None:
     ]
 
 
-def imported(name: str, source: str, is_package: bool = False) -> set[str]:
-    """The modules a module's source imports (TYPE_CHECKING ones too), relative ones resolved;
-    `from package import name` counts as importing `package.name` as well."""
-    package = name if is_package else name.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                anchor = parts[: len(parts) - (node.level - 1)]
-                base = ".".join(anchor + ([node.module] if node.module else []))
-            out.add(base)
-            out.update(f"{base}.{alias.name}" for alias in node.names)
-    return out
-
-
 def test_no_flow_imports_the_controller() -> None:
-    found = [
-        m.__name__
-        for m in flow_modules()
-        if CONTROLLER in imported(m.__name__, inspect.getsource(m), hasattr(m, "__path__"))
-    ]
+    graph = import_graph(module_sources())
+    found = [m.__name__ for m in flow_modules() if CONTROLLER in graph[m.__name__]]
     assert not found, f"flow modules importing the controller: {found}"
 
 
 def test_the_import_check_sees_every_import_shape() -> None:
+    def edges(source: str) -> set[str]:
+        sources = {
+            "lorafleet_controller": ("", True),
+            "lorafleet_controller.controller": ("", False),
+            "lorafleet_controller.flows": ("", True),
+            "lorafleet_controller.flows.runs": ("", False),
+            "lorafleet_controller.flows.probe": (source, False),
+        }
+        return import_graph(sources)["lorafleet_controller.flows.probe"]
+
     for source in (
         "import lorafleet_controller.controller\n",
         "from lorafleet_controller import controller\n",
@@ -131,5 +120,5 @@ def test_the_import_check_sees_every_import_shape() -> None:
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import controller\n",
         "from ..controller import Controller\n",
     ):
-        assert CONTROLLER in imported("lorafleet_controller.flows.probe", source), source
-    assert CONTROLLER not in imported("lorafleet_controller.flows.probe", "from . import runs\n")
+        assert CONTROLLER in edges(source), source
+    assert CONTROLLER not in edges("from . import runs\n")
