@@ -168,6 +168,28 @@ async def test_publish_reaches_every_rollout_then_samples(
 
     await wait_until_async(reconciled, "the restarted rollout-1 serving the live version")
 
+    # A publish while a rollout restarts at another address (a rescheduled pod: until its
+    # heartbeat lapses the controller still counts the old address healthy) waits for it
+    # instead of failing, since the SDK cannot retry a spent seq_id (CAMPAIGN_FAULTS=500
+    # failed on 'Connection refused'); the barrier then covers the restarted rollout.
+    rollouts[0].kill()
+    rollouts[0].port = free_port()
+    rollouts[0].env["LORAFLEET_ROLLOUT_PORT"] = str(rollouts[0].port)
+    publish = await fleet.submit(
+        rid,
+        4,
+        K.OperationPayload(save_weights_for_sampler=K.SaveWeightsForSamplerPayload(name="step-2")),
+    )
+    rollouts[0].start()
+    op = await wait_done(fleet.client, T, publish.operation_id)  # type: ignore[attr-defined]
+    assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
+    assert op.result.save_weights_for_sampler.version == 2  # type: ignore[attr-defined]
+
+    async def serve_version_2() -> bool:
+        return all([f"{rid}@2" in await resident(r) for r in rollouts])
+
+    await wait_until_async(serve_version_2, "both rollouts serving version 2")
+
     # A replica that lost the version without the controller noticing (its reconcile still
     # running, or lost with the controller that ran it; found by CAMPAIGN_FAULTS=500): the
     # sample pinned to it gets the live version put back and is served, not failed.

@@ -26,7 +26,16 @@ K = controller_pb2
 def publisher(domain: Domain, store: Store, root: Path, pool: Pool) -> Publisher:
     catalog = Catalog(store, domain.clock)
     samplers = Samplers(store, domain.ledger, domain.registry, pool, domain.settings)
-    return Publisher(store, root, domain.registry, catalog, samplers, pool, 2)
+    return Publisher(
+        store,
+        root,
+        domain.registry,
+        catalog,
+        samplers,
+        pool,
+        2,
+        rollout_wait_seconds=domain.settings.rollout_wait_seconds,
+    )
 
 
 async def test_a_deposed_leader_cannot_publish(domain: Domain, tmp_path: Path) -> None:

@@ -207,6 +207,7 @@ async def test_a_publish_retried_into_a_restore_exports_nothing_and_reruns_after
             pool,
             resident_versions=2,
             shared_root=shared,
+            rollout_wait_seconds=domain.settings.rollout_wait_seconds,
         )
         claim = Claim(
             operation_id=f"{rid}#5",
@@ -297,6 +298,7 @@ async def test_a_rerun_of_a_live_version_pushes_its_recorded_files(
             pool,
             resident_versions=2,
             shared_root=shared,
+            rollout_wait_seconds=domain.settings.rollout_wait_seconds,
         )
         claim = Claim(
             operation_id=f"{rid}#5",

@@ -228,7 +228,12 @@ class RolloutClient(_Base):
         )
 
     async def load_adapter(
-        self, ref: common_pb2.AdapterRef, lora: common_pb2.LoraConfig, files: dict[str, bytes]
+        self,
+        ref: common_pb2.AdapterRef,
+        lora: common_pb2.LoraConfig,
+        files: dict[str, bytes],
+        *,
+        retry: bool = True,
     ) -> rollout_pb2.LoadAdapterResponse:
         header = rollout_pb2.AdapterHeader(
             adapter=ref, lora_config=lora, file_sha256={p: sha256(d) for p, d in files.items()}
@@ -239,13 +244,15 @@ class RolloutClient(_Base):
             for chunk in file_chunks(files):
                 yield rollout_pb2.LoadAdapterChunk(chunk=chunk)
 
-        return await self.call(lambda: self.stub.LoadAdapter(chunks(), timeout=120))
+        return await self.call(lambda: self.stub.LoadAdapter(chunks(), timeout=120), retry=retry)
 
     async def load_shared_adapter(
         self,
         ref: common_pb2.AdapterRef,
         lora: common_pb2.LoraConfig,
         refs: dict[str, common_pb2.BlobRef],
+        *,
+        retry: bool = True,
     ) -> rollout_pb2.LoadAdapterResponse:
         """A header naming the files on shared storage; no chunks (the replica reads them)."""
         header = rollout_pb2.AdapterHeader(
@@ -258,7 +265,9 @@ class RolloutClient(_Base):
         async def only_header() -> AsyncIterator[rollout_pb2.LoadAdapterChunk]:
             yield rollout_pb2.LoadAdapterChunk(header=header)
 
-        return await self.call(lambda: self.stub.LoadAdapter(only_header(), timeout=120))
+        return await self.call(
+            lambda: self.stub.LoadAdapter(only_header(), timeout=120), retry=retry
+        )
 
     async def unload_adapter(self, ref: common_pb2.AdapterRef) -> None:
         req = rollout_pb2.UnloadAdapterRequest(adapter=ref)

@@ -106,6 +106,7 @@ class Controller:
             self.pool,
             settings.resident_versions,
             settings.shared_adapter_root,
+            rollout_wait_seconds=settings.rollout_wait_seconds,
         )
         self.scheduler = Scheduler(
             self.blocking,

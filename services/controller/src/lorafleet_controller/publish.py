@@ -6,9 +6,10 @@ slot's PEFT adapter (ExportAdapter); the files are written once under the storag
 (they are the durable sampler checkpoint and the source for reconciling rollouts); every
 healthy rollout replica serving the base model receives them (LoadAdapter, verified by
 SHA-256) under `<registration>@<version>`; only when all acknowledged does the operation
-succeed and the registration's published_version move. A replica that does not acknowledge
-fails the operation with its name. Rollouts that (re)start are reconciled: they receive the
-newest live versions of every registration of their base model.
+succeed and the registration's published_version move. A replica that is restarting is waited
+for (`push_all`); one that refuses the version fails the operation with its name. Rollouts
+that (re)start are reconciled: they receive the newest live versions of every registration
+of their base model.
 
 Where every replica mounts the same storage (`shared_adapter_root`, lorafleet.shared_storage)
 the adapter travels by reference instead: the trainer writes the version's folder there
@@ -57,6 +58,8 @@ class Publisher:
         pool: Pool,
         resident_versions: int,
         shared_root: Path | None = None,
+        *,
+        rollout_wait_seconds: float,
     ) -> None:
         self.repo = AdaptersRepo(store)
         self.pusher = Pusher(self.repo, pool)
@@ -67,6 +70,7 @@ class Publisher:
         self.pool = pool
         self.resident_versions = resident_versions
         self.shared_root = shared_root
+        self.rollout_wait_seconds = rollout_wait_seconds
 
     async def publish(
         self, claim: Claim, sw: controller_pb2.SaveWeightsForSamplerPayload
@@ -221,23 +225,64 @@ class Publisher:
         lora: common_pb2.LoraConfig,
         payload: Payload,
     ) -> None:
-        """Load the version on every healthy rollout of the base model; all must ack."""
-        rollouts = [r for r in await self.registry.replicas(ROLLOUT, base_model) if r.healthy]
-        outcomes = await asyncio.gather(
-            *(self.pusher.load(r.address, ref, lora, payload) for r in rollouts),
-            return_exceptions=True,
-        )
-        failed = [
-            f"{rep.replica_id} ({out})"
-            for rep, out in zip(rollouts, outcomes, strict=True)
-            if isinstance(out, BaseException)
-        ]
-        if failed:
-            raise errors.Unavailable(
-                f"rollout replicas did not acknowledge {ref.registration_id}@{ref.version}: "
-                + "; ".join(failed),
-                reason="PUBLISH_INCOMPLETE",
+        """Load the version on every healthy rollout of the base model; all must ack.
+
+        The barrier is over the rollouts as the replica table stands, read again on every
+        pass, because a rollout restarting under the supervisor (or rescheduled at another
+        address) is the normal case, not a failure the SDK could retry: the publish's seq_id
+        is spent once it fails (CAMPAIGN_FAULTS=500 failed save_weights_for_sampler on a
+        rollout's refused connection). So a push refused as Unavailable is tried again, with
+        backoff, for `rollout_wait_seconds` from the first refusal, at the address the
+        replica announces now. A rollout the controller has meanwhile lost (silent past its
+        heartbeat, or failed for good) leaves the barrier: the version was recorded live
+        before this push, so `reconcile` gives it to the rollout when it returns, and a
+        sample that meets it without the version puts it back. An ack counts for the
+        incarnation that gave it; a restarted rollout is pushed again. Any other refusal
+        (a checksum, a rank the rollout cannot serve) fails the publish at once, naming the
+        replica."""
+        loop = asyncio.get_running_loop()
+        acked: set[tuple[str, str]] = set()
+        deadline: float | None = None
+        delay = 0.05
+        while True:
+            rollouts = [
+                r
+                for r in await self.registry.replicas(ROLLOUT, base_model)
+                if r.healthy and (r.replica_id, r.incarnation) not in acked
+            ]
+            if not rollouts:
+                return
+            outcomes = await asyncio.gather(
+                *(self.pusher.load(r.address, ref, lora, payload, retry=False) for r in rollouts),
+                return_exceptions=True,
             )
+            waiting: list[str] = []
+            refused: list[str] = []
+            for rep, out in zip(rollouts, outcomes, strict=True):
+                if not isinstance(out, BaseException):
+                    acked.add((rep.replica_id, rep.incarnation))
+                elif isinstance(out, errors.Unavailable):
+                    waiting.append(f"{rep.replica_id} ({out})")
+                else:
+                    refused.append(f"{rep.replica_id} ({out})")
+            now = loop.time()
+            if waiting and deadline is None:
+                deadline = now + self.rollout_wait_seconds
+            if refused or (deadline is not None and waiting and now >= deadline):
+                raise errors.Unavailable(
+                    f"rollout replicas did not acknowledge {ref.registration_id}@{ref.version}: "
+                    + "; ".join(refused + waiting),
+                    reason="PUBLISH_INCOMPLETE",
+                )
+            if waiting and deadline is not None:
+                log.info(
+                    "%s@%s waits for rollouts: %s",
+                    ref.registration_id,
+                    ref.version,
+                    "; ".join(waiting),
+                )
+                await asyncio.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, 1.0)
 
     async def reconcile(self, rollout: Replica) -> None:
         """Give a (re)started rollout the newest live versions of every registration."""

@@ -60,12 +60,15 @@ class Pusher:
         ref: common_pb2.AdapterRef,
         lora: common_pb2.LoraConfig,
         payload: Payload,
+        *,
+        retry: bool = True,
     ) -> None:
+        """`retry=False`: one attempt, for a caller that re-reads where the replica is."""
         client = self.pool.rollout(address)
         if payload.refs:
-            await client.load_shared_adapter(ref, lora, payload.refs)
+            await client.load_shared_adapter(ref, lora, payload.refs, retry=retry)
         else:
-            await client.load_adapter(ref, lora, payload.files)
+            await client.load_adapter(ref, lora, payload.files, retry=retry)
 
     async def restore(self, address: str, ref: common_pb2.AdapterRef) -> bool:
         """Push `ref` to the replica at `address` if it is a version recorded live; False
