@@ -31,6 +31,7 @@ from lorafleet.rpc.channel import make_channel
 from lorafleet.testing import (
     child_env,
     free_port,
+    payload_bytes,
     service_process,
     start_redis,
     wait_serving,
@@ -80,12 +81,15 @@ class Direct:
     async def step(self, fb: common_pb2.ForwardBackwardInput) -> None:
         self.n += 1
         item = trainer_pb2.ForwardBackwardItem(
-            operation_id=f"fb-{self.n}", slot=self.slot, registration_id="direct", input=fb
+            operation_id=f"fb-{self.n}",
+            slot=self.slot,
+            registration_id="direct",
+            payload=payload_bytes(fb),
         )
         resp = await self.stub.ForwardBackward(
             trainer_pb2.ForwardBackwardRequest(items=[item]), timeout=600
         )
-        assert resp.results[0].WhichOneof("outcome") == "output", resp.results[0].error
+        assert resp.results[0].WhichOneof("outcome") == "result", resp.results[0].error
         await self.stub.OptimStep(
             trainer_pb2.OptimStepRequest(
                 operation_id=f"step-{self.n}",
@@ -135,7 +139,10 @@ class ThroughController:
         self.seq += 1
         resp = await self.stub.SubmitOperation(
             K.SubmitOperationRequest(
-                tenant=TENANT, registration_id=self.rid, seq_id=self.seq, payload=payload
+                tenant=TENANT,
+                registration_id=self.rid,
+                seq_id=self.seq,
+                payload=payload.SerializeToString(deterministic=True),
             ),
             timeout=60,
         )

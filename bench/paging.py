@@ -101,7 +101,10 @@ class Run:
         resp = await self.c(
             "SubmitOperation",
             K.SubmitOperationRequest(
-                tenant=TENANT, registration_id=self.rid, seq_id=self.seq, payload=payload
+                tenant=TENANT,
+                registration_id=self.rid,
+                seq_id=self.seq,
+                payload=payload.SerializeToString(deterministic=True),
             ),
         )
         while True:

@@ -123,6 +123,7 @@ class ServiceLoop:
         raise RuntimeError("the trainer never accepted BindSlot")
 
     async def step(self, ids: torch.Tensor, targets: torch.Tensor) -> None:
+        from lorafleet.testing import payload_bytes
         from lorafleet.v1 import common_pb2, trainer_pb2
         from lorafleet_trainer.convert import tensor_to_proto
 
@@ -144,13 +145,15 @@ class ServiceLoop:
                         operation_id=f"fb-{self.n}",
                         slot=0,
                         registration_id="bench",
-                        input=common_pb2.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+                        payload=payload_bytes(
+                            common_pb2.ForwardBackwardInput(data=data, loss_fn="cross_entropy")
+                        ),
                     )
                 ]
             ),
             timeout=600,
         )
-        assert resp.results[0].WhichOneof("outcome") == "output", resp.results[0].error
+        assert resp.results[0].WhichOneof("outcome") == "result", resp.results[0].error
         await self.stub.OptimStep(
             trainer_pb2.OptimStepRequest(
                 operation_id=f"step-{self.n}",

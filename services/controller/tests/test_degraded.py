@@ -82,7 +82,7 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
             tenant="t",
             registration_id=runs[1],
             seq_id=1,
-            payload=fb_payload([1, 2, 3]),
+            payload=fb_payload([1, 2, 3]).SerializeToString(deterministic=True),
         ),
     )
     opid = submitted.operation_id  # type: ignore[attr-defined]
@@ -109,7 +109,7 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
                 tenant="t",
                 registration_id=runs[1],
                 seq_id=2,
-                payload=fb_payload([1, 2, 3]),
+                payload=fb_payload([1, 2, 3]).SerializeToString(deterministic=True),
             ),
         )
     with pytest.raises(errors.Unavailable, match=f"trainer-x \\(failed: {REASON}"):
@@ -147,7 +147,7 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
             tenant="t",
             registration_id=runs[1],
             seq_id=2,
-            payload=fb_payload([1, 2, 3]),
+            payload=fb_payload([1, 2, 3]).SerializeToString(deterministic=True),
         ),
     )
     opid = submitted.operation_id  # type: ignore[attr-defined]

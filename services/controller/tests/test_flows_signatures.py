@@ -1,21 +1,25 @@
 """The flows take parts and domain values, never a request message nor the Controller.
 
-Every public function and method of every module under `lorafleet_controller/flows` is
-checked: no parameter or return annotation names a protobuf request message (a class of a
-`_pb2` module whose name ends in `Request`), and no flow module imports `controller`. The
-servicer converts requests at the edge (`convert.py`); `controller.py` only wires.
+Every public function and method of every controller module but the gRPC edges (the
+servicers, `convert.py`, `clients.py`) is checked: no parameter or return annotation names a
+protobuf request message (a class of a `_pb2` module whose name ends in `Request`), and no
+flow module imports `controller`. The servicer converts requests at the edge
+(`convert.py`); `controller.py` only wires.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import inspect
 import pkgutil
+import re
 import typing
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+import lorafleet_controller
 from lorafleet.v1 import controller_pb2
 from lorafleet_controller import flows
 
@@ -27,6 +31,20 @@ CONTROLLER = "lorafleet_controller.controller"
 def flow_modules() -> list[ModuleType]:
     names = [m.name for m in pkgutil.walk_packages(flows.__path__, f"{flows.__name__}.")]
     return [flows, *(importlib.import_module(name) for name in sorted(names))]
+
+
+EDGES = {"servicer", "jobs_servicer", "convert", "clients"}
+"""The modules that speak gRPC: they take requests and convert them (or build them)."""
+
+
+def domain_modules() -> list[ModuleType]:
+    """Every module of the controller but the edges: the flows and the parts they use."""
+    names = [
+        m.name
+        for m in pkgutil.walk_packages(lorafleet_controller.__path__, "lorafleet_controller.")
+        if m.name.rsplit(".", 1)[-1] not in EDGES | {"__main__"}
+    ]
+    return [importlib.import_module(name) for name in sorted(names)]
 
 
 def public_callables(module: ModuleType) -> Iterator[tuple[str, Any]]:
@@ -55,15 +73,30 @@ def is_request(tp: Any) -> bool:
     )
 
 
+def _resolved(module: ModuleType, annotation: Any) -> Iterator[Any]:
+    """The classes an annotation names. A string annotation (postponed evaluation) is read
+    name by name in the module's namespace; a name imported only for type checking does
+    not resolve and is not a protobuf message (those are imported at run time)."""
+    if not isinstance(annotation, str):
+        yield from named_types(annotation)
+        return
+    for dotted in re.findall(r"[A-Za-z_][\w.]*", annotation):
+        head, *rest = dotted.split(".")
+        obj = vars(module).get(head, getattr(builtins, head, None))
+        for part in rest:
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            yield obj
+
+
 def request_annotations(module: ModuleType) -> list[str]:
     found = []
     for qualname, fn in public_callables(module):
-        hints = typing.get_type_hints(fn)
         inspect.signature(fn)  # every public callable has a signature to check
-        for param, hint in hints.items():
+        for param, annotation in fn.__annotations__.items():
             found += [
                 f"{module.__name__}.{qualname}({param}: {tp.__name__})"
-                for tp in named_types(hint)
+                for tp in _resolved(module, annotation)
                 if is_request(tp)
             ]
     return found
@@ -77,8 +110,14 @@ def test_the_walk_finds_every_flow_and_its_callables() -> None:
 
 
 def test_no_flow_takes_or_returns_a_request_message() -> None:
-    found = [hit for module in flow_modules() for hit in request_annotations(module)]
-    assert not found, "flows naming request messages:\n" + "\n".join(found)
+    """Nor does any part a flow uses: only the edges see requests."""
+    modules = domain_modules()
+    assert {m.__name__ for m in flow_modules()} <= {m.__name__ for m in modules}
+    assert {"lorafleet_controller.samplers", "lorafleet_controller.publish"} <= {
+        m.__name__ for m in modules
+    }
+    found = [hit for module in modules for hit in request_annotations(module)]
+    assert not found, "domain modules naming request messages:\n" + "\n".join(found)
 
 
 def test_the_check_sees_a_request_in_any_annotation_shape() -> None:
@@ -87,6 +126,7 @@ def test_the_check_sees_a_request_in_any_annotation_shape() -> None:
     def fine(info: controller_pb2.OperationPayload) -> None: ...
 
     module = ModuleType("probe")
+    module.controller_pb2 = controller_pb2  # type: ignore[attr-defined]
     for fn in (takes, nested, fine):
         fn.__module__ = "probe"
         setattr(module, fn.__name__, fn)

@@ -91,7 +91,12 @@ class Fleet:
     async def submit(self, rid: str, seq: int, payload: controller_pb2.OperationPayload):
         return await self.client(
             "SubmitOperation",
-            K.SubmitOperationRequest(tenant=T, registration_id=rid, seq_id=seq, payload=payload),
+            K.SubmitOperationRequest(
+                tenant=T,
+                registration_id=rid,
+                seq_id=seq,
+                payload=payload.SerializeToString(deterministic=True),
+            ),
         )
 
     async def slot_of(self, rid: str) -> trainer_pb2.SlotInfo:
@@ -163,6 +168,11 @@ async def test_out_of_order_and_retried_ops_apply_once(fleet: Fleet) -> None:
     slot = await fleet.slot_of(rid)
     assert slot.tokens_trained == 3 * (len(TOKENS) - 1)  # every chunk applied exactly once
     assert slot.optim_steps == 1
+    # billed from the target tokens the trainer reports with each result (the controller
+    # does not parse the result it stores), once per operation
+    usage = await fleet.client("GetUsage", K.GetUsageRequest(tenant=T))
+    (billed,) = usage.tenants  # type: ignore[attr-defined]
+    assert (billed.tokens_trained, billed.optim_steps) == (slot.tokens_trained, 1)
     reg = await fleet.client(
         "GetRegistration", K.GetRegistrationRequest(tenant=T, registration_id=rid)
     )

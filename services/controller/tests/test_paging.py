@@ -77,7 +77,10 @@ class Run:
         resp = await self.client(
             "SubmitOperation",
             K.SubmitOperationRequest(
-                tenant=T, registration_id=self.rid, seq_id=self.seq, payload=payload
+                tenant=T,
+                registration_id=self.rid,
+                seq_id=self.seq,
+                payload=payload.SerializeToString(deterministic=True),
             ),
         )
         op = await wait_done(self.client, T, resp.operation_id)  # type: ignore[attr-defined]
@@ -247,7 +250,7 @@ async def test_a_controller_sigkilled_mid_page_out_loses_nothing_and_applies_not
                 tenant=T,
                 registration_id=paged.rid,
                 seq_id=paged.seq,
-                payload=fb_payload(tokens(paged.seed, 2)),
+                payload=fb_payload(tokens(paged.seed, 2)).SerializeToString(deterministic=True),
             ),
         )
         controller.kill()

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from lorafleet.testing import free_port, start_redis, wait_until_async
+from lorafleet.testing import free_port, op_result, start_redis, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2, rollout_pb2_grpc
 
 from .fleet import (
@@ -120,7 +120,7 @@ async def test_publish_reaches_every_rollout_then_samples(
     )
     op = await wait_done(fleet.client, T, publish.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
-    result = op.result.save_weights_for_sampler  # type: ignore[attr-defined]
+    result = op_result(op).save_weights_for_sampler
     assert result.version == 1 and result.path == f"tinker://{rid}/sampler_weights/step-1"
     for rollout in rollouts:  # the barrier: every rollout had it before the op succeeded
         assert f"{rid}@1" in await resident(rollout)
@@ -143,7 +143,7 @@ async def test_publish_reaches_every_rollout_then_samples(
     assert len(sample.sequence_ids) == 2  # type: ignore[attr-defined]
     op = await wait_done(fleet.client, T, sample.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
-    assert len(op.result.sample.sequences) == 2  # type: ignore[attr-defined]
+    assert len(op_result(op).sample.sequences) == 2
 
     # the named sampler checkpoint is in the catalog and downloadable as PEFT files
     files: dict[str, bytes] = {}
@@ -183,7 +183,7 @@ async def test_publish_reaches_every_rollout_then_samples(
     rollouts[0].start()
     op = await wait_done(fleet.client, T, publish.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
-    assert op.result.save_weights_for_sampler.version == 2  # type: ignore[attr-defined]
+    assert op_result(op).save_weights_for_sampler.version == 2
 
     async def serve_version_2() -> bool:
         return all([f"{rid}@2" in await resident(r) for r in rollouts])

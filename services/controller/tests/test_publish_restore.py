@@ -144,10 +144,10 @@ async def train(trainer: TrainerClient, rid: str, slot: int, tag: str) -> None:
             operation_id=f"{rid}#{tag}{2 * step + 1}",
             slot=slot,
             registration_id=rid,
-            input=fb_payload(tokens).forward_backward,
+            payload=fb_payload(tokens).SerializeToString(deterministic=True),
         )
         resp = await trainer.forward_backward([item])
-        assert resp.results[0].WhichOneof("outcome") == "output", resp.results[0]
+        assert resp.results[0].WhichOneof("outcome") == "result", resp.results[0]
         await trainer.optim_step(
             f"{rid}#{tag}{2 * step + 2}", slot, rid, optim_payload().optim_step
         )

@@ -22,7 +22,7 @@ import pytest
 
 from lorafleet import errors
 from lorafleet.shared_storage import adapter_folder
-from lorafleet.testing import child_env, free_port, start_redis, wait_until_async
+from lorafleet.testing import child_env, free_port, op_result, start_redis, wait_until_async
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2, rollout_pb2_grpc
 from lorafleet_controller.clients import RolloutClient
 
@@ -143,7 +143,7 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
     )
     op = await wait_done(fleet.client, T, publish.operation_id)  # type: ignore[attr-defined]
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
-    assert op.result.save_weights_for_sampler.version == 1  # type: ignore[attr-defined]
+    assert op_result(op).save_weights_for_sampler.version == 1
 
     # every rollout read the version itself; the controller neither received nor wrote it
     for rollout in rollouts:
@@ -213,7 +213,7 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
             tenant=T,
             session_id=session,
             sampling_session_seq_id=1,
-            model_path=op.result.save_state.path,
+            model_path=op_result(op).save_state.path,
         ),  # type: ignore[attr-defined]
     )
     assert sampler.sampler.adapter.version == 2  # type: ignore[attr-defined]

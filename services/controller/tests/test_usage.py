@@ -22,14 +22,6 @@ FB = controller_pb2.OPERATION_KIND_FORWARD_BACKWARD
 FWD = controller_pb2.OPERATION_KIND_FORWARD
 
 
-def _fb_output(*lengths: int) -> common_pb2.ForwardBackwardOutput:
-    out = common_pb2.ForwardBackwardOutput()
-    for n in lengths:
-        d = out.outputs.add()
-        d.outputs["logprobs"].shape.append(n)
-    return out
-
-
 class Tick:
     def __init__(self) -> None:
         self.now = 0.0
@@ -48,9 +40,7 @@ async def _run(d: Domain, rid: str, seq: int, state: OpState, effects: Effects) 
 async def test_usage_is_counted_once_with_the_outcome(domain: Domain) -> None:
     rid = await domain.ready_registration(tenant="t1")
     usage = Usage(domain.store, domain.registry)
-    effects = forward_effects(FB, _fb_output(5, 7)) + optim_effects(
-        common_pb2.OptimStepOutput(applied=True)
-    )
+    effects = forward_effects(FB, 5 + 7) + optim_effects(common_pb2.OptimStepOutput(applied=True))
     assert await _run(domain, rid, 1, OpState.SUCCEEDED, effects)
     # A repeated completion (a re-dispatch, or the sweeper) is not recorded, nor counted.
     assert not await domain.ledger.complete(
@@ -60,7 +50,7 @@ async def test_usage_is_counted_once_with_the_outcome(domain: Domain) -> None:
     assert (t1.tokens_trained, t1.optim_steps, t1.tokens_forward) == (12, 1, 0)
     # A vetoed step, a forward and a sample count as what they are.
     assert optim_effects(common_pb2.OptimStepOutput(applied=False)) == []
-    assert forward_effects(FWD, _fb_output(3)) == [("usage", "tokens_forward", 3)]
+    assert forward_effects(FWD, 3) == [("usage", "tokens_forward", 3)]
     sample = common_pb2.SampleOutput()
     sample.sequences.add(tokens=[1, 2, 3])
     sample.sequences.add(tokens=[4])

@@ -141,7 +141,7 @@ def test_non_finite_results_are_a_user_error_in_json_and_exact_in_protobuf() -> 
     op = cpb.Operation(
         operation_id="o",
         state=cpb.OPERATION_STATE_SUCCEEDED,
-        result=cpb.OperationResult(forward_backward=fb),
+        result=cpb.OperationResult(forward_backward=fb).SerializeToString(),
     )
     reply = futures.render(op, accept_proto=False)
     body = json.loads(reply.body)
@@ -152,7 +152,9 @@ def test_non_finite_results_are_a_user_error_in_json_and_exact_in_protobuf() -> 
     assert got.tobytes() == losses.tobytes() and math.isinf(proto.metrics["loss:sum"])
     optim = cpb.Operation(
         state=cpb.OPERATION_STATE_SUCCEEDED,
-        result=cpb.OperationResult(optim_step=pb.OptimStepOutput(metrics={"grad_norm": math.nan})),
+        result=cpb.OperationResult(
+            optim_step=pb.OptimStepOutput(metrics={"grad_norm": math.nan})
+        ).SerializeToString(),
     )
     assert json.loads(futures.render(optim, accept_proto=False).body)["error"].startswith(
         "metrics.grad_norm: non-finite"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lorafleet.errors import InvalidArgument
+from lorafleet.testing import fb_output, payload_bytes
 from lorafleet.v1 import common_pb2, trainer_pb2
 from lorafleet_trainer import convert
 from lorafleet_trainer.domain import Datum, ForwardBackwardInput, ForwardBackwardItem, LoraSpec
@@ -176,8 +177,10 @@ async def test_context_and_group_tokens_travel_over_grpc(make_engine, h) -> None
                 operation_id="fb",
                 slot=0,
                 registration_id="r0",
-                input=common_pb2.ForwardBackwardInput(
-                    data=protos, loss_fn="cross_entropy", group_tokens=5
+                payload=payload_bytes(
+                    common_pb2.ForwardBackwardInput(
+                        data=protos, loss_fn="cross_entropy", group_tokens=5
+                    )
                 ),
             )
         ]
@@ -187,8 +190,7 @@ async def test_context_and_group_tokens_travel_over_grpc(make_engine, h) -> None
     finally:
         servicer.executor.shutdown()
     (result,) = response.results
-    assert result.WhichOneof("outcome") == "output", result
-    assert result.output == convert.fb_output_to_proto(direct)
+    assert fb_output(result) == convert.fb_output_to_proto(direct)
     served, reference = h.slot_grads(engines[1], 0), h.slot_grads(engines[0], 0)
     assert all(torch.equal(served[k], reference[k]) for k in served)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafleet.testing import fb_output, payload_bytes
 from lorafleet.v1 import common_pb2, trainer_pb2
 from lorafleet_trainer import convert
 from lorafleet_trainer.domain import Datum, ForwardBackwardInput, ForwardBackwardItem, LoraSpec
@@ -174,7 +175,9 @@ async def test_elementwise_loss_travels_in_the_grpc_response(make_engine, h) -> 
                 operation_id="op",
                 slot=0,
                 registration_id="r0",
-                input=common_pb2.ForwardBackwardInput(data=[proto_datum], loss_fn="cross_entropy"),
+                payload=payload_bytes(
+                    common_pb2.ForwardBackwardInput(data=[proto_datum], loss_fn="cross_entropy")
+                ),
             )
         ]
     )
@@ -183,11 +186,11 @@ async def test_elementwise_loss_travels_in_the_grpc_response(make_engine, h) -> 
     finally:
         servicer.executor.shutdown()
     (result,) = response.results
-    assert result.WhichOneof("outcome") == "output", result
-    outputs = result.output.outputs[0].outputs
+    output = fb_output(result)
+    outputs = output.outputs[0].outputs
     assert set(outputs) == {"logprobs", "elementwise_loss"}
     lp = convert.tensor_from_proto(outputs["logprobs"], "logprobs")
     el = convert.tensor_from_proto(outputs["elementwise_loss"], "elementwise_loss")
     assert el.shape == lp.shape == (4,)
     assert torch.allclose(el, -lp, rtol=0, atol=0)
-    assert abs(float(el.double().sum()) - result.output.metrics["loss:sum"]) <= 1e-5
+    assert abs(float(el.double().sum()) - output.metrics["loss:sum"]) <= 1e-5

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lorafleet.testing import free_port, stop_process
+from lorafleet.testing import free_port, payload_bytes, stop_process
 from lorafleet_trainer.group import launcher_env
 
 HERE = Path(__file__).resolve().parent
@@ -205,7 +205,7 @@ def _request(op: str, rows: int):
         operation_id=op,
         slot=0,
         registration_id="r",
-        input=common_pb2.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+        payload=payload_bytes(common_pb2.ForwardBackwardInput(data=data, loss_fn="cross_entropy")),
     )
     return trainer_pb2.ForwardBackwardRequest(items=[item])
 

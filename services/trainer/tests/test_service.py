@@ -13,8 +13,16 @@ import torch
 
 from lorafleet.errors import FailedPrecondition, InvalidArgument
 from lorafleet.rpc.errors import from_rpc_error
-from lorafleet.testing import child_env, free_port, service_process, stop_process, wait_serving
-from lorafleet.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from lorafleet.testing import (
+    child_env,
+    fb_output,
+    free_port,
+    payload_bytes,
+    service_process,
+    stop_process,
+    wait_serving,
+)
+from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2, trainer_pb2_grpc
 from lorafleet_trainer import convert
 
 
@@ -76,31 +84,45 @@ async def test_service_end_to_end(service, tmp_path: Path) -> None:
                     operation_id="op-1",
                     slot=0,
                     registration_id="reg-a",
-                    input=common_pb2.ForwardBackwardInput(
-                        data=[_datum([1, 2, 3, 4], [2, 3, 4, 5])], loss_fn="cross_entropy"
+                    payload=payload_bytes(
+                        common_pb2.ForwardBackwardInput(
+                            data=[_datum([1, 2, 3, 4], [2, 3, 4, 5])], loss_fn="cross_entropy"
+                        )
                     ),
                 ),
                 trainer_pb2.ForwardBackwardItem(
                     operation_id="op-bad",
                     slot=0,
                     registration_id="reg-a",
-                    input=common_pb2.ForwardBackwardInput(
-                        data=[_datum([1, 999], [2, 3])], loss_fn="cross_entropy"
+                    payload=payload_bytes(
+                        common_pb2.ForwardBackwardInput(
+                            data=[_datum([1, 999], [2, 3])], loss_fn="cross_entropy"
+                        )
                     ),
+                ),
+                trainer_pb2.ForwardBackwardItem(  # an item must carry forward(_backward)
+                    operation_id="op-control",
+                    slot=0,
+                    registration_id="reg-a",
+                    payload=controller_pb2.OperationPayload(
+                        save_state=controller_pb2.SaveStatePayload(name="x")
+                    ).SerializeToString(),
                 ),
             ]
         )
         first = await stub.ForwardBackward(fb, timeout=600)
-        ok, bad = first.results
-        assert ok.WhichOneof("outcome") == "output" and ok.output.metrics["loss:sum"] > 0
-        logprobs = convert.tensor_from_proto(ok.output.outputs[0].outputs["logprobs"], "x")
+        ok, bad, control = first.results
+        assert control.error.field == "payload" and "save_state" in control.error.message
+        output = fb_output(ok)
+        assert output.metrics["loss:sum"] > 0 and ok.target_tokens == 4
+        logprobs = convert.tensor_from_proto(output.outputs[0].outputs["logprobs"], "x")
         assert logprobs.shape == (4,) and bool((logprobs < 0).all())
         assert bad.error.field == "data[0].tokens[1]"  # validate_msgs names the id
 
         again = await stub.ForwardBackward(
             trainer_pb2.ForwardBackwardRequest(items=[fb.items[0]]), timeout=600
         )
-        assert again.results[0].output == ok.output
+        assert again.results[0].result == ok.result
         slots = await stub.ListSlots(trainer_pb2.ListSlotsRequest(), timeout=5)
         assert slots.slots[0].tokens_trained == 4  # the duplicate was not applied twice
 

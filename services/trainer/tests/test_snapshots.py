@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lorafleet.errors import AlreadyExists, FailedPrecondition
+from lorafleet.testing import payload_bytes
 from lorafleet.v1 import common_pb2, trainer_pb2
 from lorafleet_trainer.domain import ForwardBackwardInput, ForwardBackwardItem
 from lorafleet_trainer.servicer import TrainerServicer
@@ -87,7 +88,9 @@ async def test_a_request_for_another_trainer_process_changes_nothing(make_engine
                         operation_id=item.operation_id,
                         slot=0,
                         registration_id="reg",
-                        input=common_pb2.ForwardBackwardInput(loss_fn="cross_entropy"),
+                        payload=payload_bytes(
+                            common_pb2.ForwardBackwardInput(loss_fn="cross_entropy")
+                        ),
                     )
                 ],
                 incarnation=stale,

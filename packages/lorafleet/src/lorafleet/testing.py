@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
+
 T = TypeVar("T")
 
 # How long a test waits for something that must happen. Generous on purpose: a test waits
@@ -391,3 +393,27 @@ def child_env(**extra: str) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra)
     return env
+
+
+def payload_bytes(inp: common_pb2.ForwardBackwardInput, *, forward: bool = False) -> bytes:
+    """A forward_backward (or forward) OperationPayload serialised as the gateway writes it:
+    what SubmitOperationRequest.payload and ForwardBackwardItem.payload carry."""
+    payload = (
+        controller_pb2.OperationPayload(forward=inp)
+        if forward
+        else controller_pb2.OperationPayload(forward_backward=inp)
+    )
+    return payload.SerializeToString(deterministic=True)
+
+
+def fb_output(item: trainer_pb2.ForwardBackwardItemResult) -> common_pb2.ForwardBackwardOutput:
+    """The output a trainer batch item result carries (serialised as an OperationResult);
+    an item that failed fails the caller with its error."""
+    if item.WhichOneof("outcome") != "result":
+        raise AssertionError(f"{item.operation_id} failed: {item.error}")
+    return controller_pb2.OperationResult.FromString(item.result).forward_backward
+
+
+def op_result(op: controller_pb2.Operation) -> controller_pb2.OperationResult:
+    """An operation's result, parsed from the bytes GetOperation returns."""
+    return controller_pb2.OperationResult.FromString(op.result)

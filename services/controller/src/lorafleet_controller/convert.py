@@ -3,7 +3,7 @@ place that knows both shapes)."""
 
 from __future__ import annotations
 
-from lorafleet.v1 import common_pb2, controller_pb2
+from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
 from lorafleet_controller.catalog import CheckpointRecord
 from lorafleet_controller.fleet import BaseModelView, FleetView
 from lorafleet_controller.flows.operations import Submission
@@ -11,7 +11,7 @@ from lorafleet_controller.flows.registrations import NewRegistration
 from lorafleet_controller.flows.sampling import NewSampler
 from lorafleet_controller.ledger import OpRecord
 from lorafleet_controller.registry import ROLLOUT, TRAINER, RegRecord, Replica
-from lorafleet_controller.samplers import SamplerRecord
+from lorafleet_controller.samplers import SamplerRecord, SampleSubmission
 from lorafleet_controller.store import RegState
 from lorafleet_controller.tenancy import Session
 
@@ -65,9 +65,8 @@ def operation(rec: OpRecord) -> controller_pb2.Operation:
         finished_at=rec.finished_at,
         waiting_reason=rec.waiting_reason,
         waiting_for=rec.waiting_for,
+        result=rec.result,  # the bytes as stored: the reader parses them once
     )
-    if rec.result:
-        op.result.ParseFromString(rec.result)
     if rec.error:
         op.error.CopyFrom(error_info(rec.error))
     return op
@@ -179,6 +178,21 @@ def submission(req: controller_pb2.SubmitOperationRequest) -> Submission:
         seq_id=req.seq_id,
         payload=req.payload,
     )
+
+
+def sample_submission(req: controller_pb2.SubmitSampleRequest) -> SampleSubmission:
+    """The sample as the rollout will receive it, serialised here once (deterministically,
+    so a retry hashes alike); the request's rules are lorafleet.validate_msgs.check_sample,
+    run by the gateway and the rollout."""
+    n = req.num_samples or 1
+    body = rollout_pb2.SampleRequest(
+        prompt_tokens=req.prompt_tokens,
+        params=req.params,
+        num_samples=n,
+        prompt_logprobs=req.prompt_logprobs,
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
+    ).SerializeToString(deterministic=True)
+    return SampleSubmission(req.tenant, req.sampler_id, req.seq_id, n, body)
 
 
 def new_sampler(req: controller_pb2.CreateSamplerRequest) -> NewSampler:

@@ -43,6 +43,7 @@ from typing import Any
 from lorafleet import errors
 from lorafleet.rpc.errors import exception_from_info
 from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
+from lorafleet_controller import validate
 from lorafleet_controller.store import Store
 from lorafleet_controller.store.recovery_log import RecoveryLog
 
@@ -69,7 +70,8 @@ class Plan:
 
     snapshot: trainer_pb2.SlotSnapshot | None
     snapshot_seq: int
-    ops: list[tuple[int, controller_pb2.OperationPayload]]
+    ops: list[tuple[int, bytes]]
+    """(seq_id, serialized OperationPayload) to replay, oldest first."""
 
 
 def seq_of(registration_id: str, operation_id: str) -> int | None:
@@ -132,7 +134,7 @@ class Recovery:
         steps = history.optim_steps
         if history.last is None and snapshot is None and steps > 0:
             raise Corrupted(f"its replay log is gone although {steps} optimizer steps were applied")
-        ops: list[tuple[int, controller_pb2.OperationPayload]] = []
+        ops: list[tuple[int, bytes]] = []
         cursor = history.last
         while cursor is not None and cursor > snap_seq:
             entry = history.entries.get(cursor)
@@ -142,7 +144,7 @@ class Recovery:
                     f"the payload of seq_id {cursor} is gone (expired or deleted), so the "
                     f"operations since {after} cannot be replayed"
                 )
-            ops.append((cursor, controller_pb2.OperationPayload.FromString(entry.payload)))
+            ops.append((cursor, entry.payload))
             cursor = entry.prev
         ops.reverse()
         return Plan(snapshot, snap_seq, ops)
@@ -166,8 +168,8 @@ class Recovery:
                     ),
                     f"its last snapshot (seq_id {plan.snapshot_seq}) no longer loads",
                 )
-            for seq, payload in plan.ops:
-                await self._apply(trainer, incarnation, rid, slot, seq, payload)
+            for seq, body in plan.ops:
+                await self._apply(trainer, incarnation, rid, slot, seq, body)
         except Corrupted as exc:
             await self.corrupt(rid, str(exc))
             return False
@@ -188,20 +190,25 @@ class Recovery:
         rid: str,
         slot: int,
         seq: int,
-        payload: controller_pb2.OperationPayload,
+        body: bytes,
     ) -> None:
+        """Apply one logged operation again; a forward_backward's bytes go to the trainer as
+        they were logged, a control payload is parsed to act on it."""
         opid = f"{rid}#{seq}"
-        which = payload.WhichOneof("kind")
-        lost = f"replaying seq_id {seq} ({which}) failed"
-        if which == "forward_backward":
+        if validate.wire_kind(body) == controller_pb2.OPERATION_KIND_FORWARD_BACKWARD:
             item = trainer_pb2.ForwardBackwardItem(
-                operation_id=opid, slot=slot, registration_id=rid, input=payload.forward_backward
+                operation_id=opid, slot=slot, registration_id=rid, payload=body
             )
             resp = await trainer.forward_backward([item], incarnation=incarnation)
             result = resp.results[0]
-            if result.WhichOneof("outcome") != "output":
+            if result.WhichOneof("outcome") != "result":
+                lost = f"replaying seq_id {seq} (forward_backward) failed"
                 _corrupted_unless_retryable(exception_from_info(result.error), lost)
-        elif which == "optim_step":
+            return
+        payload = controller_pb2.OperationPayload.FromString(body)
+        which = payload.WhichOneof("kind")
+        lost = f"replaying seq_id {seq} ({which}) failed"
+        if which == "optim_step":
             await _or_corrupted(
                 trainer.optim_step(opid, slot, rid, payload.optim_step, incarnation=incarnation),
                 lost,

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
 from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
@@ -27,7 +28,7 @@ from lorafleet_controller.store.adapters import AdaptersRepo
 from lorafleet_controller.store.samplers import SampleLimits, SamplerRecord, SamplersRepo
 from lorafleet_controller.usage import sample_effects
 
-__all__ = ["SamplerRecord", "Samplers", "sampler_id_of"]
+__all__ = ["SampleSubmission", "SamplerRecord", "Samplers", "sampler_id_of"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,19 @@ def _no_healthy_rollout(base_model: str, known: list[Replica]) -> errors.Unavail
         field="sampler_id",
         reason=reason,
     )
+
+
+@dataclass(frozen=True)
+class SampleSubmission:
+    """A sample operation as SubmitSample asks for it. `body` is the rollout's
+    SampleRequest, serialised once at the edge (`convert.sample_submission`): the ledger
+    stores it, hashes it for idempotency and hands it to the rollout as it is."""
+
+    tenant: str
+    sampler_id: str
+    seq_id: int
+    num_samples: int
+    body: bytes
 
 
 class Samplers:
@@ -97,25 +111,15 @@ class Samplers:
             raise errors.NotFound(f"no sampler {sampler_id!r}", field="sampler_id")
         return rec
 
-    async def submit(
-        self, tenant: str, req: controller_pb2.SubmitSampleRequest
-    ) -> tuple[str, OpState, bool, list[str]]:
+    async def submit(self, sub: SampleSubmission) -> tuple[str, OpState, bool, list[str]]:
         """(operation_id, state, duplicate, sequence_ids) of a sample request."""
-        sampler = await self.get(tenant, req.sampler_id)
-        if req.seq_id < 0:
+        sampler = await self.get(sub.tenant, sub.sampler_id)
+        if sub.seq_id < 0:
             raise errors.InvalidArgument("seq_id must be >= 0", field="seq_id")
-        n = req.num_samples or 1  # the request's rules: lorafleet.validate_msgs.check_sample
-        body = rollout_pb2.SampleRequest(
-            prompt_tokens=req.prompt_tokens,
-            params=req.params,
-            num_samples=n,
-            prompt_logprobs=req.prompt_logprobs,
-            topk_prompt_logprobs=req.topk_prompt_logprobs,
-        ).SerializeToString(deterministic=True)
-        if len(body) > self.settings.max_payload_bytes:
+        if len(sub.body) > self.settings.max_payload_bytes:
             raise errors.InvalidArgument("sample request too large", field="prompt_tokens")
-        opid = f"{req.sampler_id}#s{req.seq_id}"
-        digest = hashlib.sha256(body).hexdigest()
+        opid = f"{sub.sampler_id}#s{sub.seq_id}"
+        digest = hashlib.sha256(sub.body).hexdigest()
         s = self.settings
         limits = SampleLimits(
             s.max_pending_per_tenant,
@@ -125,20 +129,20 @@ class Samplers:
         )
         now = self.ledger.clock()
         out = await self.repo.submit(
-            opid, tenant, digest, body, now, sampler.ref.registration_id, limits
+            opid, sub.tenant, digest, sub.body, now, sampler.ref.registration_id, limits
         )
         if out.code == "not_found":
-            raise errors.NotFound(f"no sampler {req.sampler_id!r}", field="sampler_id")
+            raise errors.NotFound(f"no sampler {sub.sampler_id!r}", field="sampler_id")
         if out.code == "conflict":
             raise errors.Conflict(
-                f"seq_id {req.seq_id} of {req.sampler_id} was used with another request",
+                f"seq_id {sub.seq_id} of {sub.sampler_id} was used with another request",
                 field="seq_id",
                 reason="PAYLOAD_CONFLICT",
             )
         if out.code == "backpressure":
             raise backpressure(out.scope)
         assert out.state is not None  # created and duplicate answer the operation's state
-        seq_ids = [f"{opid}:{i}" for i in range(n)]
+        seq_ids = [f"{opid}:{i}" for i in range(sub.num_samples)]
         if out.code == "created":
             self.spawn(opid)
         return opid, out.state, out.code == "duplicate", seq_ids

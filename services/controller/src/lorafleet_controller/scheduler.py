@@ -234,24 +234,15 @@ class Scheduler:
         )
         if not batch:
             return
-        items = []
-        for claim in batch:
-            payload = controller_pb2.OperationPayload.FromString(claim.payload)
-            fb = (
-                payload.forward
-                if claim.kind == controller_pb2.OPERATION_KIND_FORWARD
-                else payload.forward_backward
+        items = [  # the payload's bytes as the gateway wrote them: the trainer parses them
+            trainer_pb2.ForwardBackwardItem(
+                operation_id=claim.operation_id,
+                slot=claim.slot,
+                registration_id=claim.registration_id,
+                payload=claim.payload,
             )
-            if claim.kind == controller_pb2.OPERATION_KIND_FORWARD:
-                fb.forward_only = True
-            items.append(
-                trainer_pb2.ForwardBackwardItem(
-                    operation_id=claim.operation_id,
-                    slot=claim.slot,
-                    registration_id=claim.registration_id,
-                    input=fb,
-                )
-            )
+            for claim in batch
+        ]
         try:
             resp = await self.pool.trainer(rep.address).forward_backward(
                 items, incarnation=rep.incarnation
@@ -509,13 +500,13 @@ def _outcome(claim: Claim, item: trainer_pb2.ForwardBackwardItemResult | None) -
         return Outcome(
             opid, OpState.FAILED, error=errors.Internal("trainer returned no result"), claim=number
         )
-    if item.WhichOneof("outcome") != "output":
+    if item.WhichOneof("outcome") != "result":
         return Outcome(opid, OpState.FAILED, error=exception_from_info(item.error), claim=number)
-    result = controller_pb2.OperationResult(forward_backward=item.output).SerializeToString()
     forward = claim.kind == controller_pb2.OPERATION_KIND_FORWARD
     effects: Effects = [] if forward else [("set", "dirty", "1")]
-    effects += forward_effects(claim.kind, item.output)
-    return Outcome(opid, OpState.SUCCEEDED, result, effects=effects, claim=number)
+    effects += forward_effects(claim.kind, item.target_tokens)
+    # stored as the trainer serialised it: GetOperation hands these bytes to the gateway
+    return Outcome(opid, OpState.SUCCEEDED, item.result, effects=effects, claim=number)
 
 
 def in_doubt(exc: BaseException) -> bool:

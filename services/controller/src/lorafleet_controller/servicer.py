@@ -178,7 +178,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def SubmitSample(
         self, request: pb.SubmitSampleRequest, context: ServerContext
     ) -> pb.SubmitOperationResponse:
-        opid, state, dup, seq_ids = await self.controller.samplers.submit(request.tenant, request)
+        submission = convert.sample_submission(request)
+        opid, state, dup, seq_ids = await self.controller.samplers.submit(submission)
         return pb.SubmitOperationResponse(
             operation_id=opid,
             state=controller_pb2.OperationState.ValueType(state),

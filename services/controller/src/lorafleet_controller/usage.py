@@ -23,7 +23,6 @@ sweep (a new leader exports the same totals, never a reset).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -52,13 +51,11 @@ def _effect(field: str, n: int) -> Effects:
     return [("usage", field, n)] if n else []
 
 
-def forward_effects(kind: int, output: common_pb2.ForwardBackwardOutput) -> Effects:
-    """Usage of a successful forward / forward_backward: its target tokens."""
-    n = sum(
-        math.prod(d.outputs["logprobs"].shape) for d in output.outputs if "logprobs" in d.outputs
-    )
+def forward_effects(kind: int, target_tokens: int) -> Effects:
+    """Usage of a successful forward / forward_backward: the target tokens the trainer
+    reports for it (ForwardBackwardItemResult.target_tokens)."""
     forward = kind == controller_pb2.OPERATION_KIND_FORWARD
-    return _effect("tokens_forward" if forward else "tokens_trained", n)
+    return _effect("tokens_forward" if forward else "tokens_trained", target_tokens)
 
 
 def optim_effects(output: common_pb2.OptimStepOutput) -> Effects:

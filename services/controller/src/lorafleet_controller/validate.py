@@ -1,5 +1,12 @@
 """Payload validation and the idempotency digest of operations.
 
+A payload arrives as the bytes the gateway serialised (SubmitOperationRequest.payload), and
+the tensors in it are never parsed here: the kind is read from the tag of the payload's one
+field, and forward / forward_backward bytes are hashed, stored and forwarded as they are
+(their rules are lorafleet.validate_msgs.check_forward_backward's, run by the gateway and by
+the trainer that acts on them). The small control payloads the controller acts on are parsed
+and checked here.
+
 A payload that fails here still consumes its seq_id as a born-terminal FAILED(user) record
 (design-lessons §3.6), so validation returns the error instead of raising it. The digest is
 SHA-256 over the kind and the deterministic protobuf serialization of the payload, minus
@@ -9,6 +16,9 @@ the fields an SDK re-mints on its own retries (`sampling_session_seq_id`, §9).
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
 
 from lorafleet import contract, errors, names
 from lorafleet.v1 import controller_pb2
@@ -21,11 +31,67 @@ KIND_OF_FIELD = {
     "load_state": controller_pb2.OPERATION_KIND_LOAD_STATE,
     "save_weights_for_sampler": controller_pb2.OPERATION_KIND_SAVE_WEIGHTS_FOR_SAMPLER,
 }
+DATA_KINDS = frozenset(
+    {controller_pb2.OPERATION_KIND_FORWARD, controller_pb2.OPERATION_KIND_FORWARD_BACKWARD}
+)
+"""Kinds whose payload carries tensors: stored and forwarded as bytes, parsed by the trainer."""
+
+_FIELDS = controller_pb2.OperationPayload.DESCRIPTOR.fields_by_name
+_KIND_OF_TAG = {(_FIELDS[name].number << 3) | 2: kind for name, kind in KIND_OF_FIELD.items()}
+"""The tag byte of each kind's field (length-delimited, field numbers under 16)."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What admission needs of a payload: its kind, its digest, and why it is refused."""
+
+    kind: int
+    digest: str
+    rejection: errors.LorafleetError | None
 
 
 def payload_kind(payload: controller_pb2.OperationPayload) -> int:
     which = payload.WhichOneof("kind")
     return KIND_OF_FIELD[which] if which else controller_pb2.OPERATION_KIND_UNSPECIFIED
+
+
+def wire_kind(body: bytes) -> int:
+    """The kind of a serialized OperationPayload, read without parsing it: a oneof payload
+    serialises as exactly one length-delimited field, so the first byte is that field's
+    tag and its length covers the rest. Anything else (no field, an unknown one, trailing
+    fields) is OPERATION_KIND_UNSPECIFIED."""
+    kind = _KIND_OF_TAG.get(body[0]) if body else None
+    if kind is None:
+        return controller_pb2.OPERATION_KIND_UNSPECIFIED
+    length, shift, pos = 0, 0, 1
+    while pos < len(body) and shift < 64:
+        byte = body[pos]
+        pos += 1
+        length |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return kind if pos + length == len(body) else controller_pb2.OPERATION_KIND_UNSPECIFIED
+        shift += 7
+    return controller_pb2.OPERATION_KIND_UNSPECIFIED
+
+
+def admit(body: bytes) -> Admitted:
+    """Kind, digest and first problem of a serialized payload. Data payloads are hashed as
+    they are (the gateway serialised them deterministically, so a retry hashes alike); a
+    control payload is parsed, checked and hashed in its canonical form."""
+    kind = wire_kind(body)
+    if kind in DATA_KINDS:
+        return Admitted(kind, hashlib.sha256(b"%d:" % kind + body).hexdigest(), None)
+    try:
+        payload = controller_pb2.OperationPayload.FromString(body)
+    except DecodeError:
+        payload = None
+    if payload is None or kind != payload_kind(payload):
+        refused = errors.InvalidArgument(
+            "not one serialized operation (an OperationPayload with one kind set)",
+            field="payload",
+        )
+        return Admitted(kind, "invalid:" + hashlib.sha256(body).hexdigest(), refused)
+    return Admitted(kind, digest(payload), validate(payload))
 
 
 def digest(payload: controller_pb2.OperationPayload) -> str:

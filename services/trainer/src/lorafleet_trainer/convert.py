@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
+import torch
+from google.protobuf.message import DecodeError
+
+from lorafleet.errors import InvalidArgument
 from lorafleet.tensors import WIRE_DTYPES, check_layout
-from lorafleet.v1 import common_pb2, trainer_pb2
+from lorafleet.v1 import common_pb2, controller_pb2, trainer_pb2
 from lorafleet_trainer import domain
 
 # The wire dtype table is lorafleet.tensors'; torch shares its dtype names.
@@ -102,6 +106,30 @@ def fb_input_from_proto(inp: common_pb2.ForwardBackwardInput) -> domain.ForwardB
         forward_only=inp.forward_only,
         group_tokens=int(inp.group_tokens),
     )
+
+
+def fb_input_from_payload(body: bytes) -> domain.ForwardBackwardInput:
+    """The domain input of a ForwardBackwardItem's payload: the serialized OperationPayload
+    the gateway wrote, parsed here once. A `forward` payload runs forward-only."""
+    try:
+        payload = controller_pb2.OperationPayload.FromString(body)
+    except DecodeError as exc:
+        raise InvalidArgument(f"not a serialized OperationPayload: {exc}", field="payload") from exc
+    which = payload.WhichOneof("kind")
+    if which == "forward":
+        return dataclasses.replace(fb_input_from_proto(payload.forward), forward_only=True)
+    if which == "forward_backward":
+        return fb_input_from_proto(payload.forward_backward)
+    raise InvalidArgument(
+        f"a forward_backward item carries a {which or 'empty'} payload", field="payload"
+    )
+
+
+def fb_result(out: domain.ForwardBackwardOutput) -> tuple[bytes, int]:
+    """The serialized OperationResult the controller stores and returns as it is, and the
+    target tokens it covers (what usage bills as trained or forward tokens)."""
+    result = controller_pb2.OperationResult(forward_backward=fb_output_to_proto(out))
+    return result.SerializeToString(), sum(lp.numel() for lp in out.logprobs)
 
 
 def fb_output_to_proto(out: domain.ForwardBackwardOutput) -> common_pb2.ForwardBackwardOutput:

@@ -121,7 +121,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         positions = []
         for i, it in enumerate(request.items):
             try:
-                inp = convert.fb_input_from_proto(it.input)
+                inp = convert.fb_input_from_payload(it.payload)
             except LorafleetError as exc:
                 results[i] = exc
                 continue
@@ -136,7 +136,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
             if isinstance(res, LorafleetError):
                 r.error.CopyFrom(error_info(res))
             else:
-                r.output.CopyFrom(convert.fb_output_to_proto(res))
+                r.result, r.target_tokens = convert.fb_result(res)
         return response
 
     async def OptimStep(

@@ -1313,6 +1313,11 @@ class Operation(_message.Message):
     seq_id: _builtins.int
     kind: Global___OperationKind.ValueType
     state: Global___OperationState.ValueType
+    result: _builtins.bytes
+    """A serialized OperationResult, as the trainer (or the controller, for the operations it
+    runs itself) wrote it; the reader parses it once. Wire-compatible with the message field
+    this was.
+    """
     submitted_at: _builtins.float
     finished_at: _builtins.float
     waiting_reason: _builtins.str
@@ -1320,8 +1325,6 @@ class Operation(_message.Message):
     for people; `waiting_for` says the same for programs.
     """
     waiting_for: Global___WaitingFor.ValueType
-    @_builtins.property
-    def result(self) -> Global___OperationResult: ...
     @_builtins.property
     def error(self) -> _common_pb2.ErrorInfo: ...
     def __init__(
@@ -1332,14 +1335,14 @@ class Operation(_message.Message):
         seq_id: _builtins.int = ...,
         kind: Global___OperationKind.ValueType = ...,
         state: Global___OperationState.ValueType = ...,
-        result: Global___OperationResult | None = ...,
+        result: _builtins.bytes = ...,
         error: _common_pb2.ErrorInfo | None = ...,
         submitted_at: _builtins.float = ...,
         finished_at: _builtins.float = ...,
         waiting_reason: _builtins.str = ...,
         waiting_for: Global___WaitingFor.ValueType = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finished_at", b"finished_at", "kind", b"kind", "operation_id", b"operation_id", "registration_id", b"registration_id", "result", b"result", "seq_id", b"seq_id", "state", b"state", "submitted_at", b"submitted_at", "waiting_for", b"waiting_for", "waiting_reason", b"waiting_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
@@ -1359,8 +1362,14 @@ class SubmitOperationRequest(_message.Message):
     tenant: _builtins.str
     registration_id: _builtins.str
     seq_id: _builtins.int
-    @_builtins.property
-    def payload(self) -> Global___OperationPayload: ...
+    payload: _builtins.bytes
+    """A serialized OperationPayload (deterministic serialization), written once by the
+    gateway after it validated it. The controller reads its kind from the first field's tag,
+    hashes the bytes for idempotency and stores and forwards them as they are; it parses
+    only the small control payloads it acts on (optim_step, save_state, load_state,
+    save_weights_for_sampler), never the tensors. Wire-compatible with the message field
+    this was.
+    """
     @_builtins.property
     def rejection(self) -> _common_pb2.ErrorInfo:
         """Set by the gateway when it refused the request's payload at the edge: the seq_id is
@@ -1374,10 +1383,10 @@ class SubmitOperationRequest(_message.Message):
         tenant: _builtins.str = ...,
         registration_id: _builtins.str = ...,
         seq_id: _builtins.int = ...,
-        payload: Global___OperationPayload | None = ...,
+        payload: _builtins.bytes = ...,
         rejection: _common_pb2.ErrorInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "rejection", b"rejection"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rejection", b"rejection"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["payload", b"payload", "registration_id", b"registration_id", "rejection", b"rejection", "seq_id", b"seq_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...

@@ -261,23 +261,26 @@ class ForwardBackwardItem(_message.Message):
     OPERATION_ID_FIELD_NUMBER: _builtins.int
     SLOT_FIELD_NUMBER: _builtins.int
     REGISTRATION_ID_FIELD_NUMBER: _builtins.int
-    INPUT_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
     operation_id: _builtins.str
     slot: _builtins.int
     registration_id: _builtins.str
-    @_builtins.property
-    def input(self) -> _common_pb2.ForwardBackwardInput: ...
+    payload: _builtins.bytes
+    """A serialized lorafleet.v1.OperationPayload holding `forward` or `forward_backward`: the
+    bytes the gateway wrote, which the controller stored and forwards without parsing them.
+    The trainer parses them once; `forward` runs forward-only whatever its flag says.
+    """
     def __init__(
         self,
         *,
         operation_id: _builtins.str = ...,
         slot: _builtins.int = ...,
         registration_id: _builtins.str = ...,
-        input: _common_pb2.ForwardBackwardInput | None = ...,
+        payload: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "operation_id", b"operation_id", "registration_id", b"registration_id", "slot", b"slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation_id", b"operation_id", "payload", b"payload", "registration_id", b"registration_id", "slot", b"slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -316,25 +319,33 @@ class ForwardBackwardItemResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OPERATION_ID_FIELD_NUMBER: _builtins.int
-    OUTPUT_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    TARGET_TOKENS_FIELD_NUMBER: _builtins.int
     operation_id: _builtins.str
-    @_builtins.property
-    def output(self) -> _common_pb2.ForwardBackwardOutput: ...
+    result: _builtins.bytes
+    """A serialized lorafleet.v1.OperationResult holding `forward_backward`: the controller
+    stores these bytes and GetOperation returns them as they are; the gateway parses them.
+    """
+    target_tokens: _builtins.int
+    """Target tokens the output covers (its logprobs' elements), for usage: the controller
+    bills them without parsing the result.
+    """
     @_builtins.property
     def error(self) -> _common_pb2.ErrorInfo: ...
     def __init__(
         self,
         *,
         operation_id: _builtins.str = ...,
-        output: _common_pb2.ForwardBackwardOutput | None = ...,
+        result: _builtins.bytes = ...,
         error: _common_pb2.ErrorInfo | None = ...,
+        target_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "output", b"output"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "operation_id", b"operation_id", "outcome", b"outcome", "output", b"output"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "operation_id", b"operation_id", "outcome", b"outcome", "result", b"result", "target_tokens", b"target_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["output", "error"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "error"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 

@@ -20,7 +20,8 @@ class Submission:
     tenant: str
     registration_id: str
     seq_id: int
-    payload: controller_pb2.OperationPayload
+    payload: bytes
+    """A serialized OperationPayload, as its writer serialised it (validate.admit)."""
 
 
 class Operations:
@@ -30,19 +31,17 @@ class Operations:
         self.background = background
 
     async def submit(self, sub: Submission) -> Admission:
-        """Admit an operation (refused as FAILED(user) when its payload is invalid)."""
-        payload = sub.payload
-        body = payload.SerializeToString(deterministic=True)
-        kind = validate.payload_kind(payload)
-        rejection = validate.validate(payload)
+        """Admit an operation (refused as FAILED(user) when its payload is invalid). The
+        payload's bytes are stored and forwarded as they came (validate.admit)."""
+        checked = validate.admit(sub.payload)
         admission = await self.ledger.submit(
             sub.tenant,
             sub.registration_id,
             sub.seq_id,
-            kind,
-            body,
-            validate.digest(payload),
-            rejection,
+            checked.kind,
+            sub.payload,
+            checked.digest,
+            checked.rejection,
         )
         if admission.page_in:  # a paged run has work again: give it a free slot if one is
             self.background(self.placer.fill(admission.page_in))

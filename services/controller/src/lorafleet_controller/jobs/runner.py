@@ -107,7 +107,7 @@ class LedgerExecutor:
             tenant=self.rec.tenant,
             registration_id=self.rec.registration_id,
             seq_id=self.seq,
-            payload=payload,
+            payload=payload.SerializeToString(deterministic=True),
         )
         while True:
             await self._check_cancel()

@@ -37,8 +37,13 @@ class Ledger:
         except errors.InvalidArgument as exc:
             await self.spend(tenant, model_id, seq_id, exc)
             raise
+        # Serialised here once: the controller stores and forwards these bytes as they are
+        # and the trainer parses them (lorafleet_controller.validate.admit).
         request = cpb.SubmitOperationRequest(
-            tenant=tenant, registration_id=model_id, seq_id=seq_id, payload=payload
+            tenant=tenant,
+            registration_id=model_id,
+            seq_id=seq_id,
+            payload=payload.SerializeToString(deterministic=True),
         )
         reply = await self._controller.submit_operation(request)
         return future(FutureId(FutureKind.OPERATION, reply.operation_id), model_id)

@@ -4,8 +4,9 @@ A submit answered a `FutureId`. Polling an operation long-polls the controller's
 GetOperation (up to `long_poll_seconds`, well under the SDK's 45 s read timeout) and renders
 the terminal record as the result type the SDK expects for that kind: protobuf for
 forward/backward and sample results when the Accept header asks for it (0.38 always does),
-JSON otherwise; {"error", "category"} for failures; 410 once a result was acknowledged or
-expired; {"type": "try_again"} while it is queued. Creating and unloading a model are done
+JSON otherwise; {"error", "category"} for failures; 410 once a result was released (the
+controller's acked-result grace after it was delivered, or its TTL unread);
+{"type": "try_again"} while it is queued. Creating and unloading a model are done
 synchronously by their submit, so those futures are answered from the registry.
 
 Non-finite numbers (a loss that overflowed float32) cannot be written as JSON: such a result
@@ -101,8 +102,8 @@ def render(op: cpb.Operation, accept_proto: bool, external_name: str = "") -> Fu
         raise errors.Expired(f"result of {op.operation_id} was already delivered or expired")
     if op.state != cpb.OPERATION_STATE_SUCCEEDED:
         return _json(failure(op))
-    kind = op.result.WhichOneof("kind")
-    result = op.result
+    result = cpb.OperationResult.FromString(op.result)  # the one parse of the trainer's bytes
+    kind = result.WhichOneof("kind")
     try:
         if kind == "forward_backward":
             if accept_proto:
