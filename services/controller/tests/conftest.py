@@ -110,6 +110,7 @@ async def domain(redis_url: tuple[str, bool]) -> AsyncIterator[Domain]:
         gap_timeout_seconds=5,
         claimed_timeout_seconds=10,
         result_ttl_seconds=100,
+        acked_result_grace_seconds=30,  # shorter than the TTL, so the ack is what releases
     )
     client = connect(url, cluster=cluster)
     d = await build(client, settings, Clock())

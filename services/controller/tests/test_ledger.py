@@ -170,8 +170,18 @@ async def test_ack_and_result_expiry_keep_the_seq_reserved(domain: Domain) -> No
     rec = await domain.ledger.get("t1", a.operation_id)
     assert rec.state == OpState.SUCCEEDED and rec.result == b"RESULT"
     await domain.ledger.ack("t1", a.operation_id)
+    # Acknowledged: no longer unacked, but readable for the grace (a lost answer is
+    # fetched again), whatever the sweep and a second ack do meanwhile.
+    assert (await domain.ledger.tenant_load("t1"))["unacked"] == 0
+    await domain.ledger.ack("t1", a.operation_id)
+    assert (await domain.ledger.sweep()).results_expired == 0
+    rec = await domain.ledger.get("t1", a.operation_id)
+    assert rec.state == OpState.SUCCEEDED and rec.result == b"RESULT"
+    domain.clock.now += domain.settings.acked_result_grace_seconds + 1
+    assert (await domain.ledger.sweep()).results_expired == 1
     rec = await domain.ledger.get("t1", a.operation_id)
     assert rec.state == OpState.EXPIRED and rec.result == b""
+    assert (await domain.ledger.tenant_load("t1"))["unacked"] == 0  # not released twice
     dup = await submit(domain, rid, 1, b"a")
     assert dup.duplicate and dup.state == OpState.EXPIRED
     with pytest.raises(errors.NotFound):

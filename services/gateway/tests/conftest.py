@@ -21,7 +21,11 @@ def fleet(make_fleet: Callable[..., AbstractContextManager[object]]) -> Iterator
     }
     # Paging off: test_queue_state_of_an_operation_waiting_for_a_slot needs a run that stays
     # queued while the slots' holders sit idle (paging is tested in tests/e2e/test_paging_sdk.py).
-    controller_env = {"LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS": "0"}
+    # A short grace, so test_gateway_fleet sees a delivered result released (410).
+    controller_env = {
+        "LORAFLEET_CONTROLLER_PAGE_IDLE_SECONDS": "0",
+        "LORAFLEET_CONTROLLER_ACKED_RESULT_GRACE_SECONDS": "2",
+    }
     extra_env = {"gateway": gateway_env, "controller": controller_env}
     with make_fleet(trainers=1, rollouts=1, slots=4, extra_env=extra_env) as running:
         yield running

@@ -250,9 +250,9 @@ def test_proto_zstd_forward_returns_proto_and_json_results(client: Client, model
     lps = np.frombuffer(out.loss_fn_outputs[0].fields["logprobs"].data, "<f4").tolist()
     assert lps == pytest.approx(json_lps, abs=1e-6)
     assert math.isclose(out.metrics["loss:sum"], -sum(lps), rel_tol=1e-5)
-    # The result is acknowledged after it was sent (a background task of that reply, so a
-    # lost reply never loses the result): once the ack lands, polling again is 410; until
-    # then a poll delivers the same result again.
+    # The result is acknowledged after it was sent (a background task of that reply) and
+    # released the controller's acked-result grace later (2 s here), so an answer lost in
+    # transit is delivered again; once released, polling again is 410.
     request_id = reply.json()["request_id"]
 
     def acknowledged() -> bool:

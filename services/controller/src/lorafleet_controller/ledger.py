@@ -7,8 +7,9 @@ identity the client already has, `<registration_id>#<seq_id>`, so a retried subm
 on its original record without any lookup table.
 
 States (`store.OpState`): QUEUED → CLAIMED → SUCCEEDED | FAILED(user|server) | CANCELLED, then
-EXPIRED once the result is acknowledged or outlives `result_ttl_seconds`; the seq_id stays
-reserved forever. Limits are per registration, per tenant and for the fleet (see submit).
+EXPIRED once the result was acknowledged `acked_result_grace_seconds` ago (the sweep releases
+it) or outlives `result_ttl_seconds`; the seq_id stays reserved forever. Limits are per
+registration, per tenant and for the fleet (see submit).
 Dispatch writes (claims, outcomes, sweeps) carry the leader's epoch (`store.Store`).
 """
 
@@ -385,8 +386,13 @@ class Ledger:
                     return await self.get(tenant, opid)
 
     async def ack(self, tenant: str, opid: str) -> None:
+        """The client has the result: it stops counting toward the unacked limits now and
+        is released `acked_result_grace_seconds` later (ack.lua says why)."""
         own = [self.keys.op(opid), self.keys.tenant(tenant)]
-        code = text(named(await self.store.scripts.run("ack", own, opid, tenant))["code"])
+        s = self.settings
+        release_at = self.clock() + s.acked_result_grace_seconds - s.result_ttl_seconds
+        out = await self.store.scripts.run("ack", own, opid, tenant, release_at)
+        code = text(named(out)["code"])
         if code == "not_found":
             raise errors.NotFound(f"no operation {opid!r}", field="operation_id")
         if code == "open":

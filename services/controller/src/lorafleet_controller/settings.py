@@ -56,6 +56,15 @@ class ControllerSettings:
         min=0.05,
         max=30 * 86400.0,
     )
+    acked_result_grace_seconds: float = setting(
+        300.0,
+        doc="An acknowledged result stays readable this long (until the sweep after it), "
+        "no longer counting toward the unacked limits: a client whose answer was lost in "
+        "transit (its read timed out on a loaded link) polls again and still gets it. Longer "
+        "than the SDK's 45 s read timeout and its retries.",
+        min=0.0,
+        max=86400.0,
+    )
     max_pending_per_registration: int = setting(
         256, doc="Open operations per registration (also the seq_id window).", min=1, max=100_000
     )

@@ -75,8 +75,8 @@ class GatewaySettings:
     )
     ack_results: bool = setting(
         True,
-        doc="Acknowledge an operation once its result was sent, releasing it in the ledger "
-        "(a later poll of the same id answers 410).",
+        doc="Acknowledge an operation once its result was sent: the ledger releases it the "
+        "controller's acked_result_grace_seconds later (a poll after that answers 410).",
     )
     download_secret: str = setting(
         "",

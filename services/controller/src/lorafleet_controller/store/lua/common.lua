@@ -106,16 +106,17 @@ local function finish(opid, state, result_body, err, now)
   return true
 end
 
--- Release a terminal result: payload and result go, the seq_id stays reserved.
+-- Release a terminal result: payload and result go, the seq_id stays reserved. An
+-- acknowledged one (ack.lua) no longer counts as unacked.
 local function expire(opid)
   local ok = keys.op(opid)
-  local f = redis.call('HMGET', ok, 'state', 'tenant')
+  local f = redis.call('HMGET', ok, 'state', 'tenant', 'acked')
   local st = tonumber(f[1] or '0')
   if st ~= OP.SUCCEEDED and st ~= OP.FAILED and st ~= OP.CANCELLED then return false end
   redis.call('HSET', ok, 'state', OP.EXPIRED)
-  redis.call('HDEL', ok, 'result', 'error', 'payload')
+  redis.call('HDEL', ok, 'result', 'error', 'payload', 'acked')
   redis.call('ZREM', keys.results, opid)
-  count(f[2], 'unacked', -1)
+  if f[3] ~= '1' then count(f[2], 'unacked', -1) end
   depth(st, -1)
   depth(OP.EXPIRED, 1)
   return true
