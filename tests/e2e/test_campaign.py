@@ -65,6 +65,13 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTS = int(os.environ.get("CAMPAIGN_FAULTS", "20"))
+# Seconds each training tenant pauses between its steps under faults. A tenant's results on
+# the shared trainer differ from the reference's in the last bits from its first operation
+# (its passes share rows with other tenants', differently), and training grows that
+# difference: at CAMPAIGN_FAULTS=500 without a pause (716-778 steps each) it passed RTOL
+# after 316-460 steps, while every count, seq_id and state agreed. A pause keeps a long
+# campaign's runs short enough for RTOL to tell a fault's damage from rounding.
+PAUSE_S = float(os.environ.get("CAMPAIGN_STEP_PAUSE_S", "0"))
 SEED = int(os.environ.get("CAMPAIGN_SEED", "2026"))
 STOP_MAX_S = float(os.environ.get("CAMPAIGN_STOP_MAX_S", "4"))
 GAP_MAX_S = 3.0  # most time between two faults
@@ -482,7 +489,12 @@ def compare(
             f"the trainer applied operations the ledger lacks: "
             f"{sorted(applied - set(ledger['ops']))}"
         )
-    if seqs(applied) != seqs(set(s_want["applied"])):
+    # The trainer keeps the newest ids it applied (its dedup window, max_applied_ops), a
+    # restore's own id among them: once a run outgrows the window, the faulted run's holds
+    # fewer seq_ids, and they must be the newest of the reference's.
+    got_seqs, want_seqs = seqs(applied), seqs(set(s_want["applied"]))
+    full = len(s_got["applied"]) == len(s_want["applied"])
+    if got_seqs != want_seqs and not (full and got_seqs == want_seqs[-len(got_seqs) :]):
         diffs.append("the trainer applied other operations than the reference's")
     return diffs, apart
 
@@ -552,7 +564,9 @@ def test_fault_campaign_ends_where_a_fault_free_run_ends(make_fleet, sdk_python,
                 threading.Thread(target=run, name="injector", daemon=True).start()
 
             started = time.monotonic()
-            under_faults = spec("faults", stop_file=str(stop_file), min_steps=MIN_STEPS)
+            under_faults = spec(
+                "faults", stop_file=str(stop_file), min_steps=MIN_STEPS, pause_s=PAUSE_S
+            )
             times = run_tenants(
                 python, under_faults, tmp_path / "faults.json", on_ready=start_faults, runs=runs
             )
