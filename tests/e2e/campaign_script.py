@@ -130,7 +130,6 @@ class Tenant:
                         ]
                     )
                 step += 1
-                time.sleep(SPEC.get("pause_s", 0.0))  # test_campaign.PAUSE_S says why
             self.result["steps"] = step
             self.result["final"] = tc.save_state("final").result().path
 

@@ -115,6 +115,31 @@ async def test_a_tenants_step_is_batched_before_another_tenants_backlog_drains(
     await d.notifier.stop()
 
 
+async def test_a_batch_limit_takes_the_fair_order_and_keeps_the_rest_in_order(
+    domain: Domain,
+) -> None:
+    """max_batch_operations: the batch is the fair order cut at the limit (1: every
+    operation alone, so no run's pass depends on its co-tenants); the rest stay in arrival
+    order for the next batches, and nothing is dropped."""
+    d = domain
+    for tenant in "ab":
+        for i in (0, 1):
+            rid = await d.ready_registration(tenant=tenant, session=f"s{tenant}{i}")
+            await d.ledger.submit(tenant, rid, 1, FORWARD, b"f", f"f-{rid}")
+    backlog = await d.ledger.claim_many([], 64)
+    order = [c.operation_id for c in backlog]
+    assert len(order) == 4
+    two = fair_batch(list(backlog), lambda _: BATCH_PER_TENANT, 2)
+    assert [c.tenant for c in two] == ["a", "b"]  # the fair order, cut
+    taken = []
+    while backlog:
+        batch = fair_batch(backlog, lambda _: BATCH_PER_TENANT, 1)
+        assert len(batch) == 1
+        taken.append(batch[0].operation_id)
+    assert taken == order  # one at a time, each the oldest left
+    await d.notifier.stop()
+
+
 async def run_batch(d: Domain, batcher: FairBatcher) -> list[Claim]:
     """Take the next batch and record every operation in it, as the data worker does."""
     batch = batcher.take()

@@ -195,7 +195,8 @@ class Scheduler:
 
     # --- data operations ------------------------------------------------------------------
     async def _data_worker(self, replica: str, queue: asyncio.Queue[Claim]) -> None:
-        batcher = FairBatcher()  # its backlog: claimed, not yet sent
+        # its backlog: claimed, not yet sent
+        batcher = FairBatcher(limit=self.settings.max_batch_operations)
         while True:
             if not batcher.backlog:
                 batcher.backlog.append(await queue.get())
@@ -517,11 +518,11 @@ def in_doubt(exc: BaseException) -> bool:
     return isinstance(exc, errors.LorafleetError) and exc.reason in LEASE_REASONS
 
 
-def fair_batch(backlog: list[Claim], cap: Callable[[str], int]) -> list[Claim]:
+def fair_batch(backlog: list[Claim], cap: Callable[[str], int], limit: int = 0) -> list[Claim]:
     """Take the next trainer batch out of `backlog` (claims in arrival order, changed in
     place): at most `cap(tenant)` claims of each tenant, interleaved tenant by tenant, each
-    tenant's claims in arrival order; what is left stays in the backlog, in order, for the
-    next batch.
+    tenant's claims in arrival order, and at most `limit` in all (0: no limit); what is left
+    stays in the backlog, in order, for the next batch.
 
     Why a cap and not just an order: a batch costs the trainer time per operation, and every
     operation in it waits for the whole batch. Uncapped, a tenant that floods (many runs
@@ -534,14 +535,17 @@ def fair_batch(backlog: list[Claim], cap: Callable[[str], int]) -> list[Claim]:
     left here stay CLAIMED in the ledger, so a controller that dies with a backlog leaves
     them to the next leader's `recover` like any other claim."""
     taken: OrderedDict[str, list[Claim]] = OrderedDict()
-    rest: list[Claim] = []
     for claim in backlog:
         lane = taken.setdefault(claim.tenant, [])
-        (lane if len(lane) < cap(claim.tenant) else rest).append(claim)
-    backlog[:] = rest
+        if len(lane) < cap(claim.tenant):
+            lane.append(claim)
     out: list[Claim] = []
     for i in range(max(map(len, taken.values()), default=0)):
         out += [lane[i] for lane in taken.values() if i < len(lane)]
+    if limit > 0:
+        out = out[:limit]
+    chosen = {id(claim) for claim in out}  # by identity: a stale claim and its re-claim
+    backlog[:] = [claim for claim in backlog if id(claim) not in chosen]
     return out
 
 
@@ -567,8 +571,10 @@ class FairBatcher:
         contended: int = BATCH_SHARE_CONTENDED,
         recent_s: float = LIGHT_RECENT_S,
         clock: Callable[[], float] = time.monotonic,
+        limit: int = 0,
     ) -> None:
         self.backlog: list[Claim] = []  # claimed, not yet taken, in arrival order
+        self.limit = limit  # operations per batch in all (0: only the tenants' caps)
         self.per_tenant = per_tenant
         self.contended = contended
         self.recent_s = recent_s
@@ -588,7 +594,7 @@ class FairBatcher:
         def cap(tenant: str) -> int:
             return self.contended if light - {tenant} else self.per_tenant
 
-        return fair_batch(self.backlog, cap)
+        return fair_batch(self.backlog, cap, self.limit)
 
     def finished(self) -> None:
         """The batch taken last returned: its light tenants' next steps are on their way."""

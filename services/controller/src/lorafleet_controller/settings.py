@@ -117,6 +117,16 @@ class ControllerSettings:
         doc="Send SubmitOperation calls that arrive together to Redis as one pipeline (each "
         "admission still one atomic script); off = one round trip per call.",
     )
+    max_batch_operations: int = setting(
+        0,
+        doc="At most this many forward/forward_backward operations in one trainer pass (0: "
+        "no limit beyond the per-tenant shares). 1 runs every operation alone, so a run's "
+        "results do not depend on who else trains beside it (a shared pass's padded width "
+        "and row count change the last bits on some BLAS paths), at the cost of the batching "
+        "speed-up: for bit-identical reruns of co-tenant runs.",
+        min=0,
+        max=1_000_000,
+    )
     coalesce_window_ms: float = setting(
         2.0,
         doc="How long the scheduler waits for more forward_backward ops to batch together.",
