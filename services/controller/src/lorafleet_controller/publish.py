@@ -265,24 +265,21 @@ class Publisher:
                     waiting.append(f"{rep.replica_id} ({out})")
                 else:
                     refused.append(f"{rep.replica_id} ({out})")
+            if not refused and not waiting:
+                continue  # every one acked: read the table again for any that came up since
             now = loop.time()
-            if waiting and deadline is None:
-                deadline = now + self.rollout_wait_seconds
-            if refused or (deadline is not None and waiting and now >= deadline):
+            deadline = now + self.rollout_wait_seconds if deadline is None else deadline
+            if refused or now >= deadline:
                 raise errors.Unavailable(
                     f"rollout replicas did not acknowledge {ref.registration_id}@{ref.version}: "
                     + "; ".join(refused + waiting),
                     reason="PUBLISH_INCOMPLETE",
                 )
-            if waiting and deadline is not None:
-                log.info(
-                    "%s@%s waits for rollouts: %s",
-                    ref.registration_id,
-                    ref.version,
-                    "; ".join(waiting),
-                )
-                await asyncio.sleep(min(delay, deadline - now))
-                delay = min(delay * 2, 1.0)
+            log.info(
+                "%s@%s waits for rollouts: %s", ref.registration_id, ref.version, "; ".join(waiting)
+            )
+            await asyncio.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 1.0)
 
     async def reconcile(self, rollout: Replica) -> None:
         """Give a (re)started rollout the newest live versions of every registration."""
