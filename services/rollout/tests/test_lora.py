@@ -68,7 +68,8 @@ def mixed_logprobs(
         shape = (dec.kv_heads, length - 1, dec.head_dim)
         keys = [torch.zeros(shape) for _ in dec.layers]
         values = [torch.zeros(shape) for _ in dec.layers]
-        hidden = dec.prefill([PrefillPart(ids[r, :-1], 0, keys, values, dec.slot(name))])
+        prompt = ids[r, :-1]
+        hidden = dec.prefill([PrefillPart(prompt, 0, keys, values, dec.slot(name), len(prompt))])
         prefilled.append(dec.logits(hidden))
         base = shared if r < 2 else 0
         if r == 0 and shared:
@@ -220,3 +221,66 @@ def test_slot_cache_moves_rows_and_grows_without_changing_them() -> None:
             assert torch.equal(cache.keys[layer][slot, :, :5], rows[r][layer])
             assert torch.equal(cache.values[layer][slot, :, :5], -rows[r][layer])
     assert not cache.keys[0][:, :, 5:].any()  # fresh columns are zeros, never garbage
+
+
+def test_chunked_batched_prefill_with_partial_outputs_equals_whole_prompts(
+    model_dir: Path, folders: dict[str, Path]
+) -> None:
+    """Prompts prefilled in chunks that share batches (other prompts' chunks beside them, over
+    attention blocks), reading back none, the last or every position, give the keys, values
+    and final hidden states of each prompt prefilled whole and alone."""
+    model = load_base(model_dir)
+    dec = Decoder(model)
+    gen = torch.Generator().manual_seed(5)
+    prompts = {
+        "a": torch.randint(3, 300, (200,), generator=gen),
+        None: torch.randint(3, 300, (150,), generator=gen),
+    }
+
+    def buffers(length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        shape = (dec.kv_heads, length, dec.head_dim)
+        return [torch.zeros(shape) for _ in dec.layers], [torch.zeros(shape) for _ in dec.layers]
+
+    with torch.inference_mode():
+        install(dec, linear_shapes(model), "a", folders["a"])
+        whole = {}
+        for name, ids in prompts.items():
+            keys, values = buffers(len(ids))
+            part = PrefillPart(ids, 0, keys, values, dec.slot(name), len(ids))
+            whole[name] = (dec.prefill([part]), keys, values)
+        chunked = {name: buffers(len(ids)) for name, ids in prompts.items()}
+        # (prompt, start, end, outputs) parts of three batches
+        batches = [
+            [("a", 0, 70, 0), (None, 0, 130, 5)],
+            [(None, 130, 150, 1), ("a", 70, 190, 120)],
+            [("a", 190, 200, 1)],
+        ]
+        for batch in batches:
+            parts = [
+                PrefillPart(
+                    prompts[name][start:end],
+                    start,
+                    *chunked[name],
+                    dec.slot(name),
+                    outputs,
+                )
+                for name, start, end, outputs in batch
+            ]
+            hidden = dec.prefill(parts)
+            assert hidden.shape[0] == sum(outputs for *_, outputs in batch)
+            first = 0
+            for name, _start, end, outputs in batch:
+                expected = whole[name][0][end - outputs : end]
+                got = hidden[first : first + outputs]
+                assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)
+                first += outputs
+        for name in prompts:
+            for got, want in zip(
+                chunked[name][0] + chunked[name][1], whole[name][1] + whole[name][2], strict=True
+            ):
+                assert (got - want).abs().max() <= 1e-5
+        keys, values = buffers(10)
+        nothing = dec.prefill([PrefillPart(prompts[None][:10], 0, keys, values, 0, 0)])
+        assert nothing.shape == (0, dec.embed.shape[1])
+        with pytest.raises(ValueError, match="outputs 11"):
+            dec.prefill([PrefillPart(prompts[None][:10], 0, keys, values, 0, 11)])

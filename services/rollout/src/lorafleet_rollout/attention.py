@@ -63,3 +63,42 @@ def merge_shared(
         total.index_copy_(0, rows, total.index_select(0, rows) * mine + s_total * theirs)
         out.index_copy_(0, rows, out.index_select(0, rows) * mine + s_out * theirs)
     return out / total
+
+
+#: Query rows per block of `prompt_attention`: each block reads only the keys up to its last
+#: row, so the causal mask costs a block's own square, not the chunk's whole rectangle.
+PROMPT_BLOCK = 128
+
+
+def prompt_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scaling: float
+) -> torch.Tensor:
+    """Causal attention of a prompt chunk: q [T, heads, dim] at positions start..start+T-1
+    against keys/values [kv_heads, >= start + T, dim] (the chunk's own already written);
+    returns [T, heads * dim].
+
+    Why not scaled_dot_product_attention: with the mask an offset chunk needs, torch takes its
+    math path on CPU, which scores the whole rectangle and wraps the softmax in three masking
+    passes (`_safe_softmax`): a 1,500-token prompt in 512-token chunks spent 470 ms of its
+    915 ms prefill there (bench model, one thread, profiled). Here blocks of `PROMPT_BLOCK`
+    query rows, one kv head at a time (a block's scores then stay in L2: 14-27 % faster than
+    all heads in one batched matmul, bit-identical), go through two matmuls each, the rows
+    of a kv head's query heads side by side, and only the diagonal square is masked: 1.9-2.5x
+    faster than that path."""
+    length, heads, dim = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    # [kv_heads, T * group, dim]: row t * group + g is query head kv_head * group + g at t.
+    qs = (q * scaling).view(length, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
+    out = torch.empty_like(qs)
+    for first in range(0, length, PROMPT_BLOCK):
+        last = min(length, first + PROMPT_BLOCK)
+        end = start + last
+        rows = slice(first * group, last * group)
+        future = torch.ones(last - first, last - first, dtype=torch.bool).triu_(1)
+        future = future.repeat_interleave(group, dim=0)
+        for head in range(kv_heads):
+            scores = torch.mm(qs[head, rows], keys[head, :end].t())
+            scores[:, start + first : end].masked_fill_(future, -math.inf)
+            torch.mm(scores.softmax(-1), values[head, :end], out=out[head, rows])
+    return out.view(kv_heads, length, group, dim).transpose(0, 1).reshape(length, heads * dim)

@@ -65,6 +65,7 @@ class Prefill:
                     job.keys,
                     job.values,
                     model.slot(job.adapter),
+                    _outputs(job, end),
                 )
                 for job, end in batch
             ]
@@ -72,8 +73,8 @@ class Prefill:
         first = 0
         finished: list[tuple[Job, torch.Tensor]] = []
         for job, end in batch:
-            rows = hidden[first : first + end - job.done]
-            first += end - job.done
+            rows = hidden[first : first + _outputs(job, end)]
+            first += _outputs(job, end)
             metrics.PROMPT_TOKENS.labels("computed").inc(end - job.done)
             slot = model.slot(job.adapter)
             if job.wants_prompt:
@@ -111,6 +112,14 @@ class Prefill:
             return
         job.cached = job.done = self.prefix_cache.match_into(job.adapter, prompt, job.kv)
         metrics.PROMPT_TOKENS.labels("cached").inc(job.done)
+
+
+def _outputs(job: Job, end: int) -> int:
+    """How many of the chunk's last positions' final hidden states are read: all of them
+    for prompt logprobs, the prompt's last one when the chunk ends it, else none."""
+    if job.wants_prompt:
+        return end - job.done
+    return 1 if end == len(job.request.prompt_tokens) else 0
 
 
 def _prompt_logprobs(job: Job, logits: torch.Tensor, end: int) -> None:

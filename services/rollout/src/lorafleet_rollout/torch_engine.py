@@ -47,6 +47,7 @@ from lorafleet.contract import sample_seed
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
 from lorafleet_rollout.adapter_slots import LaidOut
+from lorafleet_rollout.allocator import keep_freed_memory
 from lorafleet_rollout.decode_batch import DecodeBatch
 from lorafleet_rollout.decoder import Decoder
 from lorafleet_rollout.engine import AdapterSource
@@ -137,6 +138,7 @@ class TorchEngine:
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         shorten_switch_interval()
+        keep_freed_memory()
         await asyncio.to_thread(self._load_model)
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()

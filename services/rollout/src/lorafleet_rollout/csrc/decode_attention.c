@@ -28,6 +28,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Prefetching. A decode step streams every row's keys and values from DRAM once, and one
+ * core's hardware prefetcher keeps too few lines in flight to saturate it (9.5 GB/s measured
+ * on 4 rows x 1,500 columns x 8 heads, out of cache; a plain torch sum of the same bytes read
+ * 13 GB/s). Asking for the keys KEYS_AHEAD columns ahead, for the values while their keys
+ * are scored (a head's values fit in L2), and for the next head's keys while these values
+ * are summed kept more in flight: 2.5 -> 1.9 ms a layer, the results bit-identical.
+ */
+#define LINE_FLOATS 16
+#define KEYS_AHEAD 16
+
 void decode_attention(const float *q, float *keys, float *values, const float *new_keys,
                       const float *new_values, int64_t new_keys_stride,
                       int64_t new_values_stride, const int32_t *lengths, int32_t rows,
@@ -47,6 +57,10 @@ void decode_attention(const float *q, float *keys, float *values, const float *n
             float *oh = out + head * group * dim;
             for (int32_t t = 0; t < n; t++) {
                 const float *kt = k + (int64_t)t * dim;
+                for (int32_t c = 0; c < dim; c += LINE_FLOATS) {
+                    if (t + KEYS_AHEAD < n) __builtin_prefetch(kt + KEYS_AHEAD * dim + c, 0, 3);
+                    __builtin_prefetch(v + (int64_t)t * dim + c, 0, 2);
+                }
                 for (int32_t g = 0; g < group; g++) {
                     const float *qg = qh + (int64_t)g * dim;
                     scratch[(int64_t)g * n + t] = dot(qg, kt, dim) * scale;
@@ -65,8 +79,17 @@ void decode_attention(const float *q, float *keys, float *values, const float *n
                 total[head * group + g] = sum;
             }
             memset(oh, 0, sizeof(float) * (size_t)group * (size_t)dim);
+            /* The next (row, head)'s keys start streaming while these values are read. */
+            const int32_t next_r = h + 1 < kv_heads ? r : r + 1;
+            const int32_t next_h = h + 1 < kv_heads ? h + 1 : 0;
+            const int32_t next_n = next_r < rows ? lengths[next_r] : 0;
+            const float *next_k = next_n ? keys + next_r * row_stride + next_h * head_stride : k;
             for (int32_t t = 0; t < n; t++) {
                 const float *vt = v + (int64_t)t * dim;
+                if (t < next_n) {
+                    for (int32_t c = 0; c < dim; c += LINE_FLOATS)
+                        __builtin_prefetch(next_k + (int64_t)t * dim + c, 0, 2);
+                }
                 for (int32_t g = 0; g < group; g++) {
                     const float w = scratch[(int64_t)g * n + t];
                     float *o = oh + (int64_t)g * dim;
