@@ -22,13 +22,14 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError as StoreError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 
+from lorafleet_controller.store.cluster import cluster_client
 from lorafleet_controller.store.keys import Keys
 from lorafleet_controller.store.notify import done_ids as subscribe_done
 from lorafleet_controller.store.scripts import Client, Scripts, StaleEpoch, blob, named, text
@@ -62,11 +63,14 @@ def connect(url: str, *, cluster: bool = False) -> Client:
     """
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=20)
     if cluster:
-        return RedisCluster.from_url(
+        return cluster_client(
             url,
             retry=retry,
             socket_connect_timeout=2,
             health_check_interval=5,
+            # Maintenance notifications are Redis Enterprise's: open-source Redis refuses the
+            # handshake command, which cost every new connection a failed round trip.
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
         )
     return aioredis.from_url(
         url,
