@@ -223,6 +223,22 @@ def test_slot_cache_moves_rows_and_grows_without_changing_them() -> None:
     assert not cache.keys[0][:, :, 5:].any()  # fresh columns are zeros, never garbage
 
 
+def test_slot_cache_grows_columns_for_the_rows_asked_not_an_earlier_batchs() -> None:
+    """A batch of many short rows, then a few long ones: the columns grow for the rows asked
+    for (rows from there on are free), not for every slot the short batch needed."""
+    cache = SlotCache(2, 3, 4, torch.float32)
+    cache.reserve(128, 8)
+    kv = torch.randn(2, 2, 3, 8, 4)
+    cache.fill(slice(0, 2), kv)
+    cache.reserve(4, 1_000)
+    assert cache.slots == 4 and cache.capacity == 1_000
+    assert cache.store is not None and cache.store.shape == (2, 2, 4, 3, 1_000, 4)
+    for row in (0, 1):  # live rows keep their columns
+        assert torch.equal(cache.store[:, :, row, :, :8], kv)
+    cache.reserve(5, 1_000)  # more rows double
+    assert cache.slots == 8 and torch.equal(cache.store[:, :, 1, :, :8], kv)
+
+
 def test_chunked_batched_prefill_with_partial_outputs_equals_whole_prompts(
     model_dir: Path, folders: dict[str, Path]
 ) -> None:
