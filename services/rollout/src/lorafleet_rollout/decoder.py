@@ -293,12 +293,9 @@ class Decoder(AdapterSlots):
     ) -> tuple[torch.Tensor, Spans, torch.Tensor | None]:
         """Rows `kept` ((first, last, slot) ranges) of x and of the row slots, with the spans
         of the rows kept (renumbered)."""
-        if len(kept) == 1 and kept[0][:2] == (0, x.shape[0]):
-            return x, [(0, x.shape[0], kept[0][2])] if kept[0][2] else [], slots
-        index = (
-            torch.cat([torch.arange(first, last) for first, last, _ in kept])
-            if kept
-            else (torch.empty(0, dtype=torch.long))
+        index = torch.cat(
+            [torch.arange(first, last) for first, last, _ in kept]
+            or [torch.empty(0, dtype=torch.long)]
         )
         spans: Spans = []
         at = 0
