@@ -514,19 +514,43 @@ async def test_leader_releases_the_lease_on_shutdown(apiserver):
     assert await asyncio.to_thread(b.try_acquire_or_renew) is True
 
 
-async def test_cancel_during_the_first_write_still_releases(apiserver):
-    """A write in flight at shutdown may still make us holder: it is waited for, then undone."""
+async def test_cancel_during_the_first_read_writes_nothing(apiserver):
+    """An attempt whose read is held past shutdown does not go on to take the lease."""
     a = elector(apiserver, "a", [], lease_duration=30.0, renew_deadline=20.0)
     apiserver.blocked.add("a")
     task = asyncio.create_task(a.run())
     await wait_until(lambda: apiserver.requests)  # a's first read is held by the "partition"
     task.cancel()
     await asyncio.sleep(0.1)
-    apiserver.blocked.clear()  # the read goes on to create the lease, after the cancel
+    apiserver.blocked.clear()  # the read is answered (404) after the cancel
     await asyncio.gather(task, return_exceptions=True)
-    assert apiserver.lease_writes[0] == ("a", "a")
-    assert apiserver.lease["spec"].get("holderIdentity") is None
+    assert apiserver.lease_writes == []
+    assert apiserver.lease is None
     assert not a.is_leader
+
+
+async def test_attempts_held_past_a_step_down_never_write(apiserver):
+    """A leader cut off from the API server steps down at its renew deadline, abandoning the
+    attempts the partition holds. When the partition heals after someone else has taken and
+    released the lease, those attempts must not write the deposed leader back in as holder:
+    nobody would lead, and a standby would wait a whole lease duration to take over."""
+    log: list = []
+    a = elector(apiserver, "a", log)
+    task = asyncio.create_task(a.run())
+    await wait_until(lambda: log)
+    apiserver.blocked.add("a")
+    await wait_until(lambda: [what for _, _, what in log] == ["start", "stop"])
+    with apiserver.lock:  # another controller took the lease over, then released it
+        apiserver.lease["spec"]["holderIdentity"] = None
+        apiserver.version += 1
+        apiserver.lease["metadata"]["resourceVersion"] = str(apiserver.version)
+    written = len(apiserver.lease_writes)
+    task.cancel()
+    await asyncio.sleep(0.1)
+    apiserver.blocked.clear()  # the held reads are answered now: holder None
+    await asyncio.gather(task, return_exceptions=True)
+    assert apiserver.lease_writes[written:] == []
+    assert apiserver.lease["spec"].get("holderIdentity") is None
 
 
 async def test_a_live_lease_is_respected(apiserver):

@@ -70,6 +70,9 @@ class LeaderElector:
         self._lock = threading.Lock()
         self._leading = False  # on_started_leading was called and on_stopped_leading not yet
         self._timeout = renew_deadline  # per API request, so no call hangs forever
+        # Attempts whose threads have not returned, including those a leader stopped waiting
+        # for at its renew deadline: `run` lets them all land before it releases the lease.
+        self._attempts: set[asyncio.Future[bool]] = set()
 
     @property
     def is_leader(self) -> bool:
@@ -80,7 +83,6 @@ class LeaderElector:
 
     async def run(self) -> None:
         """Campaign and renew until cancelled; step down (and release) on the way out."""
-        attempt: asyncio.Future[bool] | None = None
         try:
             while True:
                 # A leader waits for an attempt only until its renew deadline: a hung API
@@ -91,6 +93,8 @@ class LeaderElector:
                 )
                 try:
                     attempt = asyncio.ensure_future(asyncio.to_thread(self.try_acquire_or_renew))
+                    self._attempts.add(attempt)
+                    attempt.add_done_callback(self._attempts.discard)
                     renewed = await asyncio.wait_for(asyncio.shield(attempt), budget)
                 except TimeoutError:
                     renewed = False
@@ -105,14 +109,15 @@ class LeaderElector:
                     await self._step_down("lease lost or not renewed in time")
                 await asyncio.sleep(self.retry_period)
         finally:
-            # An attempt still in flight may yet write us in as holder (stepping down makes
-            # it count for nothing here, not on the server): let it land, then release.
-            in_flight = attempt is not None and not attempt.done()
+            # An attempt still in flight (the current one, or one abandoned at a renew
+            # deadline whose request was held by the network) may yet write us in as holder:
+            # stepping down makes it count for nothing here, not on the server. Let them all
+            # land, then release, so no late write leaves the lease held by nobody leading.
+            in_flight = set(self._attempts)
             held = self._last_renew is not None
             await self._step_down("stopping")
             if in_flight:
-                assert attempt is not None
-                await asyncio.wait([attempt], timeout=self._timeout)
+                await asyncio.wait(in_flight, timeout=self._timeout)
             if held or in_flight:
                 await asyncio.to_thread(self._release)
 
@@ -136,7 +141,7 @@ class LeaderElector:
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            return self._create(now, epoch)
+            return self._create(now, epoch) if epoch == self._epoch else False
         spec = lease.spec or client.V1LeaseSpec()
         holder = spec.holder_identity or ""
         record = (holder, spec.renew_time.isoformat() if spec.renew_time else "")
@@ -146,6 +151,8 @@ class LeaderElector:
         if holder and holder != self.identity and now - self._observed_at < duration:
             with self._lock:  # someone else holds an unexpired lease: we cannot be leading
                 self._last_renew = None
+            return False
+        if epoch != self._epoch:  # we stepped down while the read was held: do not write
             return False
         renewed_at = _now_utc()
         if holder != self.identity:
