@@ -294,6 +294,8 @@ async def compare(
             "new_tokens": load.new_tokens,
             "vllm_tok_s": round(load.new_tokens / statistics.median(seconds["vllm"]), 1),
         }
+        # Each side's round times, so a spread can be traced to the side that moved.
+        entry["seconds_per_round"] = {k: [round(x, 3) for x in v] for k, v in seconds.items()}
         for name in ours:
             entry[f"{name}_tok_s"] = round(load.new_tokens / statistics.median(seconds[name]), 1)
             ratios = [v / o for o, v in zip(seconds[name], seconds["vllm"], strict=True)]

@@ -103,8 +103,9 @@ def _attention_reference(
 
 @pytest.mark.parametrize("variant", [v for v, _flags, _cpu in kernel_abi.VARIANTS["x86_64"]])
 def test_each_variant_equals_torch(variant: str) -> None:
-    """Attention over ragged rows (dims with and without a vector tail), the shared-segment
-    merge on its lane path, and LoRA over slots, per variant, within float rounding."""
+    """Attention over ragged rows (dims with and without a vector tail, short rows and long
+    ones), the shared-segment merge on its lane path, and LoRA over slots, per variant,
+    within float rounding."""
     if variant not in kernels.runnable_variants():
         pytest.skip(f"this CPU cannot run {variant}")
     try:
@@ -114,12 +115,14 @@ def test_each_variant_equals_torch(variant: str) -> None:
     assert native.variant == variant
     gen = torch.Generator().manual_seed(1)
     for dim in (64, 20):
-        rows, kv_heads, group, columns, scale = 5, 2, 3, 37, dim**-0.5
+        rows, kv_heads, group, columns, scale = 5, 2, 3, 300, dim**-0.5
         q = torch.randn(rows, kv_heads, group, dim, generator=gen)
         keys = torch.randn(rows, kv_heads, columns, dim, generator=gen)
         values = torch.randn(rows, kv_heads, columns, dim, generator=gen)
         k, v = torch.randn(rows, kv_heads, dim), torch.randn(rows, kv_heads, dim)
-        lengths = [37, 1, 12, 30, 5]
+        # Both paths: two passes up to 128 columns, one pass (blocks of 16, a ragged last
+        # one) beyond.
+        lengths = [300, 1, 129, 128, 37]
         out, peak, total = native.attention(
             q, k, v, keys, values, torch.tensor(lengths, dtype=torch.int32), columns, scale
         )
