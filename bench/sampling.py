@@ -56,6 +56,7 @@ from lorafleet import shared_storage
 from lorafleet.rpc.channel import make_channel
 from lorafleet.testing import child_env, free_port, service_process, wait_serving
 from lorafleet.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from lorafleet_rollout.allocator import exec_with_tunables
 from lorafleet_rollout.torch_engine import TorchEngine
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SamplingSpec
 
@@ -414,4 +415,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # The rollout process's heap settings (allocator.py; `python -m lorafleet_rollout` starts
+    # the same way): the in-process engines are measured as they are deployed.
+    exec_with_tunables()
     main()

@@ -51,6 +51,7 @@ from transformers import AutoConfig
 from lorafleet import quantize
 from lorafleet.errors import LorafleetError
 from lorafleet.testing import child_env, free_port, stop_process
+from lorafleet_rollout.allocator import tunables_active
 from lorafleet_rollout.torch_engine import TorchEngine
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SampleResult, SamplingSpec
 from lorafleet_rollout.vllm_engine import VLLMEngine
@@ -128,6 +129,7 @@ def vllm_server(
         VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
         OMP_NUM_THREADS=str(threads),
     )
+    env.pop("GLIBC_TUNABLES", None)  # ours (allocator.TUNABLES) are not vLLM's
     command = [
         str(python),
         "-m",
@@ -329,10 +331,16 @@ async def side(
 ) -> dict[str, object]:
     names: list[str | None] = [f"reg-{i}@1" for i in range(len(adapters))] if lora else [None]
     spec = LoraSpec(8, 16)
-    engines = {"torch": TorchEngine(model_dir, max_batch_size=256, prefix_cache_bytes=KV_GIB << 30)}
+    # Each engine faults in KV_GIB of heap at start-up as vLLM allocates its KV cache space
+    # (`allocator.warm`; kept by the process under the heap settings sampling.py starts with).
+    engines = {
+        "torch": TorchEngine(
+            model_dir, max_batch_size=256, prefix_cache_bytes=KV_GIB << 30, warm_bytes=KV_GIB << 30
+        )
+    }
     if not lora and "d" in args.workloads:
         engines["torch_no_prefix_cache"] = TorchEngine(
-            model_dir, max_batch_size=256, prefix_cache_bytes=0
+            model_dir, max_batch_size=256, prefix_cache_bytes=0, warm_bytes=KV_GIB << 30
         )
     for engine in engines.values():
         await engine.start()
@@ -401,6 +409,7 @@ async def vs_vllm(
         "threads_each_engine": args.threads,
         "each_side_alone": "vLLM stopped (SIGSTOP) during our rounds; ratios' verdict: worst round",
         "kv_cache_gib_each_engine": KV_GIB,
+        "torch_heap": "kept, warmed at start-up" if tunables_active() else "glibc defaults",
         "gemm_peak_gflop_s": round(peak, 1),
         "rounds": args.rounds,
         "scale": args.scale,

@@ -40,6 +40,7 @@ def service(model_dir: Path, tmp_path: Path):
         LORAFLEET_ROLLOUT_ADAPTER_DIR=str(tmp_path / "adapters"),
         LORAFLEET_ROLLOUT_CONTROLLER_ADDRESS=f"127.0.0.1:{free_port()}",  # nobody listens
         LORAFLEET_ROLLOUT_TORCH_THREADS="1",
+        LORAFLEET_ROLLOUT_WARM_MEMORY_BYTES=str(64 << 20),
     )
     with service_process("lorafleet_rollout", port, env, tmp_path / "rollout.log") as proc:
         yield proc, f"127.0.0.1:{port}"
@@ -53,6 +54,10 @@ async def test_push_sample_and_sigterm(service, model_dir: Path, tmp_path: Path)
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         info = await stub.GetRolloutInfo(rollout_pb2.GetRolloutInfoRequest(), timeout=60)
         assert info.engine == "torch" and info.max_context_length > 0
+        # The torch engine's process re-executed itself with its heap settings, then warmed.
+        started = (tmp_path / "rollout.log").read_text()
+        assert "heap kept (GLIBC_TUNABLES" in started
+        assert "warmed 67108864 bytes" in started
 
         loaded = await stub.LoadAdapter(iter(adapter_chunks("reg-1", 1, adapter)), timeout=60)
         assert (loaded.adapter_id, loaded.already_loaded) == ("reg-1@1", False)

@@ -11,6 +11,7 @@ from lorafleet.families import check_torch_servable
 from lorafleet.replica import ReplicaSettings
 from lorafleet.settings import ServerSettings, SettingsError, load_or_exit
 from lorafleet.shared_storage import check_root
+from lorafleet_rollout.allocator import exec_with_tunables
 from lorafleet_rollout.settings import PREFIX, RolloutSettings
 
 
@@ -48,6 +49,9 @@ def main() -> None:
         # Clients load the tokenizer by the served name: make it resolve offline here.
         hub.install(settings.model_path, served)
 
+    if settings.engine == "torch":
+        # The engine's heap settings apply from process start: this re-executes once.
+        exec_with_tunables()
     from lorafleet_rollout.app import run  # imports torch
 
     run(settings, server, replica)

@@ -52,6 +52,7 @@ def make_engine(settings: RolloutSettings) -> RolloutEngine:
         max_batch_size=settings.max_batch_size,
         max_lora_rank=settings.max_lora_rank,
         prefix_cache_bytes=settings.prefix_cache_bytes,
+        warm_bytes=settings.warm_memory_bytes,
         prefill_chunk=settings.prefill_chunk_tokens,
         favour_decoding=settings.favour_decoding,
         publish_cpu_share=settings.publish_cpu_share,

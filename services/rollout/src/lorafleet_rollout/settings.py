@@ -56,6 +56,14 @@ class RolloutSettings:
         min=0,
         max=1 << 40,
     )
+    warm_memory_bytes: int = setting(
+        0,
+        doc="torch only: bytes of heap faulted in at start-up and kept for the first batches' "
+        "keys/values and activations (as vLLM allocates its KV cache space at start-up); "
+        "0 = none.",
+        min=0,
+        max=1 << 40,
+    )
     favour_decoding: bool = setting(
         True,
         doc="torch only: run every thread but the decoding one at niceness 10, so staging and "

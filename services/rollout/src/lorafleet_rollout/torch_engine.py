@@ -47,7 +47,7 @@ from lorafleet.contract import sample_seed
 from lorafleet.errors import InvalidArgument, NotFound, Unavailable
 from lorafleet_rollout import metrics
 from lorafleet_rollout.adapter_slots import LaidOut
-from lorafleet_rollout.allocator import keep_freed_memory
+from lorafleet_rollout.allocator import TUNABLES, keep_freed_memory, tunables_active, warm
 from lorafleet_rollout.decode_batch import DecodeBatch
 from lorafleet_rollout.decoder import Decoder
 from lorafleet_rollout.engine import AdapterSource
@@ -99,8 +99,11 @@ class TorchEngine:
         publish_cpu_share: float = 0.0,
         publish_cpu_burst: float = PUBLISH_BURST,
         quantization: str = quantize.NONE,
+        warm_bytes: int = 0,
     ) -> None:
         self.model_path = model_path
+        #: Heap faulted in at start-up for the first batches (`allocator.warm`).
+        self.warm_bytes = warm_bytes
         self.quantization = quantization
         self.max_batch_size = max_batch_size
         self.max_lora_rank = max_lora_rank
@@ -157,6 +160,15 @@ class TorchEngine:
         # them like any float weights, so its kernels are unchanged (lorafleet.quantize).
         quantize.dequantize_in_place(model, self.quantization)
         self._decoder = Decoder(model, native=self.native_kernels)
+        seconds = warm(self.warm_bytes)
+        log.info(
+            "heap %s; warmed %d bytes in %.1f s",
+            f"kept (GLIBC_TUNABLES {TUNABLES})"
+            if tunables_active()
+            else "with glibc's defaults (freed memory goes back to the system)",
+            self.warm_bytes,
+            seconds,
+        )
         self._linears = linear_shapes(model)
         self._banks = expert_banks(model)
         with contextlib.suppress(Exception):
@@ -287,7 +299,9 @@ class TorchEngine:
                         if cache is None or cache.store is None:
                             self._cv.wait()
                         elif not self._cv.wait(_KEEP_IDLE_CACHE):
-                            cache.clear()  # idle a while: give its memory back
+                            # idle a while: its memory goes back to the heap, for the
+                            # rest of the process (and the system, without allocator.TUNABLES)
+                            cache.clear()
                             self._kv_pool.clear()
                     if self._stopping:
                         break
