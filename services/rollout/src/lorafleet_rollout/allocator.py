@@ -55,7 +55,11 @@ _WARM_CHUNK = 256 << 20
 
 
 def keep_freed_memory() -> bool:
-    """Apply the settings above to this process; whether the C library took them."""
+    """Apply the settings above to this process; whether the C library took them. A process
+    started with `TUNABLES` keeps those (a 1 GB trim threshold here would hand back what
+    `warm` faulted in beyond it)."""
+    if tunables_active():
+        return True
     name = ctypes.util.find_library("c")
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
