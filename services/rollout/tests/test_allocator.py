@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from lorafleet.testing import child_env
-from lorafleet_rollout.allocator import TUNABLES
+from lorafleet_rollout.allocator import TUNABLES, TUNABLES_ENV
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc tunables")
 
@@ -56,14 +56,14 @@ def test_the_process_restarts_once_with_the_tunables() -> None:
     first, second, tunables = out.stdout.split()
     assert (first, second) == ("False", "True")  # the code ran twice: before and after exec
     assert set(tunables.split(":")) == {f"{k}={v}" for k, v in TUNABLES.items()}
+    assert tunables == TUNABLES_ENV
     # A user's own malloc tunables win: no re-exec, theirs kept.
     mine = run(code, GLIBC_TUNABLES="glibc.malloc.arena_max=4")
     assert mine == ["False", "glibc.malloc.arena_max=4"]
 
 
 def test_freed_memory_stays_only_with_the_tunables() -> None:
-    ours = ":".join(f"{k}={v}" for k, v in TUNABLES.items())
-    warmed, released = map(int, run(KEPT, GLIBC_TUNABLES=ours))
+    warmed, released = map(int, run(KEPT, GLIBC_TUNABLES=TUNABLES_ENV))
     assert warmed >= 1200  # warm's 1,280 MB stayed resident, for the next allocations
     assert released < 16  # so did the 256 MB once freed
     warmed, released = map(int, run(KEPT, GLIBC_TUNABLES="glibc.malloc.check=0"))

@@ -50,6 +50,8 @@ TUNABLES = {
     "glibc.malloc.mmap_max": "0",
     "glibc.malloc.trim_threshold": str(1 << 40),
 }
+#: `TUNABLES` as GLIBC_TUNABLES spells them.
+TUNABLES_ENV = ":".join(f"{k}={v}" for k, v in TUNABLES.items())
 #: Bytes `warm` touches per tensor.
 _WARM_CHUNK = 256 << 20
 
@@ -85,8 +87,7 @@ def exec_with_tunables() -> None:
     named = {item.split("=", 1)[0] for item in current.split(":") if item}
     if platform.libc_ver()[0] != "glibc" or named & TUNABLES.keys():
         return
-    ours = ":".join(f"{k}={v}" for k, v in TUNABLES.items())
-    env = {**os.environ, "GLIBC_TUNABLES": f"{current}:{ours}" if current else ours}
+    env = {**os.environ, "GLIBC_TUNABLES": f"{current}:{TUNABLES_ENV}" if current else TUNABLES_ENV}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
@@ -95,7 +96,7 @@ def exec_with_tunables() -> None:
 def tunables_active() -> bool:
     """Whether this process started with `TUNABLES` (what `exec_with_tunables` sets)."""
     current = os.environ.get("GLIBC_TUNABLES", "")
-    return all(f"{k}={v}" in current.split(":") for k, v in TUNABLES.items())
+    return set(TUNABLES_ENV.split(":")) <= set(current.split(":"))
 
 
 def warm(nbytes: int) -> float:
