@@ -99,7 +99,7 @@ async def run(
         admission_burst_per_tenant=args.burst,
     )
     client = aioredis.from_url(url)
-    store = Store(client, prefix)
+    store = Store(client, prefix, 1)
     await store.take_epoch()
     notifier = Notifier(store)
     await notifier.start()
@@ -153,12 +153,14 @@ async def run(
         batcher = FairBatcher(*shares, recent_s=args.recent_ms / 1000)
         while not stop.is_set():
             if batcher.backlog:
-                batcher.backlog += await ledger.claim_many([], CLAIM_BATCH)
+                batcher.backlog += await ledger.claim_many(0, [], CLAIM_BATCH)
             else:
-                popped = await conn.blpop([keys.ready_ctl, keys.ready_data], timeout=0.1)
+                popped = await conn.blpop(
+                    [keys.group(0).ready_ctl, keys.group(0).ready_data], timeout=0.1
+                )
                 if popped is None:
                     continue
-                batcher.backlog += await ledger.claim_many([text(popped[1])], CLAIM_BATCH)
+                batcher.backlog += await ledger.claim_many(0, [text(popped[1])], CLAIM_BATCH)
             claimed = time.perf_counter()
             for c in batcher.backlog:
                 if c.tenant == "a":

@@ -70,7 +70,7 @@ async def run(
     )
     client = aioredis.from_url(url)
     await client.config_resetstat()  # Redis's own time per script call, for this run only
-    store = Store(client, settings.key_prefix)
+    store = Store(client, settings.key_prefix, settings.ledger_groups)
     await store.take_epoch()
     notifier = Notifier(store)
     await notifier.start()
@@ -114,10 +114,11 @@ async def run(
         nonlocal completed
         conn = aioredis.from_url(url)
         while not done.is_set():
-            popped = await conn.blpop([store.keys.ready_ctl, store.keys.ready_data], timeout=0.2)
+            ready = store.keys.group(0)  # one group: the bench runs the G = 1 layout
+            popped = await conn.blpop([ready.ready_ctl, ready.ready_data], timeout=0.2)
             if popped is None:
                 continue
-            claims = await ledger.claim_many([popped[1].decode()], CLAIM_BATCH)
+            claims = await ledger.claim_many(0, [popped[1].decode()], CLAIM_BATCH)
             now = time.perf_counter()
             claim_lat.extend(now - submitted[c.operation_id] for c in claims)
             await ledger.complete_many(
@@ -174,7 +175,7 @@ async def cluster_setup(
     """Registrations placed and bound on one replica record; returns the leader epoch the
     workers dispatch under (taken once here, so no worker supersedes another)."""
     client = connect(url, cluster=cluster)
-    store = Store(client, prefix)
+    store = Store(client, prefix, 1)
     epoch = await store.take_epoch()
     registry = Registry(store, cluster_settings(url, cluster, prefix))
     await registry.register_replica(
@@ -232,7 +233,7 @@ async def cluster_worker_main(
 ) -> dict[str, float]:
     """One worker process: producers for its registrations, `consumers` claim loops."""
     client = connect(url, cluster=cluster)
-    store = Store(client, prefix)
+    store = Store(client, prefix, 1)
     store.epoch = epoch
     # Never started: only `Ledger.wait` listens, and the workload does not wait.
     ledger = L.Ledger(store, cluster_settings(url, cluster, prefix), Notifier(store))
@@ -248,10 +249,11 @@ async def cluster_worker_main(
     async def consumer() -> None:
         conn = connect(url, cluster=cluster)
         while completed.value < total:
-            popped = await conn.blpop([store.keys.ready_ctl, store.keys.ready_data], timeout=0.2)
+            ready = store.keys.group(0)  # one group: the bench runs the G = 1 layout
+            popped = await conn.blpop([ready.ready_ctl, ready.ready_data], timeout=0.2)
             if popped is None:
                 continue
-            claims = await ledger.claim_many([popped[1].decode()], CLAIM_BATCH)
+            claims = await ledger.claim_many(0, [popped[1].decode()], CLAIM_BATCH)
             await ledger.complete_many(
                 [L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r") for c in claims]
             )

@@ -383,7 +383,7 @@ def saved_by(folder: Path) -> str:
 
 def ledger_of(r: redis.Redis, rid: str) -> dict[str, Any]:
     """The ledger's records of a run: op id → (kind, state), and the controller's step count."""
-    keys = Keys(LEDGER_PREFIX)
+    keys = Keys(LEDGER_PREFIX, 1)  # the fleet runs the default layout: one group
     ops = {}
     for key in r.scan_iter(match=keys.op(rid + "#") + "*", count=1000):
         kind, state = r.hmget(key, "kind", "state")

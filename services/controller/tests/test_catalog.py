@@ -30,7 +30,7 @@ async def test_a_deposed_leader_cannot_sweep_expired_checkpoints(domain: Domain)
     path = f"tinker://{rid}/weights/a"
     old = Catalog(domain.store, domain.clock)
     await add(old, path, ttl=10)
-    newer = Store(domain.client, domain.settings.key_prefix)
+    newer = Store(domain.client, domain.settings.key_prefix, domain.settings.ledger_groups)
     await newer.take_epoch()
     new = Catalog(newer, domain.clock)
     domain.clock.now += 11

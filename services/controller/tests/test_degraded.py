@@ -135,7 +135,7 @@ async def test_a_failed_trainer_fails_the_calls_waiting_for_it(
     # A paged run whose next call comes after the failure (made here by hand: paging needs a
     # trainer) queues for a slot, and the sweep fails that call too.
     redis = aioredis.from_url(redis_server.url)
-    keys = Store(redis, ControllerSettings().key_prefix).keys
+    keys = Store(redis, ControllerSettings().key_prefix, 1).keys
     async with redis.pipeline(transaction=True) as pipe:  # one step: the sweep runs meanwhile
         pipe.hset(keys.reg(runs[1]), "state", RegState.PAGED.value)
         pipe.zrem(keys.regq("m"), runs[1])

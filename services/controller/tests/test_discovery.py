@@ -364,7 +364,8 @@ class Actor:
                         await self.ledger.complete(opid, OpState.SUCCEEDED, result)
                 seq = int(await self.store.redis.hget(keys.reg(self.rid), "max_seq") or 0) + 1
                 await self.ledger.submit("t", self.rid, seq, 3, b"x", f"d{seq}")
-                for claim in await self.ledger.claim_many([], 4):
+                group = keys.group_of(self.rid)
+                for claim in await self.ledger.claim_many(group, [], 4):
                     await self.ledger.complete(claim.operation_id, OpState.SUCCEEDED, result)
             except StaleEpoch:
                 self.refused += 1
@@ -410,11 +411,12 @@ async def test_two_electors_never_both_lead(apiserver, redis_server):
         max_pending_per_tenant=1_000_000,
     )
     client = connect(redis_server.url)
-    setup = Store(client, settings.key_prefix)
+    setup = Store(client, settings.key_prefix, settings.ledger_groups)
     rid = await ready_registration(setup, settings)
     log: list = []
     actors = {
-        who: Actor(who, Store(client, settings.key_prefix), settings, rid) for who in ("a", "b")
+        who: Actor(who, Store(client, settings.key_prefix, settings.ledger_groups), settings, rid)
+        for who in ("a", "b")
     }
     electors = []
     for who, actor in actors.items():

@@ -27,7 +27,7 @@ FORWARD = 1
 
 async def run_head(d: Domain, rid: str, seq: int) -> None:
     """Dispatch and finish one operation, as the scheduler would (no trainer involved)."""
-    (claim,) = await d.ledger.claim_many([], 1)
+    (claim,) = await d.claim_ready(1)
     assert claim.operation_id == f"{rid}#{seq}"
     assert await d.ledger.complete(claim.operation_id, OpState.SUCCEEDED, b"out")
 
@@ -94,14 +94,16 @@ async def test_a_tenants_step_is_batched_before_another_tenants_backlog_drains(
     a_run = await d.ready_registration(tenant="a", session="sa")
     for rid in b_runs:
         await d.ledger.submit("b", rid, 1, FORWARD, b"f", f"f-{rid}")
-    backlog = await d.ledger.claim_many([], 64)
-    assert [c.registration_id for c in backlog] == b_runs  # claimed in arrival order
+    backlog = await d.claim_ready(64)
+    # claimed group by group (store/keys.py), each group's in arrival order
+    b_runs.sort(key=d.store.keys.group_of)
+    assert [c.registration_id for c in backlog] == b_runs
     first = fair_batch(backlog, lambda _: BATCH_PER_TENANT)
     assert [c.registration_id for c in first] == b_runs[:BATCH_PER_TENANT]
     assert [c.registration_id for c in backlog] == b_runs[BATCH_PER_TENANT:]
     # A's step arrives behind B's whole backlog and still runs in the next batch.
     await d.ledger.submit("a", a_run, 1, FORWARD, b"s", "s1")
-    backlog += await d.ledger.claim_many([], 64)
+    backlog += await d.claim_ready(64)
     second = fair_batch(backlog, lambda _: BATCH_PER_TENANT)
     assert [c.tenant for c in second][:2] == ["b", "a"]  # interleaved tenant by tenant
     assert [c.registration_id for c in second if c.tenant == "b"] == b_runs[
@@ -126,7 +128,7 @@ async def test_a_batch_limit_takes_the_fair_order_and_keeps_the_rest_in_order(
         for i in (0, 1):
             rid = await d.ready_registration(tenant=tenant, session=f"s{tenant}{i}")
             await d.ledger.submit(tenant, rid, 1, FORWARD, b"f", f"f-{rid}")
-    backlog = await d.ledger.claim_many([], 64)
+    backlog = await d.claim_ready(64)
     order = [c.operation_id for c in backlog]
     assert len(order) == 4
     two = fair_batch(list(backlog), lambda _: BATCH_PER_TENANT, 2)
@@ -171,7 +173,8 @@ async def test_a_light_tenants_step_joins_and_waits_behind_only_a_small_share_of
     for rid in b_runs:
         await d.ledger.submit("b", rid, 1, FORWARD, b"f", f"f-{rid}")
     batcher = FairBatcher(clock=d.clock)
-    batcher.backlog += await d.ledger.claim_many([], 64)
+    batcher.backlog += await d.claim_ready(64)
+    b_runs.sort(key=d.store.keys.group_of)  # claimed group by group, each in arrival order
     # No one else about: the flood takes its whole share.
     batches = [await run_batch(d, batcher)]
     assert flood_ops(batches[-1]) == b_runs[:BATCH_PER_TENANT]
@@ -179,7 +182,7 @@ async def test_a_light_tenants_step_joins_and_waits_behind_only_a_small_share_of
         # A's step arrives behind the rest of the flood and joins the very next batch, with
         # only a small share of the flood beside it.
         await d.ledger.submit("a", a_run, seq, FORWARD, b"s", f"s{seq}")
-        batcher.backlog += await d.ledger.claim_many([], 64)
+        batcher.backlog += await d.claim_ready(64)
         batches.append(await run_batch(d, batcher))
         assert a_run in {c.registration_id for c in batches[-1]}
         assert len(flood_ops(batches[-1])) == BATCH_SHARE_CONTENDED
@@ -195,7 +198,7 @@ async def test_a_light_tenants_step_joins_and_waits_behind_only_a_small_share_of
         batches.append(await run_batch(d, batcher))
     assert [rid for batch in batches for rid in flood_ops(batch)] == b_runs
     assert [c.seq_id for batch in batches for c in batch if c.tenant == "a"] == [1, 2]
-    assert await d.ledger.claim_many([], 64) == []  # nothing left behind
+    assert await d.claim_ready(64) == []  # nothing left behind
     await d.notifier.stop()
 
 
@@ -208,15 +211,17 @@ async def test_busy_tenants_alone_keep_their_whole_share(domain: Domain) -> None
     c_runs = [await d.ready_registration(tenant="c", session="sc", seq=i) for i in range(12)]
     batcher = FairBatcher(clock=d.clock)
     await d.ledger.submit("b", b_runs[0], 1, FORWARD, b"f", "f1")
-    batcher.backlog += await d.ledger.claim_many([], 64)
+    batcher.backlog += await d.claim_ready(64)
     assert flood_ops(await run_batch(d, batcher)) == b_runs[:1]  # B alone and light
     for rid in b_runs[1:]:
         await d.ledger.submit("b", rid, 1, FORWARD, b"f", f"f-{rid}")
-    batcher.backlog += await d.ledger.claim_many([], 64)
+    batcher.backlog += await d.claim_ready(64)
+    b_runs[1:] = sorted(b_runs[1:], key=d.store.keys.group_of)  # claimed group by group
     assert flood_ops(await run_batch(d, batcher)) == b_runs[1 : 1 + BATCH_PER_TENANT]
     for rid in c_runs:
         await d.ledger.submit("c", rid, 1, FORWARD, b"f", f"f-{rid}")
-    batcher.backlog += await d.ledger.claim_many([], 64)
+    batcher.backlog += await d.claim_ready(64)
+    c_runs.sort(key=d.store.keys.group_of)
     both = await run_batch(d, batcher)
     assert [c.tenant for c in both] == ["b", "c"] * 3 + ["c"] * (BATCH_PER_TENANT - 3)
     assert [c.registration_id for c in both if c.tenant == "c"] == c_runs[:BATCH_PER_TENANT]
@@ -263,9 +268,9 @@ async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_lea
             await r.hgetall(k.tenant("b")),
             await r.exists(k.op(f"{b}#4")),
             await r.get(k.pending),
-            await r.llen(k.ready_ctl),
-            await r.llen(k.ready_data),
-            await r.hgetall(k.depth),
+            await r.llen(k.group(k.group_of(b)).ready_ctl),
+            await r.llen(k.group(k.group_of(b)).ready_data),
+            await r.hgetall(k.group(k.group_of(b)).depth),
         )
 
     before = await trace()
@@ -316,7 +321,7 @@ async def test_admission_bucket_refills_bursts_isolates_tenants_and_refusals_lea
     # Ordering by seq_id is unchanged: B's operations run 1..9, one head at a time.
     ran: list[int] = []
     for _ in range(20):
-        for claim in await d.ledger.claim_many([], 64):
+        for claim in await d.claim_ready(64):
             ran += [claim.seq_id] if claim.registration_id == b else []
             await d.ledger.complete(claim.operation_id, OpState.SUCCEEDED, b"out")
     assert ran == list(range(1, 10))

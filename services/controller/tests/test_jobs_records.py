@@ -96,7 +96,9 @@ async def test_a_deposed_leaders_job_writes_are_refused_and_change_nothing(domai
     records = Records(domain.store, domain.notifier)
     rec = await make(records, "job-1")
     await records.set_default_run("t1", rid="s:train:0", checkpoint="")
-    await Store(domain.client, domain.settings.key_prefix).take_epoch()  # a new leader
+    await Store(
+        domain.client, domain.settings.key_prefix, domain.settings.ledger_groups
+    ).take_epoch()  # a new leader
     with pytest.raises(StaleEpoch):
         await records.update("job-1", state=JobState.RUNNING.value, cursor={"seq": 3})
     with pytest.raises(StaleEpoch):
@@ -110,7 +112,10 @@ async def test_a_deposed_leaders_job_writes_are_refused_and_change_nothing(domai
 
 
 async def test_requests_write_jobs_on_a_replica_that_does_not_lead(domain) -> None:
-    standby = Records(Store(domain.client, domain.settings.key_prefix), domain.notifier)
+    standby = Records(
+        Store(domain.client, domain.settings.key_prefix, domain.settings.ledger_groups),
+        domain.notifier,
+    )
     rec = await make(standby, "job-1")
     await standby.request_cancel("job-1")
     after = await standby.get("t1", "job-1")
@@ -154,7 +159,9 @@ async def test_a_deposed_runner_leaves_its_job_to_the_next_leader(domain) -> Non
     rid = await domain.ready_registration()
     runner = JobRunner(_Host(domain))
     rec = await make(runner.records, "job-1", rid=rid)
-    await Store(domain.client, domain.settings.key_prefix).take_epoch()  # a new leader
+    await Store(
+        domain.client, domain.settings.key_prefix, domain.settings.ledger_groups
+    ).take_epoch()  # a new leader
     await asyncio.wait_for(runner._work(rid), 30)  # returns: neither started nor failed
     assert await runner.records.get("t1", "job-1") == rec
     assert await runner.records.run_queue(rid) == ["job-1"]

@@ -22,11 +22,7 @@ async def submit(d: Domain, rid: str, seq: int, payload: bytes = b"p", kind: int
 
 
 async def pop_ready(d: Domain) -> list[str]:
-    keys = d.store.keys
-    ids = await d.client.lrange(keys.ready_data, 0, -1)
-    ids += await d.client.lrange(keys.ready_ctl, 0, -1)
-    await d.client.delete(keys.ready_data, keys.ready_ctl)
-    return [i.decode() for i in ids]
+    return await d.ready_ids()
 
 
 async def run_one(d: Domain, opid: str, result: bytes = b"ok") -> None:
@@ -262,8 +258,9 @@ async def test_retired_registrations_lose_their_records_after_the_result_ttl(
     domain.clock.now += domain.settings.result_ttl_seconds
     await domain.ledger.sweep()
     assert await count_existing(domain, [keys.op(i) for i in ids]) == 0
-    assert await domain.client.zcard(keys.retired) == 0
-    assert await domain.client.zscore(keys.results, done.operation_id) is None
+    group = keys.group(keys.group_of(rid))
+    assert await domain.client.zcard(group.retired) == 0
+    assert await domain.client.zscore(group.results, done.operation_id) is None
     with pytest.raises(errors.NotFound):
         await domain.ledger.get("t1", done.operation_id)
     with pytest.raises(errors.FailedPrecondition):  # a late retry is refused, not re-admitted
@@ -296,7 +293,7 @@ async def test_concurrent_submits_share_one_round_trip(domain: Domain, pipelined
     # an empty pool: connections are counted
     fresh = connect(d.settings.redis_url, cluster=d.settings.redis_cluster)
     try:
-        store = Store(fresh, d.settings.key_prefix)
+        store = Store(fresh, d.settings.key_prefix, d.settings.ledger_groups)
         store.epoch = d.store.epoch
         ledger = L.Ledger(store, d.settings, d.notifier, d.clock)
         before = await connections_made(d)

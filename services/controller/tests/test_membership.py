@@ -43,7 +43,7 @@ def settings(redis_server: RedisServer, tmp_path: Path) -> ControllerSettings:
 @pytest.fixture
 async def registry(settings: ControllerSettings) -> AsyncIterator[Registry]:
     client = connect(settings.redis_url)
-    yield Registry(Store(client, settings.key_prefix), settings)
+    yield Registry(Store(client, settings.key_prefix, settings.ledger_groups), settings)
     await client.aclose()
 
 

@@ -34,7 +34,7 @@ from .fleet import (
 
 K = controller_pb2
 T = "tenant-p"
-KEYS = Keys("lf:")  # the controller's default prefix
+KEYS = Keys("lf:", 1)  # the controller's default prefix and groups
 SLOTS = 2
 
 
@@ -207,7 +207,7 @@ async def test_more_runs_than_slots_all_finish_each_as_it_would_alone(procs) -> 
         shared = [await run.state(root) for run in runs]
         log = controller.log.read_text()
         assert log.count("paged out") >= RUNS - SLOTS and "paged in" in log
-        assert not await r.smembers(KEYS.paging)
+        assert not await r.smembers(KEYS.group(0).paging)
         for run in runs:
             await run.delete()
         # The same seeds and data, each run alone on the trainer.
@@ -240,7 +240,9 @@ async def test_a_controller_sigkilled_mid_page_out_loses_nothing_and_applies_not
         # The trainer stalls in the page-out's SaveState; the controller dies meanwhile.
         trainer.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
         stalled = asyncio.ensure_future(paged.page_out())
-        await wait_until_async(lambda: r.sismember(KEYS.paging, paged.rid), "the page-out began")
+        await wait_until_async(
+            lambda: r.sismember(KEYS.group(0).paging, paged.rid), "the page-out began"
+        )
         assert await r.hget(KEYS.reg(paged.rid), "state") == b"paging"
         # An operation submitted meanwhile waits (a paging run is claimed by nobody).
         paged.seq += 1
@@ -265,7 +267,7 @@ async def test_a_controller_sigkilled_mid_page_out_loses_nothing_and_applies_not
         # with its state intact on the trainer, and the waiting operation runs once.
         op = await wait_done(client, T, queued.operation_id)  # type: ignore[attr-defined]
         assert op.state == K.OPERATION_STATE_SUCCEEDED  # type: ignore[attr-defined]
-        assert not await r.smembers(KEYS.paging)
+        assert not await r.smembers(KEYS.group(0).paging)
         assert "a page-out of" in controller.log.read_text()
         await paged.op(optim_payload())
         await reference.op(fb_payload(tokens(reference.seed, 2)))

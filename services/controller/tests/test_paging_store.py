@@ -16,7 +16,10 @@ FB = controller_pb2.OPERATION_KIND_FORWARD_BACKWARD
 
 
 async def run(d: Domain, script: str, rid: str, *args: Any) -> dict[str, Any]:
-    return named(await d.store.scripts.run(script, [d.store.keys.reg(rid)], rid, *args))
+    group = d.store.keys.group_of(rid)
+    return named(
+        await d.store.scripts.run(script, [d.store.keys.reg(rid)], rid, *args, group=group)
+    )
 
 
 async def create(d: Domain, tenant: str, seq: int) -> str:
@@ -59,7 +62,7 @@ async def test_capped_tenants_wait_and_idle_runs_page_out_and_back_in(domain: Do
     assert text(ended["code"]) == "paged" and int(ended["waiting"]) == 1  # its op waits
     rec = await d.registry.get_any(a1)
     assert rec is not None and rec.state == RegState.PAGED and rec.restore and rec.slot == -1
-    assert not await d.client.smembers(d.store.keys.paging)
+    assert not [g for g in d.store.keys.all_groups() if await d.client.smembers(g.paging)]
     # Its slot goes to the capped run, oldest waiting first; the paged run queues behind it.
     assert await d.registry.queued("tiny") == [a2, a1]
     assert (await d.registry.place(a2)).code == "placed"

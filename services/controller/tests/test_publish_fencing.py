@@ -42,7 +42,7 @@ async def test_a_deposed_leader_cannot_publish(domain: Domain, tmp_path: Path) -
     rid = await domain.ready_registration()
     rec = await domain.registry.get_any(rid)
     assert rec is not None
-    newer = Store(domain.client, domain.settings.key_prefix)
+    newer = Store(domain.client, domain.settings.key_prefix, domain.settings.ledger_groups)
     await newer.take_epoch()
     pool = Pool(retry_seconds=1, timeout=5)
     claim = Claim(

@@ -39,7 +39,7 @@ from .fleet import (
 
 K = controller_pb2
 T = "tenant-r"
-KEYS = Keys("lf:")  # the controller's default prefix
+KEYS = Keys("lf:", 1)  # the controller's default prefix and groups
 STEPS = 12  # forward_backward + optim_step each
 SNAPSHOT_EVERY = 3  # optimizer steps
 
@@ -361,12 +361,13 @@ async def test_a_ready_id_lost_around_a_redis_outage_is_queued_again(redis_serve
         adm = await controller.ledger.submit(
             "t1", rec.registration_id, 1, K.OPERATION_KIND_FORWARD_BACKWARD, b"", "d"
         )
-        assert await r.lpop(keys.ready_data) == adm.operation_id.encode()  # ... and lost
+        ready = keys.group(keys.group_of(rec.registration_id)).ready_data
+        assert await r.lpop(ready) == adm.operation_id.encode()  # ... and lost
         await controller.sweeper.sweep_once()
-        assert await r.lrange(keys.ready_data, 0, -1) == []  # no outage: nothing to do
+        assert await r.lrange(ready, 0, -1) == []  # no outage: nothing to do
         controller.sweeper._swept_at -= 10  # the previous good sweep was long ago: Redis was away
         await controller.sweeper.sweep_once()
-        assert await r.lrange(keys.ready_data, 0, -1) == [adm.operation_id.encode()]
+        assert await r.lrange(ready, 0, -1) == [adm.operation_id.encode()]
     finally:
         await controller.stop()
 
@@ -429,7 +430,7 @@ async def test_a_deposed_leader_cannot_write_the_replay_log(domain) -> None:
     took over, the deposed one's writes are refused and the log is what the new one wrote."""
     rid = await domain.ready_registration()
     old = Recovery(domain.store, _no_manifest, _no_retire)
-    newer = Store(domain.client, domain.settings.key_prefix)
+    newer = Store(domain.client, domain.settings.key_prefix, domain.settings.ledger_groups)
     await newer.take_epoch()
     new = Recovery(newer, _no_manifest, _no_retire)
     fb = fb_payload(tokens(1))

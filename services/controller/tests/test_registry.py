@@ -99,6 +99,32 @@ async def test_replica_loss_requeues_open_ops_and_the_run_first(domain: Domain) 
     assert adm.state == OpState.QUEUED
 
 
+async def test_a_loss_cut_off_after_its_first_step_is_finished_by_the_next(
+    domain: Domain,
+) -> None:
+    """Losing a trainer marks it unhealthy, then loses each slot entry in its run's group. A
+    controller that died between the steps left the entries: the next loss (the sweeper's
+    redrive of an unhealthy trainer with slots) finishes them, and a third changes nothing."""
+    await add_trainer(domain, "tr-a", 4)
+    rids = [await create(domain, i) for i in range(3)]
+    for rid in rids:
+        placement = await domain.registry.place(rid)
+        assert await domain.registry.bound(rid, placement.replica, placement.slot)
+    store = domain.store
+    await store.scripts.run(  # the first step alone
+        "replica_lost", [store.keys.replica("tr-a")], "tr-a", epoch=store.epoch
+    )
+    assert not (await domain.registry.replica("tr-a")).healthy
+    assert {(await domain.registry.get("t1", r)).state for r in rids} == {RegState.READY}
+    assert sorted(await domain.registry.replica_lost("tr-a", "gone")) == sorted(rids)
+    for rid in rids:
+        rec = await domain.registry.get("t1", rid)
+        assert rec.state == RegState.UNAVAILABLE and rec.replica == "" and rec.restore
+    assert await domain.registry.slot_table("tr-a") == {}
+    assert sorted(await domain.registry.queued("base")) == sorted(rids)
+    assert await domain.registry.replica_lost("tr-a", "gone") == []
+
+
 async def test_heartbeat_silence_is_detected(domain: Domain) -> None:
     await add_trainer(domain, "tr-a", 1)
     assert await domain.registry.silent_replicas(5) == []

@@ -10,37 +10,93 @@ from pathlib import Path
 import pytest
 
 from lorafleet import errors
+from lorafleet.testing import RedisServer
 from lorafleet.v1 import controller_pb2
 from lorafleet_controller import ledger as L
-from lorafleet_controller.store import Keys, OpState, RegState, StaleEpoch, Store
+from lorafleet_controller.cluster import check_groups
+from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.store import Keys, OpState, RegState, StaleEpoch, Store, connect
 from lorafleet_controller.store.keys import KEY_FAMILIES, lua_prelude
-from lorafleet_controller.store.scripts import FLEET_KEYS
+from lorafleet_controller.store.scripts import SHARED_KEYS
 
 from .conftest import Domain
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lorafleet_controller"
 
 
-def test_every_key_shares_the_fleet_hash_tag() -> None:
-    keys = Keys("lf:")
+def test_one_group_shares_the_fleet_hash_tag() -> None:
+    """With G = 1 every key carries the fleet's tag (the layout before groups existed)."""
+    keys = Keys("lf:", 1)
     assert keys.reg("s:train:0") == "{lf}:reg:s:train:0"
     assert keys.op("s:train:0#3") == "{lf}:op:s:train:0#3"
-    assert keys.ready_data == "{lf}:ready:data"
-    prelude = lua_prelude()
-    for family, suffix in KEY_FAMILIES.items():  # Lua builds the same names from one table
+    assert keys.group(0).ready_data == "{lf}:ready:data"
+    assert keys.group(0).group_epoch == keys.epoch == "{lf}:leader_epoch"
+    prelude = lua_prelude(1)
+    for family, (_, suffix) in KEY_FAMILIES.items():  # Lua builds the same names from one table
         head = suffix.split("{id}")[0]
         assert f"'{head}'" in prelude, family
     with pytest.raises(ValueError):
-        Keys("bad{prefix}")
+        Keys("bad{prefix}", 1)
+    with pytest.raises(ValueError):
+        Keys("lf:", 0)
+
+
+def test_a_registrations_records_and_operations_share_its_groups_tag() -> None:
+    keys = Keys("lf:", 8)
+    groups = {keys.group_of(f"s:train:{i}") for i in range(64)}
+    assert groups == set(range(8))  # the registrations spread over every group
+    rid = "s:train:5"
+    g = keys.group_of(rid)
+    tag = "{lf|g" + str(g) + "}:"
+    assert keys.reg(rid) == tag + "reg:" + rid
+    assert keys.op(rid + "#12") == tag + "op:" + rid + "#12"
+    assert keys.replay(rid) == tag + "replay:" + rid
+    assert keys.group(g).ready_data == tag + "ready:data"
+    assert keys.group_of_op("sampler#1#s3") == keys.group_of("sampler#1")  # the last '#'
+    assert keys.regs == "{lf}:regs" and keys.slots("tr") == "{lf}:slots:tr"
+
+
+async def test_a_script_refuses_a_record_of_another_group(redis_server: RedisServer) -> None:
+    """On one redis-server (where slots are not enforced) as on a Cluster, a script touching
+    a record outside its call's group fails, naming it."""
+    store = Store(connect(redis_server.url), "xg:", 4)
+    rid = next(f"r{i}" for i in range(100) if store.keys.group_of(f"r{i}") != 0)
+    with pytest.raises(Exception, match="CROSSGROUP"):
+        await store.scripts.run("repush", [store.keys.reg(rid)], rid, 1.0, group=0)
+    await store.scripts.run(
+        "repush", [store.keys.reg(rid)], rid, 1.0, group=store.keys.group_of(rid)
+    )
+    await store.close()
+
+
+async def test_a_fleet_keeps_the_group_count_it_started_with(redis_server: RedisServer) -> None:
+    client = connect(redis_server.url)
+    first = Store(client, "layout:", 4)
+    await first.check_layout()
+    await first.check_layout()  # the same count again: fine
+    with pytest.raises(errors.FailedPrecondition, match="in 4 groups, not 8") as refused:
+        await Store(client, "layout:", 8).check_layout()
+    assert refused.value.field == "ledger_groups"
+    await Store(client, "other:", 8).check_layout()  # another fleet (prefix) has its own
+    await client.aclose()
+
+
+def test_groups_above_one_are_refused_on_a_cluster_for_now() -> None:
+    check_groups(ControllerSettings(ledger_groups=8))  # one redis-server: fine
+    check_groups(ControllerSettings(redis_cluster=True, ledger_groups=1))
+    with pytest.raises(errors.InvalidArgument, match="not supported on a Redis Cluster"):
+        check_groups(ControllerSettings(redis_cluster=True, ledger_groups=8))
 
 
 def test_scripts_are_declared_and_states_come_from_the_proto() -> None:
     folder = resources.files("lorafleet_controller.store") / "lua"
     on_disk = {p.name.removesuffix(".lua") for p in folder.iterdir() if p.name.endswith(".lua")}
-    assert on_disk - {"common"} == set(FLEET_KEYS)
-    keys = Keys("t")
-    for name, fleet in FLEET_KEYS.items():  # each script's `-- fleet-keys:` names real keys
-        assert all(isinstance(getattr(keys, k, None), str) for k in fleet), (name, fleet)
+    assert on_disk - {"common"} == set(SHARED_KEYS)
+    keys = Keys("t", 2)
+    for name, shared in SHARED_KEYS.items():  # each script's `-- keys:` names real keys
+        for family in shared:
+            holder = keys.group(1) if KEY_FAMILIES[family][0] == "group" else keys
+            assert isinstance(getattr(holder, family, None), str), (name, family)
     assert {s.value for s in OpState} == {
         v.number for v in controller_pb2.OperationState.DESCRIPTOR.values if v.number
     }
@@ -64,7 +120,7 @@ async def test_a_deposed_leader_cannot_write(domain: Domain) -> None:
     """Two controllers believe they lead; only the newest epoch's writes land."""
     rid = await domain.ready_registration()
     old = domain.store
-    new = Store(domain.store.redis, domain.settings.key_prefix)
+    new = Store(domain.store.redis, domain.settings.key_prefix, domain.settings.ledger_groups)
     await new.take_epoch()
     newer = L.Ledger(new, domain.settings, domain.notifier, domain.clock)
     a = await domain.ledger.submit("t1", rid, 1, 2, b"a", "da")  # submits are not fenced

@@ -18,7 +18,7 @@ async def test_a_deposed_leader_cannot_finish_a_session(domain: Domain) -> None:
     sid = await old.create_session("t1", [], {}, "", "", "")
     domain.clock.now += 120
     assert await old.silent_sessions(60) == [("t1", sid)]
-    new_store = Store(domain.client, domain.settings.key_prefix)
+    new_store = Store(domain.client, domain.settings.key_prefix, domain.settings.ledger_groups)
     await new_store.take_epoch()
     with pytest.raises(StaleEpoch):
         await old.finish("t1", sid, "heartbeat timeout")
@@ -27,6 +27,9 @@ async def test_a_deposed_leader_cannot_finish_a_session(domain: Domain) -> None:
 
     await Tenancy(new_store, domain.clock).heartbeat("t1", sid)
     assert await old.silent_sessions(60) == []
-    standby = Tenancy(Store(domain.client, domain.settings.key_prefix), domain.clock)
+    standby = Tenancy(
+        Store(domain.client, domain.settings.key_prefix, domain.settings.ledger_groups),
+        domain.clock,
+    )
     await standby.finish("t1", sid, "closed by the client")
     assert (await standby.get("t1", sid)).finished

@@ -94,7 +94,7 @@ async def test_a_deposed_leader_bills_no_residency(domain: Domain) -> None:
     clock = Tick()
     old = Usage(domain.store, domain.registry, clock)
     await old.tick()
-    new_store = Store(domain.client, domain.settings.key_prefix)
+    new_store = Store(domain.client, domain.settings.key_prefix, domain.settings.ledger_groups)
     await new_store.take_epoch()
     new = Usage(new_store, domain.registry, clock)
     await new.tick()

@@ -67,7 +67,9 @@ class Controller:
         self.settings = settings
         self.is_leader = is_leader  # the elector's clock-based check, when electing
         self.store = Store(
-            connect(settings.redis_url, cluster=settings.redis_cluster), settings.key_prefix
+            connect(settings.redis_url, cluster=settings.redis_cluster),
+            settings.key_prefix,
+            settings.ledger_groups,
         )
         # BLPOP holds a connection: the scheduler's intake gets a client of its own.
         self.blocking = connect(settings.redis_url, cluster=settings.redis_cluster)
@@ -177,6 +179,7 @@ class Controller:
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self, lead: bool = True) -> None:
         await self.store.ping()
+        await self.store.check_layout()
         await self.notifier.start()
         if lead:
             await self.start_leading()

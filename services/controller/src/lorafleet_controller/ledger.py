@@ -232,15 +232,13 @@ class Ledger:
         not a request a tenant can flood."""
         s = self.settings
         born = error_json(rejection) if rejection is not None else ""
-        scripts = self.store.scripts
-        run = scripts.run_coalesced if s.pipeline_submits else scripts.run
         own = [
             self.keys.reg(registration_id),
             self.keys.op(operation_id(registration_id, seq_id)),
             self.keys.tenant(tenant),
         ]
         out = named(
-            await run(
+            await self.store.scripts.run(
                 "submit",
                 own,
                 registration_id,
@@ -259,6 +257,8 @@ class Ledger:
                 self.window,
                 s.admission_rate_per_tenant if bucket else 0,
                 s.admission_burst_per_tenant,
+                group=self.keys.group_of(registration_id),
+                coalesced=s.pipeline_submits,
             )
         )
         code = text(out["code"])
@@ -391,7 +391,9 @@ class Ledger:
         own = [self.keys.op(opid), self.keys.tenant(tenant)]
         s = self.settings
         release_at = self.clock() + s.acked_result_grace_seconds - s.result_ttl_seconds
-        out = await self.store.scripts.run("ack", own, opid, tenant, release_at)
+        out = await self.store.scripts.run(
+            "ack", own, opid, tenant, release_at, group=self.keys.group_of_op(opid)
+        )
         code = text(named(out)["code"])
         if code == "not_found":
             raise errors.NotFound(f"no operation {opid!r}", field="operation_id")
@@ -407,15 +409,27 @@ class Ledger:
 
     async def claim(self, opid: str, *, fenced: bool = True) -> Claim | None:
         out = await self.store.scripts.run(
-            "claim", [self.keys.op(opid)], opid, self.clock(), epoch=self._epoch(fenced)
+            "claim",
+            [self.keys.op(opid)],
+            opid,
+            self.clock(),
+            epoch=self._epoch(fenced),
+            group=self.keys.group_of_op(opid),
         )
         return Claim.decode(out) if out else None
 
-    async def claim_many(self, popped: Sequence[str], limit: int) -> list[Claim]:
-        """Claim the popped ids and more ready ones, up to `limit` ids, in one round trip."""
+    async def claim_many(self, group: int, popped: Sequence[str], limit: int) -> list[Claim]:
+        """Claim the ids popped from `group`'s ready queues and more ready ones of that group,
+        up to `limit` ids, in one round trip."""
         own = [self.keys.op(opid) for opid in popped]
         out = await self.store.scripts.run(
-            "claim_many", own, self.clock(), limit, *popped, epoch=self.store.leader_epoch()
+            "claim_many",
+            own,
+            self.clock(),
+            limit,
+            *popped,
+            epoch=self.store.leader_epoch(),
+            group=group,
         )
         return [Claim.decode(row) for row in out]
 
@@ -444,20 +458,35 @@ class Ledger:
     async def complete_many(
         self, outcomes: Sequence[Outcome], from_state: str = "claimed", *, fenced: bool = True
     ) -> list[bool]:
-        """Record several outcomes in one round trip (a data batch); True where recorded."""
-        flat: list[Any] = []
-        own: list[str] = []
-        for o in outcomes:
-            err = error_json(o.error) if o.error is not None else ""
-            flat += [o.operation_id, int(o.state), o.result, err, from_state, o.claim]
-            flat.append(len(o.effects))
-            for op, field, value in o.effects:
-                flat += [op, field, value]
-            own.append(self.keys.op(o.operation_id))
-        done = await self.store.scripts.run(
-            "complete", own, self.clock(), *flat, epoch=self._epoch(fenced)
-        )
-        return [bool(x) for x in done]
+        """Record several outcomes (a data batch), one round trip per group they fall in,
+        concurrently; True where recorded."""
+        by_group: dict[int, list[int]] = {}
+        for i, o in enumerate(outcomes):
+            by_group.setdefault(self.keys.group_of_op(o.operation_id), []).append(i)
+        epoch = self._epoch(fenced)
+        now = self.clock()
+
+        async def complete(group: int, indexes: list[int]) -> list[Any]:
+            flat: list[Any] = []
+            own: list[str] = []
+            for o in (outcomes[i] for i in indexes):
+                err = error_json(o.error) if o.error is not None else ""
+                flat += [o.operation_id, int(o.state), o.result, err, from_state, o.claim]
+                flat.append(len(o.effects))
+                for op, field, value in o.effects:
+                    flat += [op, field, value]
+                own.append(self.keys.op(o.operation_id))
+            return list(
+                await self.store.scripts.run("complete", own, now, *flat, epoch=epoch, group=group)
+            )
+
+        groups = list(by_group.items())
+        answers = await asyncio.gather(*(complete(g, indexes) for g, indexes in groups))
+        done = [False] * len(outcomes)
+        for (_, indexes), answer in zip(groups, answers, strict=True):
+            for i, recorded in zip(indexes, answer, strict=True):
+                done[i] = bool(recorded)
+        return done
 
     async def fence(
         self,
@@ -476,6 +505,7 @@ class Ledger:
                 new_state.value,
                 error_json(error),
                 reason,
+                group=self.keys.group_of(registration_id),
             )
         )
         if text(out["code"]) == "not_found":
@@ -492,11 +522,12 @@ class Ledger:
             registration_id,
             self.clock(),
             epoch=self.store.leader_epoch(),
+            group=self.keys.group_of(registration_id),
         )
 
     # --- housekeeping ---------------------------------------------------------------------
     async def sweep(self, limit: int = 500) -> Swept:
-        """Fail stale claims, expire old results, seal old gaps.
+        """Fail stale claims, expire old results, seal old gaps, in every group at once.
 
         Also deletes the operation records of registrations retired longer ago than the
         result TTL, so Redis does not grow forever.
@@ -510,28 +541,38 @@ class Ledger:
                 reason="CLAIM_TIMEOUT",
             )
         )
-        out = named(
-            await self.store.scripts.run(
-                "sweep",
-                [],
-                now,
-                now - s.claimed_timeout_seconds,
-                now - s.result_ttl_seconds,
-                limit,
-                claimed_err,
-                epoch=epoch,
-            )
-        )
-        sealed = 0
         cutoff = now - s.gap_timeout_seconds
-        for rid in await self.operations.gaps_older_than(cutoff, limit):
-            sealing = named(
+
+        async def sweep_group(group: int) -> Swept:
+            out = named(
                 await self.store.scripts.run(
-                    "seal", [self.keys.reg(rid)], rid, now, cutoff, epoch=epoch
+                    "sweep",
+                    [],
+                    now,
+                    now - s.claimed_timeout_seconds,
+                    now - s.result_ttl_seconds,
+                    limit,
+                    claimed_err,
+                    epoch=epoch,
+                    group=group,
                 )
             )
-            sealed += text(sealing["code"]) == "sealed"
-        return Swept(int(out["claims_failed"]), int(out["results_expired"]), sealed)
+            sealed = 0
+            for rid in await self.operations.gaps_older_than(group, cutoff, limit):
+                sealing = named(
+                    await self.store.scripts.run(
+                        "seal", [self.keys.reg(rid)], rid, now, cutoff, epoch=epoch, group=group
+                    )
+                )
+                sealed += text(sealing["code"]) == "sealed"
+            return Swept(int(out["claims_failed"]), int(out["results_expired"]), sealed)
+
+        swept = await asyncio.gather(*(sweep_group(g) for g in range(self.keys.groups)))
+        return Swept(
+            sum(x.claims_failed for x in swept),
+            sum(x.results_expired for x in swept),
+            sum(x.gaps_sealed for x in swept),
+        )
 
     async def depth(self) -> dict[str, int]:
         return {state.label: n for state, n in (await self.operations.depth()).items()}

@@ -137,6 +137,7 @@ class Pager:
                     rec.slot,
                     idle_before,
                     epoch=self.store.epoch,
+                    group=self.keys.group_of(rid),
                 )
             )
             code = text(out["code"])
@@ -160,7 +161,12 @@ class Pager:
                 return PageOut(await self._state(rid))
             end = named(
                 await self.store.scripts.run(
-                    "page_end", [self.keys.reg(rid)], rid, self.clock(), epoch=self.store.epoch
+                    "page_end",
+                    [self.keys.reg(rid)],
+                    rid,
+                    self.clock(),
+                    epoch=self.store.epoch,
+                    group=self.keys.group_of(rid),
                 )
             )
         except BaseException:
@@ -219,7 +225,12 @@ class Pager:
 
     async def _abort(self, rid: str) -> None:
         await self.store.scripts.run(
-            "page_abort", [self.keys.reg(rid)], rid, self.clock(), epoch=self.store.epoch
+            "page_abort",
+            [self.keys.reg(rid)],
+            rid,
+            self.clock(),
+            epoch=self.store.epoch,
+            group=self.keys.group_of(rid),
         )
 
     async def _state(self, rid: str) -> RegState:

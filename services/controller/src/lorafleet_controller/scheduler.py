@@ -1,16 +1,18 @@
 """The scheduler: claims ready operations and executes them on the owning trainer.
 
-Wake-up is a blocking BLPOP on two Redis lists that the Lua scripts fill (no polling):
+Wake-up is a blocking BLPOP on two Redis lists that the Lua scripts fill (no polling), one
+claimer per group (store/keys.py: each group has its own lists, on its own slot):
 `ready:ctl` (optim_step, save/load state, publish) is always popped before `ready:data`
 (forward, forward_backward), and control operations run as their own tasks, so data never
-starves them. Data operations are handed to one worker per trainer replica, which waits a
-short coalescing window, then sends what is ready for that trainer as one cross-slot
-ForwardBackward batch, at most `BATCH_PER_TENANT` operations of each tenant, ordered
-round-robin across tenants, and only `BATCH_SHARE_CONTENDED` of each while a light tenant
-(one stepping a run or two in lockstep) is about (`FairBatcher`: one tenant's flood waits for
-later batches rather than slowing every other tenant's steps); each operation is recorded as
-soon as the batch returns. Per registration at most one operation is in flight (the ledger
-only releases the head), so seq_id order is execution order.
+starves them. Data operations are handed to one worker per trainer replica (claims of
+several groups meet there), which waits a short coalescing window, then sends what is ready
+for that trainer as one cross-slot ForwardBackward batch, at most `BATCH_PER_TENANT`
+operations of each tenant, ordered round-robin across tenants, and only
+`BATCH_SHARE_CONTENDED` of each while a light tenant (one stepping a run or two in lockstep)
+is about (`FairBatcher`: one tenant's flood waits for later batches rather than slowing
+every other tenant's steps); each operation is recorded as soon as the batch returns. Per
+registration at most one operation is in flight (the ledger only releases the head), so
+seq_id order is execution order.
 
 A claim is durable before dispatch: a controller killed mid-dispatch leaves the operation
 CLAIMED, and the next controller re-sends it with the same operation id; the trainer answers
@@ -127,7 +129,23 @@ class Scheduler:
 
     # --- intake ---------------------------------------------------------------------------
     async def run(self) -> None:
-        ready = [self.keys.ready_ctl, self.keys.ready_data]
+        """Claim in every group until one claimer stops (deposed, or the lease lost): then
+        every claimer stops."""
+        claimers = [
+            asyncio.create_task(self._claim(g), name=f"claim-g{g}") for g in range(self.keys.groups)
+        ]
+        try:
+            done, _ = await asyncio.wait(claimers, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a claimer's error (or a stop request) ends the scheduler
+        finally:
+            for task in claimers:
+                task.cancel()
+            await asyncio.gather(*claimers, return_exceptions=True)
+
+    async def _claim(self, group: int) -> None:
+        keys = self.keys.group(group)
+        ready = [keys.ready_ctl, keys.ready_data]
         while True:
             raise_if_stopped()
             try:
@@ -145,7 +163,7 @@ class Scheduler:
                 return
             # One round trip claims the popped id and whatever else is ready right now.
             try:
-                claims = await self.ledger.claim_many([text(popped[1])], CLAIM_BATCH)
+                claims = await self.ledger.claim_many(group, [text(popped[1])], CLAIM_BATCH)
             except StaleEpoch as exc:  # deposed: the popped id is re-queued by the new leader
                 log.warning("scheduler stops: %s", exc)
                 return

@@ -20,13 +20,23 @@ class ControllerSettings:
     redis_url: str = setting("redis://127.0.0.1:6379/0", doc="Redis holding all durable state.")
     redis_cluster: bool = setting(
         False,
-        doc="REDIS_URL names a node of a Redis Cluster (the fleet's keys share one hash tag, "
-        "so one master holds them; several fleets spread over the masters).",
+        doc="REDIS_URL names a node of a Redis Cluster (with LEDGER_GROUPS 1 the fleet's keys "
+        "share one hash tag, so one master holds them; several fleets spread over the masters).",
     )
     key_prefix: str = setting(
         "lf:",
         doc="Prefix of every Redis key (several fleets may share one Redis); it becomes the "
         "keys' hash tag, so letters, digits and _.:- only.",
+    )
+    ledger_groups: int = setting(
+        1,
+        doc="Groups the fleet's registrations are spread over (store/keys.py): a registration's "
+        "operations and indexes live in its group's hash tag, so on a Redis Cluster the groups "
+        "can spread over the masters. Fixed when a fleet first starts. Above 1 only on one "
+        "redis-server for now: the admission limits, placement and registration count still "
+        "span groups (store/README.md, what is left).",
+        min=1,
+        max=16384,
     )
     storage_root: Path = setting(
         Path(".cache/controller-storage"),

@@ -118,6 +118,16 @@ class Replicas:
         if rep.kind == TRAINER:
             await self.placer.fill(rep.base_model)
 
+    async def finish_losses(self) -> None:
+        """A trainer lost by a controller that died half-way through (replica_lost.lua, then
+        one step per run) is unhealthy with slot entries left: lose those now."""
+        for rep in await self.registry.replicas(TRAINER):
+            if not rep.healthy and await self.registry.slot_table(rep.replica_id):
+                await self.registry.replica_lost(
+                    rep.replica_id, f"trainer replica {rep.replica_id} was lost"
+                )
+                await self.placer.fill(rep.base_model)
+
     async def failed(self, replica_id: str, reason: str) -> list[str]:
         """A replica's process stays down: its supervisor spent the restart budget
         (`lorafleet up`). Record why (status, the replica table) and lose it; when it was the

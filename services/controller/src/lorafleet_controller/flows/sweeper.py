@@ -100,6 +100,7 @@ class Sweeper:
                 f"{rep.kind} replica {rep.replica_id} missed heartbeats for "
                 f"{self.settings.heartbeat_timeout_seconds:g}s",
             )
+        await self.replicas.finish_losses()
         for rid in await self.registry.binding_ids():
             await self.placer.finish_binding(rid)
         await self.pager.sweep()

@@ -4,20 +4,21 @@ Ledger, registry, catalog, samplers, tenancy and publishing reach Redis only thr
 `Store`: key names come from `store.keys`, transitions are `store.scripts` (one Lua script
 each, results read by name), stored states are `OpState` / `RegState`, and bytes become
 text through `text`. `connect` builds the client for one Redis or a Redis Cluster
-(`LORAFLEET_CONTROLLER_REDIS_CLUSTER`); see `keys.py` for why the fleet shares one hash tag.
+(`LORAFLEET_CONTROLLER_REDIS_CLUSTER`); see `keys.py` for the hash tags (groups, fleet).
 A store call that Redis fails (connection lost, timeout, error reply) raises `StoreError`
 (redis-py's `RedisError`), so callers that retry later need not import redis-py.
 
 Fencing: a controller that starts dispatching takes a new epoch (`take_epoch`, an INCR of
-the fleet's epoch counter) and passes it with every dispatch write (claims, outcomes,
-sweeps, placements, replica losses); the scripts refuse an epoch that is no longer the
-newest (`StaleEpoch`). A deposed leader therefore cannot change the ledger even in the
-moments it still believes it leads; requests any replica serves (submit, ack, create) are
-not fenced, since every replica may take them.
+the fleet's epoch counter, copied into every group) and passes it with every dispatch write
+(claims, outcomes, sweeps, placements, replica losses); the scripts refuse an epoch that is
+no longer the newest (`StaleEpoch`). A deposed leader therefore cannot change the ledger
+even in the moments it still believes it leads; requests any replica serves (submit, ack,
+create) are not fenced, since every replica may take them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 
@@ -29,6 +30,7 @@ from redis.exceptions import RedisError as StoreError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
 
+from lorafleet import errors
 from lorafleet_controller.store.cluster import cluster_client
 from lorafleet_controller.store.keys import Keys
 from lorafleet_controller.store.notify import done_ids as subscribe_done
@@ -99,9 +101,9 @@ def unreachable(url: str, *, cluster: bool = False) -> str | None:
 class Store:
     """One fleet's view of Redis: its client, key names, scripts and fencing epoch."""
 
-    def __init__(self, client: Client, prefix: str) -> None:
+    def __init__(self, client: Client, prefix: str, groups: int) -> None:
         self.redis = client
-        self.keys = Keys(prefix)
+        self.keys = Keys(prefix, groups)
         self.scripts = Scripts(client, self.keys)
         self.epoch: int | None = None  # set while this controller dispatches
 
@@ -116,10 +118,35 @@ class Store:
         """A subscription to the ids of operations as they finish (store/notify.py)."""
         return subscribe_done(self.redis, self.keys.done)
 
+    async def check_layout(self) -> None:
+        """Record the fleet's group count on first start, and refuse another one later: the
+        groups decide where every record lives (store/keys.py), so a controller configured
+        with a different count would not find them."""
+        await self.redis.set(self.keys.layout, self.keys.groups, nx=True)
+        stored = int(await self.redis.get(self.keys.layout) or 0)
+        if stored != self.keys.groups:
+            raise errors.FailedPrecondition(
+                f"this fleet's keys are laid out in {stored} groups, not {self.keys.groups}: "
+                "set ledger_groups to the fleet's (or start on an empty Redis)",
+                field="ledger_groups",
+            )
+
     async def take_epoch(self) -> int:
-        """Become the newest dispatcher: every older epoch's writes are refused from now."""
-        self.epoch = int(await self.redis.incr(self.keys.epoch))
-        return self.epoch
+        """Become the newest dispatcher: every older epoch's writes are refused from now.
+
+        The fleet's counter is the authority; each group keeps a copy its scripts check
+        (common.lua), installed here in every group before this controller dispatches, so a
+        deposed leader's writes fail in a group as soon as the new leader may write there."""
+        epoch = int(await self.redis.incr(self.keys.epoch))
+        if self.keys.groups > 1:
+            await asyncio.gather(
+                *(
+                    self.scripts.run("epoch_install", [], epoch, group=g)
+                    for g in range(self.keys.groups)
+                )
+            )
+        self.epoch = epoch
+        return epoch
 
     def drop_epoch(self) -> None:
         self.epoch = None

@@ -46,7 +46,12 @@ class AdaptersRepo:
         own = [self.keys.reg(rid)] + ([self.keys.op(opid)] if opid else [])
         out = named(
             await self.store.scripts.run(
-                "publish_version", own, rid, opid, epoch=self._epoch(fenced)
+                "publish_version",
+                own,
+                rid,
+                opid,
+                epoch=self._epoch(fenced),
+                group=self.keys.group_of(rid),
             )
         )
         return int(out["version"])

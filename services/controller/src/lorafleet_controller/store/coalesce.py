@@ -1,4 +1,4 @@
-"""Send concurrent calls of one Lua script to Redis as one pipeline (`Scripts.run_coalesced`).
+"""Send concurrent calls of one Lua script to Redis as one pipeline (`Scripts.run`, coalesced).
 
 Profiling the ledger showed admission dominated by one Redis round trip per
 SubmitOperation, mostly socket-write time. Calls issued in the same event-loop tick (the

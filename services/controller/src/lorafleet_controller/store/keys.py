@@ -4,96 +4,118 @@
 it into the `keys` table every script starts with, so a key name can never differ between
 the two sides.
 
-Every key starts with the fleet's hash tag, `{<prefix>}:`. On Redis Cluster a hash tag pins
-keys to one slot, and a Lua script may only touch keys of one slot. The controller's
-transitions are cross-registration by nature and are kept atomic on purpose:
+Each family has a scope, which decides its hash tag (on Redis Cluster a hash tag pins keys
+to one slot, and a Lua script may only touch keys of one slot):
 
-- admission (`submit`) checks the tenant's and the fleet's limits and pushes the ready queue
-  in the same script that writes the operation, so a refused submission writes nothing and
-  an admitted one is always dispatchable;
-- claiming (`claim_many`) pops the shared ready queues and claims operations of many
-  registrations at once, which is what lets one scheduler round trip feed a whole batch;
-- placement (`place`, `release`, `replica_lost`) reads and writes the slot table of a
-  trainer together with the registrations it holds, so a slot is never given twice;
-- the sweeper's outcomes (`sweep`, `seal`) update the fleet's counters with the records.
+- **group**: a registration's records (`op`, `reg`, `replay`) live in its group,
+  `group_of(rid)` = the first 32 bits of SHA-1(rid) mod G, tagged `{<prefix>|g<k>}:`; a
+  sampler's operations in its sampler id's group. Each group has its own indexes (ready
+  queues, claimed, results, gaps, depth, ...), so an operation's hot path (submit, claim,
+  complete) stays on one slot, and the groups spread over the masters.
+- **fleet**: everything else, tagged `{<prefix>}:` (replicas, slots, tenants, sessions,
+  keys, checkpoints, jobs, usage, and for now the tenant and fleet counters).
 
-Splitting those across slots would turn each into a multi-step protocol with repair after a
-crash (an outbox per registration, re-derived indexes and approximate limits). So the whole
-fleet shares one tag and one slot: on a Redis Cluster the controller's state lives on one
-master (its replica takes over on failover), and several fleets (prefixes) spread over the
-masters. Every script still declares the keys it names in KEYS (the routing key is first),
-and every key it derives inside (the next operation of a registration) carries the same tag.
-`store/README.md` designs the layout that replaces this one so that a fleet's ledger scales
-over the masters (issue 24 item 4); until it lands, one fleet is one master.
+G (the setting `ledger_groups`) is fixed when a fleet first starts (`layout`, checked by
+`Store.check_layout`). With G = 1 the group tag is the fleet tag: one slot holds the fleet,
+as before groups existed. SHA-1 because Redis's Lua has it (`redis.sha1hex`): the scripts
+compute an id's group themselves and refuse a key of another group than the call's
+(CROSSGROUP), on one redis-server as on a Cluster, so a script can never silently span
+groups. store/README.md gives the design and what is left before G > 1 runs on a Cluster.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 
-# family → suffix; '{id}' is replaced by the id of the record (a registration, an operation,
-# a tenant, ...). Families without '{id}' are single fleet-wide keys.
-KEY_FAMILIES: dict[str, str] = {
+# family → (scope, suffix); '{id}' is replaced by the id of the record (a registration, an
+# operation, a tenant, ...). Families without '{id}' are one key per group or per fleet.
+KEY_FAMILIES: dict[str, tuple[str, str]] = {
     # ledger
-    "op": "op:{id}",  # hash: one operation (id `<registration>#<seq>` or `<sampler>#s<seq>`)
-    "ready_ctl": "ready:ctl",  # list: control operations ready to claim
-    "ready_data": "ready:data",  # list: forward/forward_backward ready to claim
-    "claimed": "claimed",  # zset: CLAIMED operation ids by claim time
-    "results": "results",  # zset: terminal, unacknowledged results by finish time
-    "depth": "depth",  # hash: operation state number → count
-    "pending": "pending",  # counter: open operations of the fleet
-    "unacked": "unacked",  # counter: terminal unacknowledged results of the fleet
-    "gaps": "gaps",  # zset: registrations waiting for a missing seq_id, since when
-    "retired": "retired",  # zset: retired registrations by retirement time (record cleanup)
-    "open_samples": "open_samples",  # set: sample operations not finished yet
-    "done": "done",  # pub/sub channel: ids of operations that just finished
-    "epoch": "leader_epoch",  # counter: the dispatching controller's fencing token
-    "tenant": "tenant:{id}",  # hash: per-tenant counters (pending, unacked, registrations)
+    "op": (
+        "group",
+        "op:{id}",
+    ),  # hash: one operation (id `<registration>#<seq>` or `<sampler>#s<seq>`)
+    "ready_ctl": ("group", "ready:ctl"),  # list: control operations ready to claim
+    "ready_data": ("group", "ready:data"),  # list: forward/forward_backward ready to claim
+    "claimed": ("group", "claimed"),  # zset: CLAIMED operation ids by claim time
+    "results": ("group", "results"),  # zset: terminal, unacknowledged results by finish time
+    "depth": ("group", "depth"),  # hash: operation state number → count
+    "pending": ("fleet", "pending"),  # counter: open operations of the fleet
+    "unacked": ("fleet", "unacked"),  # counter: terminal unacknowledged results of the fleet
+    "gaps": ("group", "gaps"),  # zset: registrations waiting for a missing seq_id, since when
+    "retired": (
+        "group",
+        "retired",
+    ),  # zset: retired registrations by retirement time (record cleanup)
+    "open_samples": ("group", "open_samples"),  # set: sample operations not finished yet
+    "done": ("fleet", "done"),  # pub/sub channel: ids of operations that just finished
+    "epoch": ("fleet", "leader_epoch"),  # counter: the dispatching controller's fencing token
+    "group_epoch": ("group", "leader_epoch"),  # a group's copy of `epoch` (the one with G = 1)
+    "layout": ("fleet", "groups"),  # string: the fleet's group count G, fixed at first start
+    "tenant": (
+        "fleet",
+        "tenant:{id}",
+    ),  # hash: per-tenant counters (pending, unacked, registrations)
     # and the admission bucket (bucket_tokens, bucket_at; see submit.lua)
     # registry
-    "reg": "reg:{id}",  # hash: one registration
-    "regs": "regs",  # set: every registration id
-    "tenant_regs": "regs:{id}",  # zset: a tenant's registrations by creation time
-    "session_runs": "session_runs:{id}",  # set: a session's registrations
-    "binding": "binding",  # set: registrations placed but not yet confirmed by the trainer
-    "paging": "paging",  # set: registrations with a page-out in progress (paging.py)
-    "regq": "regq:{id}",  # zset: registrations of a base model waiting for a slot
-    "replay": "replay:{id}",  # hash: a registration's replay log and last snapshot (recovery)
-    "replica": "replica:{id}",  # hash: one trainer or rollout replica
-    "replicas": "replicas",  # set: every replica id
-    "trainers": "trainers:{id}",  # set: trainer replicas of a base model
-    "rollouts": "rollouts:{id}",  # set: rollout replicas of a base model
-    "base_models": "base_models",  # set: every base model a replica announced
-    "slots": "slots:{id}",  # hash: a trainer's slot number → registration id
+    "reg": ("group", "reg:{id}"),  # hash: one registration
+    "regs": ("fleet", "regs"),  # set: every registration id
+    "tenant_regs": ("fleet", "regs:{id}"),  # zset: a tenant's registrations by creation time
+    "session_runs": ("fleet", "session_runs:{id}"),  # set: a session's registrations
+    "binding": (
+        "group",
+        "binding",
+    ),  # set: registrations placed but not yet confirmed by the trainer
+    "paging": ("group", "paging"),  # set: registrations with a page-out in progress (paging.py)
+    "regq": ("fleet", "regq:{id}"),  # zset: registrations of a base model waiting for a slot
+    "replay": (
+        "group",
+        "replay:{id}",
+    ),  # hash: a registration's replay log and last snapshot (recovery)
+    "replica": ("fleet", "replica:{id}"),  # hash: one trainer or rollout replica
+    "replicas": ("fleet", "replicas"),  # set: every replica id
+    "trainers": ("fleet", "trainers:{id}"),  # set: trainer replicas of a base model
+    "rollouts": ("fleet", "rollouts:{id}"),  # set: rollout replicas of a base model
+    "base_models": ("fleet", "base_models"),  # set: every base model a replica announced
+    "slots": ("fleet", "slots:{id}"),  # hash: a trainer's slot number → registration id
+    "slot_tenants": ("fleet", "slot_tenants:{id}"),  # hash: a trainer's slot number → its tenant
     # samplers and publishing
-    "sampler": "sampler:{id}",  # hash: one sampler
-    "session_samplers": "session_samplers:{id}",  # set: a session's samplers
-    "adapter": "adapter:{id}",  # hash: a published `<registration>@<version>`
-    "live": "live:{id}",  # zset: a base model's published adapter ids by version
+    "sampler": ("fleet", "sampler:{id}"),  # hash: one sampler
+    "session_samplers": ("fleet", "session_samplers:{id}"),  # set: a session's samplers
+    "adapter": ("fleet", "adapter:{id}"),  # hash: a published `<registration>@<version>`
+    "live": ("fleet", "live:{id}"),  # zset: a base model's published adapter ids by version
     # checkpoints
-    "ckpt": "ckpt:{id}",  # hash: one checkpoint by tinker path
-    "tenant_ckpts": "ckpts:{id}",  # zset: a tenant's checkpoints by creation time
-    "run_ckpts": "run_ckpts:{id}",  # zset: a registration's checkpoints by creation time
-    "ckpt_ttl": "ckpt_ttl",  # zset: checkpoints by expiry time
+    "ckpt": ("fleet", "ckpt:{id}"),  # hash: one checkpoint by tinker path
+    "tenant_ckpts": ("fleet", "ckpts:{id}"),  # zset: a tenant's checkpoints by creation time
+    "run_ckpts": ("fleet", "run_ckpts:{id}"),  # zset: a registration's checkpoints by creation time
+    "ckpt_ttl": ("fleet", "ckpt_ttl"),  # zset: checkpoints by expiry time
     # tenancy
-    "api_key": "key:{id}",  # hash: one API key (by key id)
-    "key_hash": "apikey:{id}",  # string: key id of a key's SHA-256
-    "tenant_keys": "keys:{id}",  # set: a tenant's key ids
-    "key_sessions": "key_sessions:{id}",  # set: sessions opened with a key (ended on revoke)
-    "session": "sess:{id}",  # hash: one session
-    "tenant_sessions": "sessions:{id}",  # zset: a tenant's sessions by creation time
-    "sessions_live": "sessions_live",  # zset: unfinished sessions by last heartbeat
+    "api_key": ("fleet", "key:{id}"),  # hash: one API key (by key id)
+    "key_hash": ("fleet", "apikey:{id}"),  # string: key id of a key's SHA-256
+    "tenant_keys": ("fleet", "keys:{id}"),  # set: a tenant's key ids
+    "key_sessions": (
+        "fleet",
+        "key_sessions:{id}",
+    ),  # set: sessions opened with a key (ended on revoke)
+    "session": ("fleet", "sess:{id}"),  # hash: one session
+    "tenant_sessions": ("fleet", "sessions:{id}"),  # zset: a tenant's sessions by creation time
+    "sessions_live": ("fleet", "sessions_live"),  # zset: unfinished sessions by last heartbeat
     # managed training jobs (store/jobs.py)
-    "job": "job:{id}",  # hash: one job (params, data, state, cursor, progress, result)
-    "tenant_jobs": "jobs:{id}",  # zset: a tenant's jobs by creation time
-    "run_jobs": "run_jobs:{id}",  # list: a run's unfinished jobs, in the order they run
-    "jobs_open": "jobs_open",  # set: unfinished job ids (resumed by a new leader)
-    "default_run": "default_run:{id}",  # hash: a tenant's default run for jobs
+    "job": ("fleet", "job:{id}"),  # hash: one job (params, data, state, cursor, progress, result)
+    "tenant_jobs": ("fleet", "jobs:{id}"),  # zset: a tenant's jobs by creation time
+    "run_jobs": ("fleet", "run_jobs:{id}"),  # list: a run's unfinished jobs, in the order they run
+    "jobs_open": ("fleet", "jobs_open"),  # set: unfinished job ids (resumed by a new leader)
+    "default_run": ("fleet", "default_run:{id}"),  # hash: a tenant's default run for jobs
     # usage accounting (usage.py)
-    "usage": "usage:{id}",  # hash: a tenant's usage totals (tokens, steps, adapter-seconds)
-    "usage_tenants": "usage_tenants",  # set: tenants with any usage
+    "usage": (
+        "fleet",
+        "usage:{id}",
+    ),  # hash: a tenant's usage totals (tokens, steps, adapter-seconds)
+    "usage_tenants": ("fleet", "usage_tenants"),  # set: tenants with any usage
 }
 
+MAX_GROUPS = 16384  # Redis Cluster's hash slots: more groups could not spread further
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 
 
@@ -104,34 +126,80 @@ def tag_of(prefix: str) -> str:
     return "{" + (prefix.rstrip(":") or prefix) + "}:"
 
 
-class Keys:
-    """Key names of one fleet (one prefix): `keys.reg(rid)`, `keys.ready_data`, ..."""
+def owner_of(opid: str) -> str:
+    """The registration (or sampler) an operation id `<owner>#<seq>` belongs to."""
+    owner, sep, _ = opid.rpartition("#")
+    return owner if sep else opid
 
-    def __init__(self, prefix: str) -> None:
-        self.base = tag_of(prefix)
-        for family, suffix in KEY_FAMILIES.items():
-            if "{id}" not in suffix:
-                setattr(self, family, self.base + suffix)
 
-    def _key(self, family: str, ident: str) -> str:
-        return self.base + KEY_FAMILIES[family].replace("{id}", ident)
+class GroupKeys:
+    """The per-group keys (indexes and counters) of one group: `keys.group(g).claimed`."""
 
-    # Fleet-wide keys (set in __init__), listed for type checkers and readers.
+    def __init__(self, base: str) -> None:
+        self.base = base
+        for family, (scope, suffix) in KEY_FAMILIES.items():
+            if scope == "group" and "{id}" not in suffix:
+                setattr(self, family, base + suffix)
+
     ready_ctl: str
     ready_data: str
     claimed: str
     results: str
     depth: str
-    pending: str
-    unacked: str
     gaps: str
     retired: str
     open_samples: str
-    done: str
-    epoch: str
-    regs: str
     binding: str
     paging: str
+    group_epoch: str
+
+
+class Keys:
+    """Key names of one fleet (one prefix, G groups): `keys.reg(rid)`, `keys.regs`,
+    `keys.group(g).ready_data`, ..."""
+
+    def __init__(self, prefix: str, groups: int) -> None:
+        if not 1 <= groups <= MAX_GROUPS:
+            raise ValueError(f"groups must be 1..{MAX_GROUPS}, not {groups}")
+        self.base = tag_of(prefix)
+        self.groups = groups
+        self._groups = [GroupKeys(self._group_base(g)) for g in range(groups)]
+        for family, (scope, suffix) in KEY_FAMILIES.items():
+            if scope == "fleet" and "{id}" not in suffix:
+                setattr(self, family, self.base + suffix)
+
+    def _group_base(self, group: int) -> str:
+        if self.groups == 1:
+            return self.base
+        return "{" + self.base[1:-2] + f"|g{group}" + "}:"
+
+    def group_of(self, owner: str) -> int:
+        """The group of a registration or sampler id (see the module's docstring)."""
+        if self.groups == 1:
+            return 0
+        return int(hashlib.sha1(owner.encode()).hexdigest()[:8], 16) % self.groups
+
+    def group_of_op(self, opid: str) -> int:
+        return self.group_of(owner_of(opid))
+
+    def group(self, group: int) -> GroupKeys:
+        return self._groups[group]
+
+    def all_groups(self) -> list[GroupKeys]:
+        return self._groups
+
+    def _key(self, family: str, ident: str) -> str:
+        scope, suffix = KEY_FAMILIES[family]
+        base = self.base if scope == "fleet" else self._group_base(self.group_of(ident))
+        return base + suffix.replace("{id}", ident)
+
+    # Fleet-wide keys (set in __init__), listed for type checkers and readers.
+    pending: str
+    unacked: str
+    done: str
+    epoch: str
+    layout: str
+    regs: str
     replicas: str
     base_models: str
     ckpt_ttl: str
@@ -140,7 +208,8 @@ class Keys:
     usage_tenants: str
 
     def op(self, opid: str) -> str:
-        return self._key("op", opid)
+        suffix = KEY_FAMILIES["op"][1]
+        return self._group_base(self.group_of_op(opid)) + suffix.replace("{id}", opid)
 
     def tenant(self, tenant: str) -> str:
         return self._key("tenant", tenant)
@@ -169,6 +238,9 @@ class Keys:
 
     def slots(self, replica_id: str) -> str:
         return self._key("slots", replica_id)
+
+    def slot_tenants(self, replica_id: str) -> str:
+        return self._key("slot_tenants", replica_id)
 
     def sampler(self, sampler_id: str) -> str:
         return self._key("sampler", sampler_id)
@@ -225,15 +297,50 @@ class Keys:
         return self._key("usage", tenant)
 
 
-def lua_prelude() -> str:
-    """The `keys` table of the scripts: `keys.ready_data`, `keys.reg(rid)`, ... built from
-    `KEY_FAMILIES` on the fleet base `P` (ARGV[1])."""
-    lines = ["local keys = {}"]
-    for family, suffix in KEY_FAMILIES.items():
+def lua_prelude(groups: int) -> str:
+    """The `keys` table of the scripts: `keys.reg(rid)`, `keys.regs`, `keys.ready_data` (the
+    call's group), ... built from `KEY_FAMILIES` on the fleet base `P` (ARGV[1]) and the
+    call's group `G` (ARGV[3], '' for a call in no group: its group keys are nil)."""
+    lines = [
+        f"local GROUPS = {groups}",
+        "local G = ARGV[3]",
+        "local GB = nil",
+        "if G ~= '' then",
+        "  GB = GROUPS == 1 and P or ('{' .. string.sub(P, 2, -3) .. '|g' .. G .. '}:')",
+        "end",
+        "local group_cache = {}",
+        "local function group_of(owner)",
+        "  if GROUPS == 1 then return '0' end",
+        "  local g = group_cache[owner]",
+        "  if not g then",
+        "    g = tostring(tonumber(string.sub(redis.sha1hex(owner), 1, 8), 16) % GROUPS)",
+        "    group_cache[owner] = g",
+        "  end",
+        "  return g",
+        "end",
+        "local function in_group(owner)",
+        "  local g = group_of(owner)",
+        "  if g ~= G then",
+        "    error('CROSSGROUP ' .. owner .. ' is in group ' .. g .. ', this call in ' .. G)",
+        "  end",
+        "  return GB",
+        "end",
+        "local function owner_of(id) return string.match(id, '^(.*)#') or id end",
+        "local keys = {}",
+    ]
+    for family, (scope, suffix) in KEY_FAMILIES.items():
         if "{id}" in suffix:
             head, tail = suffix.split("{id}")
-            body = f"P .. '{head}' .. id" + (f" .. '{tail}'" if tail else "")
+            if scope == "fleet":
+                base = "P"
+            elif family == "op":
+                base = "in_group(owner_of(id))"
+            else:
+                base = "in_group(id)"
+            body = f"{base} .. '{head}' .. id" + (f" .. '{tail}'" if tail else "")
             lines.append(f"function keys.{family}(id) return {body} end")
-        else:
+        elif scope == "fleet":
             lines.append(f"keys.{family} = P .. '{suffix}'")
+        else:
+            lines.append(f"if GB then keys.{family} = GB .. '{suffix}' end")
     return "\n".join(lines) + "\n"

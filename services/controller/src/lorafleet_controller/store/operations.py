@@ -2,9 +2,10 @@
 
 Every ledger transition is a script (`store.scripts`); the reads here are an operation's
 record (`op`), what a queued operation waits for on its registration (`reg`: state, head),
-the fleet's CLAIMED index (`claimed`), the registrations stalled on a missing seq_id (`gaps`),
-the operations per state (`depth`) and a tenant's counters (`tenant`). They return typed
-values; what they mean (an expired result, why an operation waits) is the ledger's.
+the CLAIMED index (`claimed`), the registrations stalled on a missing seq_id (`gaps`) and the
+operations per state (`depth`), each kept per group and read over all of them, and a
+tenant's counters (`tenant`). They return typed values; what they mean (an expired result,
+why an operation waits) is the ledger's.
 """
 
 from __future__ import annotations
@@ -108,20 +109,30 @@ class OperationsRepo:
         }
 
     async def claimed_ids(self) -> list[str]:
-        return [text(x) for x in await self.store.redis.zrange(self.keys.claimed, 0, -1)]
+        """Every CLAIMED operation, group after group."""
+        ids: list[str] = []
+        for group in self.keys.all_groups():
+            ids += [text(x) for x in await self.store.redis.zrange(group.claimed, 0, -1)]
+        return ids
 
-    async def gaps_older_than(self, cutoff: float, limit: int) -> list[str]:
-        """Up to `limit` registrations stalled on a missing seq_id since `cutoff` or before."""
-        raw = await self.store.redis.zrangebyscore(self.keys.gaps, "-inf", cutoff, 0, limit)
+    async def gaps_older_than(self, group: int, cutoff: float, limit: int) -> list[str]:
+        """Up to `limit` registrations of `group` stalled on a missing seq_id since `cutoff`
+        or before."""
+        gaps = self.keys.group(group).gaps
+        raw = await self.store.redis.zrangebyscore(gaps, "-inf", cutoff, 0, limit)
         return [text(x) for x in raw]
 
     async def gap_stalls(self) -> int:
-        return int(await self.store.redis.zcard(self.keys.gaps))
+        return sum([int(await self.store.redis.zcard(g.gaps)) for g in self.keys.all_groups()])
 
     async def depth(self) -> dict[OpState, int]:
-        """The fleet's operations per state."""
-        raw = await self.store.redis.hgetall(self.keys.depth)
-        return {OpState(int(k)): int(v) for k, v in raw.items()}
+        """The fleet's operations per state (summed over the groups)."""
+        total: dict[OpState, int] = {}
+        for group in self.keys.all_groups():
+            for k, v in (await self.store.redis.hgetall(group.depth)).items():
+                state = OpState(int(k))
+                total[state] = total.get(state, 0) + int(v)
+        return total
 
     async def tenant_load(self, tenant: str) -> dict[str, int]:
         raw = await self.store.redis.hgetall(self.keys.tenant(tenant))

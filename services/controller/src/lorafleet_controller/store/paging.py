@@ -20,4 +20,7 @@ class PageOutsRepo:
 
     async def in_progress(self) -> list[str]:
         """Registrations with a page-out begun and neither ended nor aborted."""
-        return [text(raw) for raw in await self.store.redis.smembers(self.keys.paging)]
+        ids: list[str] = []
+        for group in self.keys.all_groups():
+            ids += [text(raw) for raw in await self.store.redis.smembers(group.paging)]
+        return ids

@@ -58,6 +58,7 @@ class RecoveryLog:
                 seq,
                 payload,
                 epoch=self.store.leader_epoch(),
+                group=self.keys.group_of(rid),
             )
         )
         return text(out["code"]) == "logged"
@@ -73,6 +74,7 @@ class RecoveryLog:
                 seq,
                 snapshot.SerializeToString(deterministic=True),
                 epoch=self.store.epoch,
+                group=self.keys.group_of(rid),
             )
         )
         return text(out["code"]) == "recorded"
@@ -80,7 +82,10 @@ class RecoveryLog:
     async def load(self, rid: str) -> ReplayLog:
         """The log and the registration's newest seq_id, read in one step (recovery_load)."""
         flat, (last, steps) = await self.store.scripts.run(
-            "recovery_load", [self.keys.replay(rid), self.keys.reg(rid)], rid
+            "recovery_load",
+            [self.keys.replay(rid), self.keys.reg(rid)],
+            rid,
+            group=self.keys.group_of(rid),
         )
         raw = {text(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
         entries = {}

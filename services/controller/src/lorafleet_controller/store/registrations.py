@@ -131,6 +131,7 @@ class RegistrationsRepo:
                 json.dumps(new.user_metadata, sort_keys=True),
                 "optimizer",
                 new.optimizer,
+                group=self.keys.group_of(rid),
             )
         )
         return text(out["code"])
@@ -177,7 +178,10 @@ class RegistrationsRepo:
         return sorted(text(x) for x in await self.store.redis.smembers(self.keys.regs))
 
     async def binding_ids(self) -> list[str]:
-        return sorted(text(x) for x in await self.store.redis.smembers(self.keys.binding))
+        ids: set[str] = set()
+        for group in self.keys.all_groups():
+            ids.update(text(x) for x in await self.store.redis.smembers(group.binding))
+        return sorted(ids)
 
     async def queued(self, base_model: str) -> list[str]:
         """The base model's waiting registrations, the next to get a slot first."""
@@ -188,7 +192,13 @@ class RegistrationsRepo:
         tenant holds `cap` slots of the base model's trainers, so it waits."""
         out = named(
             await self.store.scripts.run(
-                "place", [self.keys.reg(rid)], rid, now, cap, epoch=self.store.epoch
+                "place",
+                [self.keys.reg(rid)],
+                rid,
+                now,
+                cap,
+                epoch=self.store.epoch,
+                group=self.keys.group_of(rid),
             )
         )
         code = text(out["code"])
@@ -203,14 +213,25 @@ class RegistrationsRepo:
         the placement changed meanwhile."""
         out = named(
             await self.store.scripts.run(
-                "bound", [self.keys.reg(rid)], rid, replica, slot, now, epoch=self.store.epoch
+                "bound",
+                [self.keys.reg(rid)],
+                rid,
+                replica,
+                slot,
+                now,
+                epoch=self.store.epoch,
+                group=self.keys.group_of(rid),
             )
         )
         return text(out["code"]) == "ok"
 
     async def release(self, rid: str) -> tuple[str, int, str]:
         """Retire the placement: (replica, slot) freed ('', -1 when none) and the base model."""
-        out = named(await self.store.scripts.run("release", [self.keys.reg(rid)], rid))
+        out = named(
+            await self.store.scripts.run(
+                "release", [self.keys.reg(rid)], rid, group=self.keys.group_of(rid)
+            )
+        )
         replica = text(out["replica"])
         return replica, int(out["slot"]) if replica else -1, text(out["base_model"])
 

@@ -17,6 +17,7 @@ Announcements and failure reports are requests any replica serves, never fenced.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 
@@ -119,19 +120,41 @@ class ReplicasRepo:
         return text(out["code"]) == "ok"
 
     async def lost(self, replica_id: str, now: float, reason: str) -> Lost:
-        """Mark it unhealthy; a trainer's registrations become UNAVAILABLE and re-queue
-        (replica_lost.lua). Fenced while this controller leads."""
+        """Mark it unhealthy, then lose each slot entry in its run's group (concurrently): the
+        runs become UNAVAILABLE and re-queue (replica_lost.lua, reg_lost.lua). Fenced while
+        this controller leads. Entries left by an earlier call that died half-way are lost
+        now too, whatever the first step's code."""
+        epoch = self.store.epoch
         out = named(
             await self.store.scripts.run(
                 "replica_lost",
                 [self.keys.replica(replica_id), self.keys.slots(replica_id)],
                 replica_id,
-                now,
-                reason,
-                epoch=self.store.epoch,
+                epoch=epoch,
             )
         )
-        return Lost(text(out["code"]), [text(x) for x in out["affected"]])
+        flat = [text(x) for x in out["slots"]]
+        entries = sorted(zip(flat[::2], flat[1::2], strict=True), key=lambda e: int(e[0]))
+
+        async def lose(slot: str, rid: str) -> str:
+            lost = named(
+                await self.store.scripts.run(
+                    "reg_lost",
+                    [self.keys.reg(rid), self.keys.slots(replica_id)],
+                    replica_id,
+                    slot,
+                    rid,
+                    now,
+                    reason,
+                    epoch=epoch,
+                    group=self.keys.group_of(rid),
+                )
+            )
+            return text(lost["code"])
+
+        codes = await asyncio.gather(*(lose(slot, rid) for slot, rid in entries))
+        affected = [rid for (_, rid), code in zip(entries, codes, strict=True) if code == "lost"]
+        return Lost(text(out["code"]), affected)
 
     async def get_many(self, ids: list[str]) -> list[Replica | None]:
         async with self.store.redis.pipeline(transaction=False) as pipe:

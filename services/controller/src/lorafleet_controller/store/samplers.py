@@ -113,6 +113,7 @@ class SamplersRepo:
                 limits.pending_global,
                 limits.unacked_per_tenant,
                 limits.unacked_global,
+                group=self.keys.group_of_op(opid),
             )
         )
         state = out.get("state")
@@ -124,4 +125,7 @@ class SamplersRepo:
 
     async def open_samples(self) -> list[str]:
         """Sample operations not finished yet (re-run after a controller restart)."""
-        return [text(opid) for opid in await self.store.redis.smembers(self.keys.open_samples)]
+        ids: list[str] = []
+        for group in self.keys.all_groups():
+            ids += [text(opid) for opid in await self.store.redis.smembers(group.open_samples)]
+        return ids

@@ -8,7 +8,8 @@ epoch), then one PUBLISH of every operation it finished, so no script can forget
 the long polls.
 
 Calls pass the keys they name in KEYS (the first routes the call on Redis Cluster) and
-their arguments in ARGV after the fleet base and the epoch. Results are flat name/value
+their arguments in ARGV after the fleet base, the epoch and the call's group (store/keys.py:
+every record a call touches is in that group, or in the fleet's scope). Results are flat name/value
 lists (`result('code', 'created', ...)` in Lua) read back by name with `named()`.
 """
 
@@ -31,10 +32,11 @@ from lorafleet_controller.store.keys import Keys
 Client = aioredis.Redis | RedisCluster
 
 
-def _fleet_keys(name: str) -> tuple[str, ...]:
-    """The fleet-wide keys a script touches, declared in KEYS after the caller's own keys:
-    its first line reads `-- fleet-keys: name ...` (attribute names of `Keys`). Declared in
-    the script itself so that adding a script is adding one file."""
+def _shared_keys(name: str) -> tuple[str, ...]:
+    """The keys a script touches that are no one record's (a group's indexes, the fleet's
+    counters and sets), declared in KEYS after the caller's own keys: its first line reads
+    `-- keys: family ...`. Declared in the script itself so that adding a script is adding
+    one file; a group family resolves in the call's group."""
     first = (_LUA / f"{name}.lua").read_text().split("\n", 1)[0]
     if not first.startswith(_HEADER):
         raise ValueError(f"store/lua/{name}.lua: first line must be {_HEADER!r} and its keys")
@@ -42,13 +44,13 @@ def _fleet_keys(name: str) -> tuple[str, ...]:
 
 
 _LUA = resources.files("lorafleet_controller.store") / "lua"
-_HEADER = "-- fleet-keys:"
-FLEET_KEYS: dict[str, tuple[str, ...]] = {
-    p.name[: -len(".lua")]: _fleet_keys(p.name[: -len(".lua")])
+_HEADER = "-- keys:"
+SHARED_KEYS: dict[str, tuple[str, ...]] = {
+    p.name[: -len(".lua")]: _shared_keys(p.name[: -len(".lua")])
     for p in sorted(_LUA.iterdir(), key=lambda p: p.name)
     if p.name.endswith(".lua") and p.name != "common.lua"
 }
-NAMES = tuple(FLEET_KEYS)
+NAMES = tuple(SHARED_KEYS)
 
 
 class StaleEpoch(errors.Unavailable):
@@ -56,13 +58,13 @@ class StaleEpoch(errors.Unavailable):
     was deposed and must stop dispatching (the new leader redoes what it left)."""
 
 
-def source(name: str) -> str:
+def source(name: str, groups: int) -> str:
     body = (_LUA / f"{name}.lua").read_text()
     return (
         "local P = ARGV[1]\n"
-        "local ARGS = {}\nfor i = 3, #ARGV do ARGS[i - 2] = ARGV[i] end\n"
+        "local ARGS = {}\nfor i = 4, #ARGV do ARGS[i - 3] = ARGV[i] end\n"
         + states.lua_prelude()
-        + keys_module.lua_prelude()
+        + keys_module.lua_prelude(groups)
         + (_LUA / "common.lua").read_text()
         + f"\nlocal function main()\n{body}\nend\n"
         + "local stale = check_epoch()\nif stale then return stale end\n"
@@ -100,31 +102,46 @@ class Scripts:
 
     def __init__(self, client: Client, keys: Keys) -> None:
         self.keys = keys
-        self._scripts = {name: client.register_script(source(name)) for name in NAMES}
+        self._scripts = {name: client.register_script(source(name, keys.groups)) for name in NAMES}
         self._coalescers = {name: Coalescer(client, s) for name, s in self._scripts.items()}
 
-    def _keys(self, name: str, own: Sequence[str]) -> list[str]:
-        return [*own, *(getattr(self.keys, k) for k in FLEET_KEYS[name])]
+    def _keys(self, name: str, own: Sequence[str], group: int | None) -> list[str]:
+        shared = []
+        for family in SHARED_KEYS[name]:
+            if keys_module.KEY_FAMILIES[family][0] == "fleet":
+                shared.append(getattr(self.keys, family))
+            elif group is None:
+                raise ValueError(f"script {name} uses the group key {family}: pass its group")
+            else:
+                shared.append(getattr(self.keys.group(group), family))
+        return [*own, *shared]
 
-    def _argv(self, epoch: int | None, args: Sequence[Any]) -> list[Any]:
-        return [self.keys.base, "" if epoch is None else epoch, *args]
+    def _argv(self, epoch: int | None, group: int | None, args: Sequence[Any]) -> list[Any]:
+        return [
+            self.keys.base,
+            "" if epoch is None else epoch,
+            "" if group is None else group,
+            *args,
+        ]
 
-    async def run(self, name: str, own: Sequence[str], *args: Any, epoch: int | None = None) -> Any:
-        """Run one script; `epoch` fences it (refused once a newer leader took over)."""
-        try:
-            return await self._scripts[name](
-                keys=self._keys(name, own), args=self._argv(epoch, args)
-            )
-        except ResponseError as exc:
-            raise _stale(exc) from None
-
-    async def run_coalesced(
-        self, name: str, own: Sequence[str], *args: Any, epoch: int | None = None
+    async def run(
+        self,
+        name: str,
+        own: Sequence[str],
+        *args: Any,
+        epoch: int | None = None,
+        group: int | None = None,
+        coalesced: bool = False,
     ) -> Any:
-        """`run`, but sharing one pipeline with the calls of `name` made in the same
-        event-loop tick (see store/coalesce.py); same result, same atomicity."""
+        """Run one script in `group` (that of every record it touches; None: it touches no
+        group's keys); `epoch` fences it (refused once a newer leader took over).
+        `coalesced` shares one pipeline with the calls of `name` made in the same event-loop
+        tick (see store/coalesce.py); same result, same atomicity."""
+        keys, argv = self._keys(name, own, group), self._argv(epoch, group, args)
         try:
-            return await self._coalescers[name](self._keys(name, own), self._argv(epoch, args))
+            if coalesced:
+                return await self._coalescers[name](keys, argv)
+            return await self._scripts[name](keys=keys, args=argv)
         except ResponseError as exc:
             raise _stale(exc) from None
 

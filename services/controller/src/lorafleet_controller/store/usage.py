@@ -13,6 +13,7 @@ as the new leader. Reads are plain commands.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,15 +41,23 @@ class UsageRepo:
 
     async def add_residency(self, slot_holders: Sequence[str], seconds: float) -> None:
         """Add `seconds` of adapter_seconds to the tenant of each registration in
-        `slot_holders` (one entry per occupied slot), in one fenced script."""
-        if not slot_holders:
-            return
-        await self.store.scripts.run(
-            "usage_residency",
-            [self.keys.reg(rid) for rid in slot_holders],
-            seconds,
-            *slot_holders,
-            epoch=self.store.leader_epoch(),
+        `slot_holders` (one entry per occupied slot), in one fenced script per group."""
+        by_group: dict[int, list[str]] = {}
+        for rid in slot_holders:
+            by_group.setdefault(self.keys.group_of(rid), []).append(rid)
+        epoch = self.store.leader_epoch()
+        await asyncio.gather(
+            *(
+                self.store.scripts.run(
+                    "usage_residency",
+                    [self.keys.reg(rid) for rid in rids],
+                    seconds,
+                    *rids,
+                    epoch=epoch,
+                    group=group,
+                )
+                for group, rids in by_group.items()
+            )
         )
 
     async def tenants(self) -> list[str]:

@@ -1,4 +1,4 @@
--- fleet-keys: ckpt_ttl
+-- keys: ckpt_ttl
 -- Record a checkpoint unless its path exists (named checkpoints are immutable). ARGS: path,
 -- tenant, rid, created_at, expires_at (0 = never), then (field, value) pairs.
 -- Result: code = created | exists.

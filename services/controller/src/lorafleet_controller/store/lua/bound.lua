@@ -1,4 +1,4 @@
--- fleet-keys: binding gaps ready_ctl ready_data
+-- keys: binding gaps ready_ctl ready_data
 -- The trainer confirmed the binding: the registration is READY, holding the slot since `now`
 -- (bound_at, for `lorafleet status`). ARGS: rid, replica, slot, now.
 -- Result: code = ok, or moved when the placement changed meanwhile (retired, replica lost):

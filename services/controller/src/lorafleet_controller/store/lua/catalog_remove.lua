@@ -1,4 +1,4 @@
--- fleet-keys: ckpt_ttl
+-- keys: ckpt_ttl
 -- Remove a checkpoint's record and its index entries together. ARGS: path, tenant, rid.
 -- Result: code = removed.
 local path, tenant, rid = ARGS[1], ARGS[2], ARGS[3]

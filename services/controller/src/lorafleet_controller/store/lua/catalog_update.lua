@@ -1,4 +1,4 @@
--- fleet-keys: ckpt_ttl
+-- keys: ckpt_ttl
 -- Change a checkpoint's visibility and expiry, keeping the expiry index in step; a record
 -- removed meanwhile stays removed. ARGS: path, public ('1', '0', '' = unchanged), expires_at
 -- ('' = unchanged, 0 = never). Result: code = updated | not_found.

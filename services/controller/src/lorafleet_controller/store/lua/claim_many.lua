@@ -1,4 +1,4 @@
--- fleet-keys: ready_ctl ready_data claimed depth
+-- keys: ready_ctl ready_data claimed depth
 -- Claim the ids the scheduler popped plus more from the ready queues (control before data),
 -- up to `max` in all, in one round trip. ARGS: now, max, popped ids...
 -- Result: a list of claims (each a named result, see claim_op).

@@ -1,7 +1,8 @@
 -- Helpers shared by every script (prepended by store/scripts.py after the generated `OP`,
 -- `REG`, `DATA_KINDS` constants and the `keys` table). ARGV[1] is the fleet's key base,
 -- ARGV[2] the caller's fencing epoch ('' when the caller is not the dispatching leader),
--- and the script's own arguments are ARGS[1..] (ARGV[3..]).
+-- ARGV[3] the call's group ('' for none: see store/keys.py), and the script's own arguments
+-- are ARGS[1..] (ARGV[4..]).
 
 -- Operations this script made terminal: announced with one PUBLISH when it ends.
 local DONE = {}
@@ -10,10 +11,12 @@ local function publish_done()
   if #DONE > 0 then redis.call('PUBLISH', keys.done, table.concat(DONE, '\n')) end
 end
 
--- A deposed leader's writes are refused: the epoch it was given must still be the newest.
+-- A deposed leader's writes are refused: the epoch it was given must still be the newest. A
+-- call in a group reads the group's copy, which a new leader installs before it dispatches
+-- (Store.take_epoch), so the check stays on the call's slot.
 local function check_epoch()
   if ARGV[2] == '' then return end
-  local current = tonumber(redis.call('GET', keys.epoch) or '0')
+  local current = tonumber(redis.call('GET', GB and keys.group_epoch or keys.epoch) or '0')
   if tonumber(ARGV[2]) ~= current then
     return redis.error_reply('STALE_EPOCH epoch ' .. ARGV[2] .. ' was superseded by ' .. current)
   end
@@ -140,6 +143,15 @@ local function retire_state(rid, tenant)
   if redis.call('HGET', rk, 'state') == REG.RETIRED then return end
   redis.call('HSET', rk, 'state', REG.RETIRED)
   redis.call('HINCRBY', keys.tenant(tenant), 'registrations', -1)
+end
+
+-- Free a trainer slot if `rid` still holds it. True when it did.
+local function free_slot(replica, slot, rid)
+  if not replica or replica == '' then return false end
+  if redis.call('HGET', keys.slots(replica), tostring(slot)) ~= rid then return false end
+  redis.call('HDEL', keys.slots(replica), tostring(slot))
+  redis.call('HDEL', keys.slot_tenants(replica), tostring(slot))
+  return true
 end
 
 -- Claim a queued operation for dispatch. Ordered operations are claimable only at their

@@ -1,4 +1,4 @@
--- fleet-keys: regs
+-- keys: regs
 -- Create a registration unless it exists. ARGS: rid, tenant, session_id, created_at, head,
 -- max_registrations (the tenant's live registrations), then (field, value) pairs.
 -- Result: code = created | exists | limit (the tenant has too many live registrations).

@@ -1,4 +1,4 @@
--- fleet-keys: retired claimed results pending unacked depth gaps ready_ctl ready_data
+-- keys: retired claimed results pending unacked depth gaps ready_ctl ready_data
 -- Fail every open operation of a registration and set its state. ARGS: rid, now, new_state
 -- (REG.RETIRED or REG.UNAVAILABLE), error JSON, reason text. A retired registration enters
 -- the `retired` index so the sweeper deletes its operation records once their results

@@ -1,4 +1,4 @@
--- fleet-keys: jobs_open
+-- keys: jobs_open
 -- Record a job and queue it on its run unless it exists (idempotent on its id; a request
 -- any replica serves, so not fenced). ARGS: job_id, tenant, rid, created_at, then (field,
 -- value) pairs of the job's hash. Result: code = created | exists.

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Record the state a tenant's default run ended a job in, the one its next default run
 -- resumes, only while that run is still the tenant's default (a reset meanwhile keeps it
 -- cleared). Fenced: the leader's runner writes it after a job succeeded.

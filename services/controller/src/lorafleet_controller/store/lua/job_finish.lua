@@ -1,4 +1,4 @@
--- fleet-keys: jobs_open
+-- keys: jobs_open
 -- End a job (the leader's runner only, fenced): its final state and fields, its progress of
 -- the pass in progress cleared, its version bumped, and out of its run's queue and of the
 -- open set a new leader resumes. A job whose record is gone only leaves the indexes.

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Write fields of an existing job and bump its version, waking its long polls (fenced when
 -- the leader's runner writes progress; a cancel request from any replica is not).
 -- ARGS: job_id, then (field, value) pairs. Result: code = updated | missing.

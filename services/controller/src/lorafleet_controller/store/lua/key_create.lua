@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Record a new API key: its hash, the digest → key id index and the tenant's key set, all
 -- or nothing (a key findable by its digest always has its record and is listed). ARGS:
 -- key_id, tenant, label, created_at, digest (SHA-256 of the plaintext, never stored itself).

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Revoke an API key if it exists (a revoked key stays listed, marked revoked; revoking
 -- twice is a no-op). ARGS: key_id. Result: code = revoked | not_found.
 local kk = keys.api_key(ARGS[1])

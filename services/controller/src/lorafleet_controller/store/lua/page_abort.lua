@@ -1,4 +1,4 @@
--- fleet-keys: paging gaps ready_ctl ready_data
+-- keys: paging gaps ready_ctl ready_data
 -- Give up a page-out (the trainer could not snapshot the slot, or the controller that began
 -- it died): the registration still holds its slot and the trainer its state, so it is READY
 -- again and its head is queued. ARGS: rid, now. Result: code = ready | moved.

@@ -1,4 +1,4 @@
--- fleet-keys: paging
+-- keys: paging
 -- Start paging a bound registration out (paging.py). ARGS: rid, replica, slot, idle_before
 -- (0 = forced). It must still hold that slot, READY, with no operation in flight (its head is
 -- not CLAIMED); an idle page-out (idle_before > 0) also needs no open operation and no

@@ -1,4 +1,4 @@
--- fleet-keys: paging
+-- keys: paging
 -- Finish a page-out: the slot's state is in the checkpoint store (its snapshot is recorded in
 -- the replay log, or the log replays it). ARGS: rid, now. The registration becomes PAGED (to
 -- be restored like a lost trainer's run: `restore`), its slot is free, and if operations
@@ -10,9 +10,7 @@ local rk = keys.reg(rid)
 local r = redis.call('HMGET', rk, 'state', 'replica', 'slot', 'base_model', 'pending')
 redis.call('SREM', keys.paging, rid)
 if r[1] ~= REG.PAGING then return result('code', 'moved') end
-if r[2] and r[2] ~= '' and redis.call('HGET', keys.slots(r[2]), r[3]) == rid then
-  redis.call('HDEL', keys.slots(r[2]), r[3])
-end
+free_slot(r[2], r[3], rid)
 redis.call('HSET', rk, 'state', REG.PAGED, 'replica', '', 'slot', '-1', 'restore', '1',
   'paged_at', now)
 local waiting = 0

@@ -1,4 +1,4 @@
--- fleet-keys: binding
+-- keys: binding
 -- Place a registration on a free trainer slot, or queue it. ARGS: rid, now, cap (slots one
 -- tenant may hold on the base model's trainers; 0 = no cap).
 -- Chooses the healthy trainer replica of the registration's base model with the most free
@@ -25,11 +25,11 @@ local function wait(code)
   end
   return result('code', code, 'position', redis.call('ZRANK', qk, rid) + 1)
 end
-if cap > 0 then
+if cap > 0 then  -- the slots' tenants are in the slot table's scope, not the runs' groups
   local held = 0
   for _, replica in ipairs(redis.call('SMEMBERS', keys.trainers(r[2]))) do
-    for _, other in ipairs(redis.call('HVALS', keys.slots(replica))) do
-      if redis.call('HGET', keys.reg(other), 'tenant') == r[6] then held = held + 1 end
+    for _, tenant in ipairs(redis.call('HVALS', keys.slot_tenants(replica))) do
+      if tenant == r[6] then held = held + 1 end
     end
   end
   if held >= cap then return wait('capped') end
@@ -50,6 +50,7 @@ local sk = keys.slots(best)
 local slot = 0
 while slot < n and redis.call('HEXISTS', sk, tostring(slot)) == 1 do slot = slot + 1 end
 redis.call('HSET', sk, tostring(slot), rid)
+redis.call('HSET', keys.slot_tenants(best), tostring(slot), r[6])
 redis.call('HSET', rk, 'state', REG.BINDING, 'replica', best, 'slot', slot)
 redis.call('ZREM', qk, rid)
 redis.call('SADD', keys.binding, rid)

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Record an adapter version live: its record and its base model's live index together.
 -- ARGS: adapter id (`<rid>@<version>`), base_model, rid, version, files_dir, lora (bytes),
 -- refs (WriteSharedAdapterResponse bytes, empty files when streamed). Result: code = live.

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- The adapter version a publish (or a sampler made from a training checkpoint) makes live,
 -- allocated once: a re-dispatch of the same operation gets the same number. ARGS: rid,
 -- opid ('' = always a new version). Result: version.

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Record a sampler unless it exists (idempotent on its id). ARGS: sampler_id, session_id,
 -- tenant, then (field, value) pairs. Result: code = created | exists.
 local sampler_id, session_id, tenant = ARGS[1], ARGS[2], ARGS[3]

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Read a run's replay log together with the registration's newest logged seq_id and its
 -- optimizer step count. One script, so no append falls between the two reads: an entry
 -- logged in between (a late answer from a trainer the run has since left, logged while a

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Log an operation the trainer applied to a run: its replay log entry is
 -- '<previous seq_id>:<payload>' ('' before the first) and the registration keeps the newest
 -- seq_id (`replay_last`). Idempotent; a seq_id the snapshot covers is not logged.

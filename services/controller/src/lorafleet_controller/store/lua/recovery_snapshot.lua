@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Record a run's snapshot unless one as new is recorded, and drop the log entries it
 -- covers. ARGS: rid, seq_id the snapshot covers, SlotSnapshot bytes.
 -- Result: code = recorded | older.

@@ -1,4 +1,4 @@
--- fleet-keys:
+-- keys:
 -- Record why a replica's process stays down (its supervisor gave up on it); it stays until
 -- the replica announces itself again (replica_register.lua). Only a known replica: checked in
 -- the same step, so a report never creates a replica record. ARGS: replica, reason.

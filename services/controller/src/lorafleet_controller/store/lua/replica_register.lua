@@ -1,4 +1,4 @@
--- fleet-keys: replicas base_models
+-- keys: replicas base_models
 -- Record a replica's announcement: healthy, seen at `now`, no failure, in its kind's pool of
 -- its base model. What changed since its last announcement is read in the same step, so two
 -- announcements racing each other cannot both report a change. ARGS: replica, kind,

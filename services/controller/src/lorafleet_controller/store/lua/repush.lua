@@ -1,4 +1,4 @@
--- fleet-keys: gaps ready_ctl ready_data
+-- keys: gaps ready_ctl ready_data
 -- Re-queue a registration's head for the scheduler (start-up recovery: an id popped from a
 -- ready queue by a controller that died before claiming it). ARGS: rid, now.
 -- Result: code = ok | not_found.

@@ -1,4 +1,4 @@
--- fleet-keys: sessions_live
+-- keys: sessions_live
 -- Open a live session unless the API key that opens it is revoked (checked in the same
 -- script, so a key revoked meanwhile cannot open one that its revocation would miss).
 -- ARGS: session_id, tenant, key_id ('' = opened by the controller itself), now, tags (JSON),

@@ -1,4 +1,4 @@
--- fleet-keys: sessions_live
+-- keys: sessions_live
 -- Finish the tenant's session: marked finished with its reason and out of the live set, so
 -- the sweeper no longer sees it silent and heartbeats are refused. Fenced when the leader
 -- calls it (the sweeper's expiry of a silent session, a job's end): a deposed leader cannot

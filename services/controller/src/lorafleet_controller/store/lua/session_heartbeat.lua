@@ -1,4 +1,4 @@
--- fleet-keys: sessions_live
+-- keys: sessions_live
 -- A heartbeat of the tenant's live session: its last_heartbeat and its place among the live
 -- sessions move to `now` (a finished session is not made live again). ARGS: session_id,
 -- tenant, now. Result: code = ok | not_found (no such session of this tenant) | finished.

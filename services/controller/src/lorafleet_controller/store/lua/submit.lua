@@ -1,4 +1,4 @@
--- fleet-keys: pending unacked results depth gaps ready_ctl ready_data
+-- keys: pending unacked results depth gaps ready_ctl ready_data
 -- Admit an operation at (rid, seq). ARGS: rid, seq, digest, kind, payload, now, tenant,
 -- limits (per registration, per tenant, fleet; unacked per tenant, fleet), born_error (JSON,
 -- '' = none), window, rate and burst (the tenant's admission bucket; rate 0 = no bucket).

@@ -1,4 +1,4 @@
--- fleet-keys: pending unacked depth open_samples
+-- keys: pending unacked depth open_samples
 -- Admit a sample operation (not seq-ordered). ARGS: opid, digest, payload, now, tenant, rid,
 -- limits (open per tenant, fleet; unacked per tenant, fleet). Idempotent on (opid, digest);
 -- limits are checked before anything is written.

@@ -1,4 +1,4 @@
--- fleet-keys: usage_tenants
+-- keys: usage_tenants
 -- Bill `dt` seconds of trainer-slot residency: each registration holding a slot adds dt to
 -- its tenant's adapter_seconds, all tenants in one step. The leader's sweeper calls it,
 -- fenced, so a deposed leader that still ticks cannot bill the same seconds twice.
