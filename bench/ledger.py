@@ -3,6 +3,7 @@
     .venv/bin/python bench/ledger.py [--registrations 64] [--ops 20000] [--consumers 4]
         [--admission-rate 0]
     .venv/bin/python bench/ledger.py --cluster [--masters 3] [--workers 4] [--rounds 2]
+        [--groups 64]
 
 Producers submit forward_backward ops for many registrations (each registration's ops in
 seq order, as the SDK sends them); consumers do what the scheduler does (BLPOP the ready
@@ -14,11 +15,12 @@ own p50/p99, sustained completed ops/s, the idle submit→claimed latency, and t
 
 `--cluster` (issue 24 item 4) runs the same workload on one redis-server and on a
 `--masters`-master Redis Cluster started like the test fixture, side by side in one run
-(alternating, `--rounds` times each), and prints each side's ops/s, the ratio cluster / one
-master (the goal is ≥ 2.5 on 3 masters) and how many script calls each master served (the
-spread is what the sharding of store/README.md changes). One Python process cannot load
-three masters, so each side drives the ledger from `--workers` processes; the registrations
-are split among them and every worker's consumers claim from the shared ready queues.
+(alternating, `--rounds` times each), both with the fleet's keys in `--groups` groups
+(store/keys.py), and prints each side's ops/s, the ratio cluster / one master (the goal is
+≥ 2.5 on 3 masters) and how many script calls each master served (the groups spread them).
+One Python process cannot load three masters, so each side drives the ledger from
+`--workers` processes; the registrations are split among them, and each group's ready
+queues are claimed by one loop in one worker (as the scheduler runs one per group).
 """
 
 from __future__ import annotations
@@ -175,9 +177,10 @@ async def cluster_setup(
     """Registrations placed and bound on one replica record; returns the leader epoch the
     workers dispatch under (taken once here, so no worker supersedes another)."""
     client = connect(url, cluster=cluster)
-    store = Store(client, prefix, 1)
+    store = Store(client, prefix, args.groups)
+    await store.check_layout()
     epoch = await store.take_epoch()
-    registry = Registry(store, cluster_settings(url, cluster, prefix))
+    registry = Registry(store, cluster_settings(url, cluster, prefix, args.groups))
     await registry.register_replica(
         Replica("trainer", "bench", "127.0.0.1:1", "base", args.registrations, "i", 0, True)
     )
@@ -200,11 +203,12 @@ async def cluster_setup(
     return epoch, rids
 
 
-def cluster_settings(url: str, cluster: bool, prefix: str) -> ControllerSettings:
+def cluster_settings(url: str, cluster: bool, prefix: str, groups: int) -> ControllerSettings:
     return ControllerSettings(
         redis_url=url,
         redis_cluster=cluster,
         key_prefix=prefix,
+        ledger_groups=groups,
         max_pending_per_registration=1024,
         max_unacked_results=10_000_000,
         max_pending_global=10_000_000,
@@ -226,17 +230,20 @@ async def cluster_worker_main(
     rids: list[str],
     tenants: dict[str, str],
     per_reg: int,
-    consumers: int,
+    groups: int,
+    claim_groups: list[int],
     total: int,
     completed: multiprocessing.Value,
     start: multiprocessing.Barrier,
 ) -> dict[str, float]:
-    """One worker process: producers for its registrations, `consumers` claim loops."""
+    """One worker process: producers for its registrations, a claim loop per group of
+    `claim_groups` (as the scheduler runs one per group)."""
     client = connect(url, cluster=cluster)
-    store = Store(client, prefix, 1)
+    store = Store(client, prefix, groups)
     store.epoch = epoch
     # Never started: only `Ledger.wait` listens, and the workload does not wait.
-    ledger = L.Ledger(store, cluster_settings(url, cluster, prefix), Notifier(store))
+    settings = cluster_settings(url, cluster, prefix, groups)
+    ledger = L.Ledger(store, settings, Notifier(store))
     payload = b"x" * 256
     submit_lat: list[float] = []
 
@@ -246,14 +253,14 @@ async def cluster_worker_main(
             await ledger.submit(tenants[rid], rid, seq, 2, payload, f"d{seq}")
             submit_lat.append(time.perf_counter() - t0)
 
-    async def consumer() -> None:
+    async def consumer(group: int) -> None:
         conn = connect(url, cluster=cluster)
+        ready = store.keys.group(group)
         while completed.value < total:
-            ready = store.keys.group(0)  # one group: the bench runs the G = 1 layout
             popped = await conn.blpop([ready.ready_ctl, ready.ready_data], timeout=0.2)
             if popped is None:
                 continue
-            claims = await ledger.claim_many(0, [popped[1].decode()], CLAIM_BATCH)
+            claims = await ledger.claim_many(group, [popped[1].decode()], CLAIM_BATCH)
             await ledger.complete_many(
                 [L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r") for c in claims]
             )
@@ -262,7 +269,7 @@ async def cluster_worker_main(
         await conn.aclose()
 
     await asyncio.get_running_loop().run_in_executor(None, start.wait, 300)
-    loops = [asyncio.create_task(consumer()) for _ in range(consumers)]
+    loops = [asyncio.create_task(consumer(g)) for g in claim_groups]
     await asyncio.gather(*(producer(r) for r in rids))
     await asyncio.gather(*loops)
     finished = time.time()
@@ -318,7 +325,8 @@ def cluster_side(
                 rids[w :: args.workers],
                 tenants,
                 per_reg,
-                args.consumers,
+                args.groups,
+                list(range(w, args.groups, args.workers)),
                 total,
                 completed,
                 start,
@@ -376,7 +384,7 @@ def cluster_main(args: argparse.Namespace) -> None:
             {
                 "masters": args.masters,
                 "workers": args.workers,
-                "consumers_per_worker": args.consumers,
+                "groups": args.groups,
                 "registrations": args.registrations,
                 "tenants": args.tenants,
                 "rounds": sides,
@@ -408,6 +416,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=64,
+        help="--cluster: the fleet's ledger_groups on both sides (store/keys.py)",
+    )
     args = parser.parse_args()
     args.lockstep = False
     if args.cluster:

@@ -60,6 +60,9 @@ async def test_capped_tenants_wait_and_idle_runs_page_out_and_back_in(domain: Do
     assert await d.ledger.claim(f"{a1}#1") is None  # a paging run's head is claimed by nobody
     ended = await run(d, "page_end", a1, now + 1)
     assert text(ended["code"]) == "paged" and int(ended["waiting"]) == 1  # its op waits
+    assert await d.registry.slot_table("tr") == {0: a1, 1: b1}  # the fleet's step is next
+    d.clock.now = now + 1  # paged out after a2 started waiting
+    await d.registry.paged_out(a1, "tr", placed.slot, "tiny", True)
     rec = await d.registry.get_any(a1)
     assert rec is not None and rec.state == RegState.PAGED and rec.restore and rec.slot == -1
     assert not [g for g in d.store.keys.all_groups() if await d.client.smembers(g.paging)]
@@ -88,6 +91,7 @@ async def test_submitting_to_a_paged_run_queues_it_and_an_abort_makes_it_ready(
     d.clock.now += 1
     admitted = await d.ledger.submit(rec.tenant, rid, 1, FB, b"x", "d1")
     assert admitted.page_in == rec.base_model
+    await d.registry.wait_for_slot(rid, admitted.page_in)  # what the operations flow does
     assert await d.registry.queued(rec.base_model) == [rid]
     assert await d.client.zscore(d.store.keys.regq(rec.base_model), rid) == d.clock.now
     placed = await d.registry.place(rid)

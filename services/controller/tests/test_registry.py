@@ -8,6 +8,7 @@ from lorafleet import errors
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.registry import Placement, Replica
 from lorafleet_controller.store import OpState, RegState
+from lorafleet_controller.store.registrations import RESERVATION_GRACE_SECONDS
 
 from .conftest import Domain
 
@@ -123,6 +124,78 @@ async def test_a_loss_cut_off_after_its_first_step_is_finished_by_the_next(
     assert await domain.registry.slot_table("tr-a") == {}
     assert sorted(await domain.registry.queued("base")) == sorted(rids)
     assert await domain.registry.replica_lost("tr-a", "gone") == []
+
+
+async def test_a_creation_cut_off_between_its_steps_is_finished_or_undone(
+    domain: Domain,
+) -> None:
+    """Creating reserves the id for its tenant (fleet), writes the record (its group), then
+    drops the reservation. A reservation left by a creator that died: kept by the sweep when
+    the record exists, undone when it never came, so the tenant's limit is not held by a run
+    that does not exist; a fresher reservation is left alone."""
+    store, regs = domain.store, domain.registry.regs
+    keys = store.keys
+    live = await create(domain, 0)
+    await store.redis.hset(keys.reserving, live, '{"tenant": "t1", "session": "s", "at": 0}')
+    for rid, at in (("s:train:7", 0), ("s:train:8", domain.clock.now)):  # died after step 1
+        await store.scripts.run(
+            "reg_reserve", [store.keys.tenant_live("t1")], rid, "t1", "s", at, 10
+        )
+    assert await regs.live_count("t1") == 3
+    domain.clock.now += RESERVATION_GRACE_SECONDS - 1
+    assert await domain.registry.sweep_reservations() == 1  # s:train:7 only
+    assert await regs.live_count("t1") == 2
+    assert set(await domain.registry.all_ids()) == {live, "s:train:8"}
+    assert await domain.registry.get("t1", live)  # its reservation was kept, then dropped
+    assert sorted(await store.redis.hkeys(keys.reserving)) == [b"s:train:8"]
+    domain.clock.now += RESERVATION_GRACE_SECONDS
+    assert await domain.registry.sweep_reservations() == 1
+    assert await regs.live_count("t1") == 1
+    # the one retired leaves its tenant's live runs once, however often it is retired
+    await domain.registry.release(live)
+    await domain.registry.release(live)
+    assert await regs.live_count("t1") == 0
+
+
+async def test_placements_cut_off_between_their_steps_are_repaired(domain: Domain) -> None:
+    """A placement is a fleet step (the slot) then the run's group step (it takes the slot);
+    a release the group's step then the fleet's. Cut off between them, the slot entry is
+    left to a run that does not hold it: the repair (two sweeps in a row) revokes the
+    placement in the run's group, so it can no longer be taken, and frees the slot."""
+    store, registry = domain.store, domain.registry
+    await add_trainer(domain, "tr-a", 2)
+    placed, released = await create(domain, 0), await create(domain, 1)
+    regq = [store.keys.regq("base")]
+    out = await store.scripts.run("place", regq, placed, "t1", "base", 0, 0)  # fleet step only
+    slot = int(dict(zip(out[::2], out[1::2], strict=True))[b"slot"])
+    p = await registry.place(released)
+    assert await registry.bound(released, p.replica, p.slot)
+    await store.scripts.run(  # the group step of a release only
+        "release", [store.keys.reg(released)], released, group=store.keys.group_of(released)
+    )
+    assert await registry.slot_table("tr-a") == {slot: placed, p.slot: released}
+    await registry.repair_placements()  # first sight: a change may be in flight
+    assert len(await registry.slot_table("tr-a")) == 2
+    await registry.repair_placements()
+    assert await registry.slot_table("tr-a") == {}
+    # the revoked placement can no longer be taken; a new one works
+    assert (
+        await store.scripts.run(
+            "accept_place",
+            [store.keys.reg(placed)],
+            placed,
+            "tr-a",
+            slot,
+            0,
+            group=store.keys.group_of(placed),
+        )
+    )[1] == b"moved"
+    again = await registry.place(placed)
+    assert again.code == "placed"
+    assert await registry.bound(placed, again.replica, again.slot)
+    await registry.repair_placements()
+    await registry.repair_placements()
+    assert await registry.slot_table("tr-a") == {again.slot: placed}  # held: left alone
 
 
 async def test_heartbeat_silence_is_detected(domain: Domain) -> None:

@@ -95,7 +95,7 @@ def test_scripts_are_declared_and_states_come_from_the_proto() -> None:
     keys = Keys("t", 2)
     for name, shared in SHARED_KEYS.items():  # each script's `-- keys:` names real keys
         for family in shared:
-            holder = keys.group(1) if KEY_FAMILIES[family][0] == "group" else keys
+            holder = keys.group(1) if KEY_FAMILIES[family][0] == "index" else keys
             assert isinstance(getattr(holder, family, None), str), (name, family)
     assert {s.value for s in OpState} == {
         v.number for v in controller_pb2.OperationState.DESCRIPTOR.values if v.number

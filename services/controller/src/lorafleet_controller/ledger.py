@@ -29,6 +29,7 @@ from lorafleet_controller.notify import Notifier
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import TERMINAL, OpState, RegState, Store, named, text
 from lorafleet_controller.store.operations import OperationsRepo, StoredOp
+from lorafleet_controller.store.quota import ADMIT_TRIES, Limits, Quota
 
 WaitingFor: TypeAlias = controller_pb2.WaitingFor.ValueType
 BACKPRESSURE_SCOPES = {
@@ -163,6 +164,7 @@ class Ledger:
         self.store = store
         self.keys = store.keys
         self.operations = OperationsRepo(store)
+        self.quota = Quota(store)
         self.settings = settings
         self.notifier = notifier
         self.clock = clock
@@ -227,41 +229,55 @@ class Ledger:
         *,
         bucket: bool = True,
     ) -> Admission:
-        """Run the admission script. `bucket=False` skips the tenant's admission bucket: the
-        controller's own seq 0 load is part of a creation the registration limit governs,
-        not a request a tenant can flood."""
+        """Run the admission script, leasing its group what it runs short of (store/quota.py)
+        between tries. `bucket=False` skips the tenant's admission bucket: the controller's
+        own seq 0 load is part of a creation the registration limit governs, not a request a
+        tenant can flood."""
         s = self.settings
         born = error_json(rejection) if rejection is not None else ""
-        own = [
-            self.keys.reg(registration_id),
-            self.keys.op(operation_id(registration_id, seq_id)),
-            self.keys.tenant(tenant),
-        ]
-        out = named(
-            await self.store.scripts.run(
-                "submit",
-                own,
-                registration_id,
-                seq_id,
-                digest,
-                kind,
-                payload,
-                self.clock(),
-                tenant,
-                s.max_pending_per_registration,
-                s.max_pending_per_tenant,
-                s.max_pending_global,
-                s.max_unacked_results_per_tenant,
-                s.max_unacked_results,
-                born,
-                self.window,
-                s.admission_rate_per_tenant if bucket else 0,
-                s.admission_burst_per_tenant,
-                group=self.keys.group_of(registration_id),
-                coalesced=s.pipeline_submits,
-            )
+        own = [self.keys.reg(registration_id), self.keys.op(operation_id(registration_id, seq_id))]
+        group = self.keys.group_of(registration_id)
+        limits = Limits(
+            s.max_pending_per_tenant,
+            s.max_pending_global,
+            s.max_unacked_results_per_tenant,
+            s.max_unacked_results,
+            s.admission_rate_per_tenant if bucket else 0.0,
+            s.admission_burst_per_tenant,
         )
-        code = text(out["code"])
+        for _ in range(ADMIT_TRIES):
+            now = self.clock()
+            out = named(
+                await self.store.scripts.run(
+                    "submit",
+                    own,
+                    registration_id,
+                    seq_id,
+                    digest,
+                    kind,
+                    payload,
+                    now,
+                    tenant,
+                    s.max_pending_per_registration,
+                    born,
+                    self.window,
+                    limits.rate,
+                    group=group,
+                    coalesced=s.pipeline_submits,
+                )
+            )
+            code = text(out["code"])
+            if code != "need_lease":
+                break
+            needs = [text(x) for x in out["need"]]
+            tokens = float(text(out["tokens"]))
+            refusal = await self.quota.provide(
+                tenant, group, needs, limits, registration_id, now, tokens
+            )
+            if refusal is not None:
+                raise backpressure(refusal.scope, refusal.retry_after)
+        else:
+            raise backpressure(needs[0])
         if code in ("created", "duplicate"):
             return Admission(
                 text(out["operation_id"]),
@@ -510,6 +526,13 @@ class Ledger:
         )
         if text(out["code"]) == "not_found":
             return -1
+        if new_state == RegState.RETIRED:
+            await self.store.scripts.run(
+                "reg_retired",
+                [self.keys.tenant_live(text(out["tenant"]))],
+                registration_id,
+                text(out["tenant"]),
+            )
         return int(out["failed"])
 
     async def claimed_ids(self) -> list[str]:
@@ -580,9 +603,15 @@ class Ledger:
     async def gap_stalls(self) -> int:
         return await self.operations.gap_stalls()
 
+    async def fleet_load(self) -> dict[str, int]:
+        """The fleet's open operations and unacknowledged results (summed over the groups)."""
+        return await self.quota.load("")
+
     async def tenant_load(self, tenant: str) -> dict[str, int]:
-        """The tenant's open operations, unacknowledged results and live registrations."""
-        return await self.operations.tenant_load(tenant)
+        """A tenant's open operations and unacknowledged results (summed over the groups)
+        and its live registrations."""
+        live = await self.operations.live_registrations(tenant)
+        return {**await self.quota.load(tenant), "registrations": live}
 
 
 def backpressure(scope: str, retry_after: float = 1.0) -> errors.ResourceExhausted:

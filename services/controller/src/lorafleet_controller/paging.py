@@ -177,6 +177,13 @@ class Pager:
             self._driving.discard(rid)
         if text(end["code"]) != "paged":
             return PageOut(await self._state(rid))
+        await self.registry.paged_out(
+            rid,
+            text(end["replica"]),
+            int(end["slot"]),
+            text(end["base_model"]),
+            int(end["waiting"]) == 1,
+        )
         rep = await self.registry.replica(text(end["replica"]))
         if rep is not None and rep.healthy:
             await self.placer.unbind_quietly(rep.address, int(end["slot"]), rid)

@@ -32,6 +32,8 @@ from lorafleet_controller.discovery.types import ROLLOUT, TRAINER
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import RegState, Store
 from lorafleet_controller.store.registrations import (
+    PLACED,
+    WAITING,
     NewRegistration,
     Placement,
     RegistrationsRepo,
@@ -83,6 +85,8 @@ class Registry:
         self.reps = ReplicasRepo(store)
         self.settings = settings
         self.clock = clock
+        # placement changes seen cut off at the previous repair (repair_placements)
+        self._suspects: set[tuple[str, str, int]] = set()
 
     # --- registrations --------------------------------------------------------------------
     async def create(
@@ -118,6 +122,58 @@ class Registry:
                 reason="REGISTRATION_CONFLICT",
             )
         return rec, code == "created"
+
+    async def paged_out(
+        self, rid: str, replica: str, slot: int, base_model: str, waiting: bool
+    ) -> None:
+        """The fleet's half of a page-out (page_end.lua was the run's): its slot is free, and
+        it waits for another when operations came meanwhile."""
+        await self.regs.fleet_slot(
+            rid, replica, slot, base_model, "wait" if waiting else "", self.clock()
+        )
+
+    async def wait_for_slot(self, rid: str, base_model: str) -> None:
+        """A paged run has work again: it joins its base model's queue (page-in)."""
+        await self.regs.fleet_slot(rid, "", -1, base_model, "wait", self.clock())
+
+    async def repair_placements(self) -> None:
+        """Finish placement changes a controller died in the middle of, between a run's
+        group step and the fleet's (store/registrations.py): a slot entry whose run does not
+        hold it is revoked in the run's group, then freed; a waiting run (QUEUED, UNAVAILABLE,
+        or PAGED with work) in no queue is queued. Only what two calls in a row found (the
+        sweeper's, seconds apart), so a change in flight (milliseconds) is left alone."""
+        found: set[tuple[str, str, int]] = set()
+        trainers = [r.replica_id for r in await self.replicas(TRAINER)]
+        tables = await self.slot_tables(trainers)
+        entries = [(rep, slot, rid) for rep, t in tables.items() for slot, rid in t.items()]
+        holders = await self.get_many([rid for _, _, rid in entries])
+        for (rep, slot, rid), rec in zip(entries, holders, strict=True):
+            if rec is not None and rec.state in PLACED and (rec.replica, rec.slot) == (rep, slot):
+                continue
+            if (rid, rep, slot) not in self._suspects:
+                found.add((rid, rep, slot))
+            elif await self.regs.revoke_slot(rid, rep, slot):
+                log.warning("freeing %s slot %d, left to %s by a cut-off change", rep, slot, rid)
+                await self.regs.fleet_slot(rid, rep, slot, rec.base_model if rec else "")
+        for rec in await self.get_many(await self.all_ids()):
+            if rec is None or rec.queue_position or rec.state not in WAITING:
+                continue
+            if rec.state == RegState.PAGED and not rec.pending:
+                continue
+            if (rec.registration_id, "", -1) not in self._suspects:
+                found.add((rec.registration_id, "", -1))
+                continue
+            score = {
+                RegState.UNAVAILABLE: rec.created_at - 1e10,
+                RegState.PAGED: self.clock(),
+            }.get(rec.state, rec.created_at)
+            log.warning("queueing %s again, left out by a cut-off change", rec.registration_id)
+            await self.regs.fleet_slot(rec.registration_id, "", -1, rec.base_model, "wait", score)
+        self._suspects = found
+
+    async def sweep_reservations(self) -> int:
+        """Finish or undo creations whose creator died between their steps."""
+        return await self.regs.sweep_reservations(self.clock())
 
     async def get(self, tenant: str, rid: str) -> RegRecord:
         rec = await self.get_any(rid)
@@ -204,6 +260,15 @@ class Registry:
         """Mark the replica unhealthy; a trainer's registrations become UNAVAILABLE and
         re-queue. Returns them."""
         lost = await self.reps.lost(replica_id, self.clock(), reason)
+        for entry in lost.slots:  # the fleet's half: free the entry, queue the run ahead
+            await self.regs.fleet_slot(
+                entry.rid,
+                replica_id,
+                entry.slot,
+                entry.base_model,
+                "ahead" if entry.lost else "",
+                entry.score,
+            )
         if lost.code == "lost":
             unavailable = f": registrations {lost.affected} are unavailable"
             log.warning("%s%s", reason, unavailable if lost.affected else "")
@@ -239,6 +304,10 @@ class Placer:
         self.restore = restore
         self.fail = fail
         self._binding: set[str] = set()  # registrations with a binding attempt in flight
+
+    async def queue_page_in(self, rid: str, base_model: str) -> None:
+        """A paged run has work again: it waits for a slot (fill places it)."""
+        await self.registry.wait_for_slot(rid, base_model)
 
     async def fill(self, base_model: str) -> None:
         """Place queued registrations of a base model while free slots remain, oldest

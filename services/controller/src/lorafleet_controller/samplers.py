@@ -25,7 +25,8 @@ from lorafleet_controller.residency import Pusher
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, Store
 from lorafleet_controller.store.adapters import AdaptersRepo
-from lorafleet_controller.store.samplers import SampleLimits, SamplerRecord, SamplersRepo
+from lorafleet_controller.store.quota import Limits
+from lorafleet_controller.store.samplers import SamplerRecord, SamplersRepo
 from lorafleet_controller.usage import sample_effects
 
 __all__ = ["SampleSubmission", "SamplerRecord", "Samplers", "sampler_id_of"]
@@ -121,7 +122,7 @@ class Samplers:
         opid = f"{sub.sampler_id}#s{sub.seq_id}"
         digest = hashlib.sha256(sub.body).hexdigest()
         s = self.settings
-        limits = SampleLimits(
+        limits = Limits(  # sampling spends no admission tokens
             s.max_pending_per_tenant,
             s.max_pending_global,
             s.max_unacked_results_per_tenant,

@@ -44,6 +44,7 @@ class Operations:
             checked.rejection,
         )
         if admission.page_in:  # a paged run has work again: give it a free slot if one is
+            await self.placer.queue_page_in(sub.registration_id, admission.page_in)
             self.background(self.placer.fill(admission.page_in))
         return admission
 

@@ -91,6 +91,8 @@ class Sweeper:
             # Queue every head again; a duplicate id is harmless, the claim takes it once.
             for rid in await self.registry.all_ids():
                 await self.ledger.repush(rid)
+            await self.registry.sweep_reservations()
+            await self.registry.repair_placements()
         silence = self.settings.heartbeat_timeout_seconds
         if now - self._heard_since < silence:
             silence = float("inf")

@@ -9,11 +9,13 @@ to one slot, and a Lua script may only touch keys of one slot):
 
 - **group**: a registration's records (`op`, `reg`, `replay`) live in its group,
   `group_of(rid)` = the first 32 bits of SHA-1(rid) mod G, tagged `{<prefix>|g<k>}:`; a
-  sampler's operations in its sampler id's group. Each group has its own indexes (ready
-  queues, claimed, results, gaps, depth, ...), so an operation's hot path (submit, claim,
-  complete) stays on one slot, and the groups spread over the masters.
+  sampler's operations in its sampler id's group.
+- **index**: each group has its own indexes and counters (ready queues, claimed, results,
+  gaps, depth, usage, ...), named in the group of the call that touches them, so an
+  operation's hot path (submit, claim, complete) stays on one slot, and the groups spread
+  over the masters. Readers sum or merge them over the groups.
 - **fleet**: everything else, tagged `{<prefix>}:` (replicas, slots, tenants, sessions,
-  keys, checkpoints, jobs, usage, and for now the tenant and fleet counters).
+  keys, checkpoints, jobs, and for now the tenant and fleet counters).
 
 G (the setting `ledger_groups`) is fixed when a fleet first starts (`layout`, checked by
 `Store.check_layout`). With G = 1 the group tag is the fleet tag: one slot holds the fleet,
@@ -32,47 +34,43 @@ import re
 # operation, a tenant, ...). Families without '{id}' are one key per group or per fleet.
 KEY_FAMILIES: dict[str, tuple[str, str]] = {
     # ledger
-    "op": (
-        "group",
-        "op:{id}",
-    ),  # hash: one operation (id `<registration>#<seq>` or `<sampler>#s<seq>`)
-    "ready_ctl": ("group", "ready:ctl"),  # list: control operations ready to claim
-    "ready_data": ("group", "ready:data"),  # list: forward/forward_backward ready to claim
-    "claimed": ("group", "claimed"),  # zset: CLAIMED operation ids by claim time
-    "results": ("group", "results"),  # zset: terminal, unacknowledged results by finish time
-    "depth": ("group", "depth"),  # hash: operation state number → count
-    "pending": ("fleet", "pending"),  # counter: open operations of the fleet
-    "unacked": ("fleet", "unacked"),  # counter: terminal unacknowledged results of the fleet
-    "gaps": ("group", "gaps"),  # zset: registrations waiting for a missing seq_id, since when
-    "retired": (
-        "group",
-        "retired",
-    ),  # zset: retired registrations by retirement time (record cleanup)
-    "open_samples": ("group", "open_samples"),  # set: sample operations not finished yet
+    # hash: one operation (id `<registration>#<seq>` or `<sampler>#s<seq>`)
+    "op": ("group", "op:{id}"),
+    "ready_ctl": ("index", "ready:ctl"),  # list: control operations ready to claim
+    "ready_data": ("index", "ready:data"),  # list: forward/forward_backward ready to claim
+    "claimed": ("index", "claimed"),  # zset: CLAIMED operation ids by claim time
+    "results": ("index", "results"),  # zset: terminal, unacknowledged results by finish time
+    "depth": ("index", "depth"),  # hash: operation state number → count
+    # hash: a group's share of a tenant's limits: its use (pending, unacked: exact, summed
+    # over the groups for the tenant's) and what it holds leased (lp, lu, tokens; quota.py)
+    "share": ("index", "share:{id}"),
+    "fleet_share": ("index", "share_fleet"),  # hash: the same for the fleet's limits
+    # hash: the fleet's limits leased to the groups (quota.py), as `tenant` is a tenant's
+    "fleet_quota": ("fleet", "quota"),
+    "gaps": ("index", "gaps"),  # zset: registrations waiting for a missing seq_id, since when
+    # zset: retired registrations by retirement time (record cleanup)
+    "retired": ("index", "retired"),
+    "open_samples": ("index", "open_samples"),  # set: sample operations not finished yet
     "done": ("fleet", "done"),  # pub/sub channel: ids of operations that just finished
     "epoch": ("fleet", "leader_epoch"),  # counter: the dispatching controller's fencing token
-    "group_epoch": ("group", "leader_epoch"),  # a group's copy of `epoch` (the one with G = 1)
+    "group_epoch": ("index", "leader_epoch"),  # a group's copy of `epoch` (the one with G = 1)
     "layout": ("fleet", "groups"),  # string: the fleet's group count G, fixed at first start
-    "tenant": (
-        "fleet",
-        "tenant:{id}",
-    ),  # hash: per-tenant counters (pending, unacked, registrations)
-    # and the admission bucket (bucket_tokens, bucket_at; see submit.lua)
+    # hash: a tenant's limits leased to the groups and its admission bucket (quota.py)
+    "tenant": ("fleet", "tenant:{id}"),
     # registry
     "reg": ("group", "reg:{id}"),  # hash: one registration
     "regs": ("fleet", "regs"),  # set: every registration id
     "tenant_regs": ("fleet", "regs:{id}"),  # zset: a tenant's registrations by creation time
     "session_runs": ("fleet", "session_runs:{id}"),  # set: a session's registrations
-    "binding": (
-        "group",
-        "binding",
-    ),  # set: registrations placed but not yet confirmed by the trainer
-    "paging": ("group", "paging"),  # set: registrations with a page-out in progress (paging.py)
+    "tenant_live": ("fleet", "live_regs:{id}"),  # set: a tenant's registrations not retired
+    # hash: registration id → its reservation (tenant, session, time) until its record exists
+    "reserving": ("fleet", "reserving"),
+    # set: registrations placed but not yet confirmed by the trainer
+    "binding": ("index", "binding"),
+    "paging": ("index", "paging"),  # set: registrations with a page-out in progress (paging.py)
     "regq": ("fleet", "regq:{id}"),  # zset: registrations of a base model waiting for a slot
-    "replay": (
-        "group",
-        "replay:{id}",
-    ),  # hash: a registration's replay log and last snapshot (recovery)
+    # hash: a registration's replay log and last snapshot (recovery)
+    "replay": ("group", "replay:{id}"),
     "replica": ("fleet", "replica:{id}"),  # hash: one trainer or rollout replica
     "replicas": ("fleet", "replicas"),  # set: every replica id
     "trainers": ("fleet", "trainers:{id}"),  # set: trainer replicas of a base model
@@ -94,10 +92,8 @@ KEY_FAMILIES: dict[str, tuple[str, str]] = {
     "api_key": ("fleet", "key:{id}"),  # hash: one API key (by key id)
     "key_hash": ("fleet", "apikey:{id}"),  # string: key id of a key's SHA-256
     "tenant_keys": ("fleet", "keys:{id}"),  # set: a tenant's key ids
-    "key_sessions": (
-        "fleet",
-        "key_sessions:{id}",
-    ),  # set: sessions opened with a key (ended on revoke)
+    # set: sessions opened with a key (ended on revoke)
+    "key_sessions": ("fleet", "key_sessions:{id}"),
     "session": ("fleet", "sess:{id}"),  # hash: one session
     "tenant_sessions": ("fleet", "sessions:{id}"),  # zset: a tenant's sessions by creation time
     "sessions_live": ("fleet", "sessions_live"),  # zset: unfinished sessions by last heartbeat
@@ -108,11 +104,10 @@ KEY_FAMILIES: dict[str, tuple[str, str]] = {
     "jobs_open": ("fleet", "jobs_open"),  # set: unfinished job ids (resumed by a new leader)
     "default_run": ("fleet", "default_run:{id}"),  # hash: a tenant's default run for jobs
     # usage accounting (usage.py)
-    "usage": (
-        "fleet",
-        "usage:{id}",
-    ),  # hash: a tenant's usage totals (tokens, steps, adapter-seconds)
-    "usage_tenants": ("fleet", "usage_tenants"),  # set: tenants with any usage
+    # hash: a tenant's usage counted in one group (tokens, steps, adapter-seconds); its totals
+    # are the sum over the groups
+    "usage": ("index", "usage:{id}"),
+    "usage_tenants": ("index", "usage_tenants"),  # set: tenants with usage counted in a group
 }
 
 MAX_GROUPS = 16384  # Redis Cluster's hash slots: more groups could not spread further
@@ -133,13 +128,19 @@ def owner_of(opid: str) -> str:
 
 
 class GroupKeys:
-    """The per-group keys (indexes and counters) of one group: `keys.group(g).claimed`."""
+    """The keys of one group's indexes and counters: `keys.group(g).claimed`, ..."""
 
     def __init__(self, base: str) -> None:
         self.base = base
         for family, (scope, suffix) in KEY_FAMILIES.items():
-            if scope == "group" and "{id}" not in suffix:
+            if scope == "index" and "{id}" not in suffix:
                 setattr(self, family, base + suffix)
+
+    def usage(self, tenant: str) -> str:
+        return self.base + KEY_FAMILIES["usage"][1].replace("{id}", tenant)
+
+    def share(self, tenant: str) -> str:
+        return self.base + KEY_FAMILIES["share"][1].replace("{id}", tenant)
 
     ready_ctl: str
     ready_data: str
@@ -152,6 +153,8 @@ class GroupKeys:
     binding: str
     paging: str
     group_epoch: str
+    usage_tenants: str
+    fleet_share: str
 
 
 class Keys:
@@ -194,18 +197,17 @@ class Keys:
         return base + suffix.replace("{id}", ident)
 
     # Fleet-wide keys (set in __init__), listed for type checkers and readers.
-    pending: str
-    unacked: str
+    fleet_quota: str
     done: str
     epoch: str
     layout: str
     regs: str
+    reserving: str
     replicas: str
     base_models: str
     ckpt_ttl: str
     sessions_live: str
     jobs_open: str
-    usage_tenants: str
 
     def op(self, opid: str) -> str:
         suffix = KEY_FAMILIES["op"][1]
@@ -219,6 +221,9 @@ class Keys:
 
     def tenant_regs(self, tenant: str) -> str:
         return self._key("tenant_regs", tenant)
+
+    def tenant_live(self, tenant: str) -> str:
+        return self._key("tenant_live", tenant)
 
     def session_runs(self, session_id: str) -> str:
         return self._key("session_runs", session_id)
@@ -293,9 +298,6 @@ class Keys:
     def default_run(self, tenant: str) -> str:
         return self._key("default_run", tenant)
 
-    def usage(self, tenant: str) -> str:
-        return self._key("usage", tenant)
-
 
 def lua_prelude(groups: int) -> str:
     """The `keys` table of the scripts: `keys.reg(rid)`, `keys.regs`, `keys.ready_data` (the
@@ -333,6 +335,8 @@ def lua_prelude(groups: int) -> str:
             head, tail = suffix.split("{id}")
             if scope == "fleet":
                 base = "P"
+            elif scope == "index":
+                base = "GB"
             elif family == "op":
                 base = "in_group(owner_of(id))"
             else:

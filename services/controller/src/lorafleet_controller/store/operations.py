@@ -4,7 +4,7 @@ Every ledger transition is a script (`store.scripts`); the reads here are an ope
 record (`op`), what a queued operation waits for on its registration (`reg`: state, head),
 the CLAIMED index (`claimed`), the registrations stalled on a missing seq_id (`gaps`) and the
 operations per state (`depth`), each kept per group and read over all of them, and a
-tenant's counters (`tenant`). They return typed values; what they mean (an expired result,
+tenant's live registrations. They return typed values; what they mean (an expired result,
 why an operation waits) is the ledger's.
 """
 
@@ -134,6 +134,5 @@ class OperationsRepo:
                 total[state] = total.get(state, 0) + int(v)
         return total
 
-    async def tenant_load(self, tenant: str) -> dict[str, int]:
-        raw = await self.store.redis.hgetall(self.keys.tenant(tenant))
-        return {text(k): int(v) for k, v in raw.items()}
+    async def live_registrations(self, tenant: str) -> int:
+        return int(await self.store.redis.scard(self.keys.tenant_live(tenant)))

@@ -5,9 +5,15 @@ A registration is a hash (`reg`); `regs` lists every one, `tenant_regs` a tenant
 time, `session_runs` a session's, `binding` the placed ones whose trainer has not confirmed
 the slot yet, and `regq` a base model's waiting ones in the order they get a slot.
 
-Every transition is one script: `create_reg` (refused past the tenant's limit of live runs),
-`place`, `bound` and `release` (a slot's holder changes with the registration). Recording
-why a trainer refused a run is one field of its own record, a plain write.
+Every transition is one script, or a few in a fixed order where it spans the run's group
+and the fleet (store/keys.py): creating is `reg_reserve` (fleet: the id, counted against
+its tenant's live runs), `create_reg` (the record, in the run's group), `reg_created`
+(fleet: the reservation kept); retiring (`release`, or a fence) is the group's change, then
+`reg_retired` (fleet: out of the tenant's live runs). Each step is idempotent, and the sweep
+finishes or undoes a reservation left by a creator that died between the steps
+(`sweep_reservations`). `place`, `bound` and `release` change a slot's holder with the
+registration. Recording why a trainer refused a run is one field of its own record, a
+plain write.
 
 Fencing: `place` and `bound` carry the epoch of a controller that leads (`Store.epoch`; None
 on one that does not), so a deposed leader's sweeper cannot place or confirm a run the new
@@ -17,11 +23,19 @@ leader has moved; creating and releasing are requests any replica serves, never 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.store import RegState, Store, named, text
+
+# A reservation whose record has not come after this long is undone by the sweep (its
+# creator died between the steps); a creator slower than half of it starts again.
+RESERVATION_GRACE_SECONDS = 60.0
+
+
+PLACED = (RegState.BINDING, RegState.READY, RegState.PAGING)
 
 
 @dataclass(frozen=True)
@@ -95,7 +109,7 @@ class Placement:
 
 
 # States whose queue position is reported (a PAGED run is in the queue once it has work).
-_WAITING = (RegState.QUEUED, RegState.UNAVAILABLE, RegState.PAGED)
+WAITING = (RegState.QUEUED, RegState.UNAVAILABLE, RegState.PAGED)
 
 
 class RegistrationsRepo:
@@ -107,22 +121,32 @@ class RegistrationsRepo:
         """Create it unless it exists: 'created', 'exists', or 'limit' (its tenant holds
         `max_per_tenant` live registrations; nothing written)."""
         rid, tenant = new.registration_id, new.tenant
-        own = [
-            self.keys.reg(rid),
-            self.keys.tenant(tenant),
-            self.keys.tenant_regs(tenant),
-            self.keys.session_runs(new.session_id),
-        ]
+        started = time.monotonic()
+        reserved = named(
+            await self.store.scripts.run(
+                "reg_reserve",
+                [self.keys.tenant_live(tenant), self.keys.tenant_regs(tenant)],
+                rid,
+                tenant,
+                new.session_id,
+                now,
+                max_per_tenant,
+            )
+        )
+        if text(reserved["code"]) == "limit":
+            return "limit"
+        if time.monotonic() - started > RESERVATION_GRACE_SECONDS / 2:
+            # the sweep may undo a reservation this old: start again rather than race it
+            raise errors.Unavailable(f"creating {rid} stalled; try again", field="registration_id")
         out = named(
             await self.store.scripts.run(
                 "create_reg",
-                own,
+                [self.keys.reg(rid)],
                 rid,
                 tenant,
                 new.session_id,
                 now,
                 0 if new.with_initial_load else 1,
-                max_per_tenant,
                 "base_model",
                 new.base_model,
                 "lora",
@@ -134,7 +158,32 @@ class RegistrationsRepo:
                 group=self.keys.group_of(rid),
             )
         )
+        await self.store.scripts.run("reg_created", [], rid)
         return text(out["code"])
+
+    async def retired(self, rid: str, tenant: str) -> None:
+        """A run retired in its group leaves its tenant's live runs (fleet; idempotent)."""
+        await self.store.scripts.run("reg_retired", [self.keys.tenant_live(tenant)], rid, tenant)
+
+    async def live_count(self, tenant: str) -> int:
+        """The tenant's registrations not retired (what its limit counts)."""
+        return int(await self.store.redis.scard(self.keys.tenant_live(tenant)))
+
+    async def sweep_reservations(self, now: float) -> int:
+        """Reservations older than RESERVATION_GRACE_SECONDS: kept where the record exists
+        (its creator died before `reg_created`), undone where it never came. Returns how
+        many were undone."""
+        undone = 0
+        for rid, raw in (await self.store.redis.hgetall(self.keys.reserving)).items():
+            at = json.loads(raw)["at"]
+            if now - at < RESERVATION_GRACE_SECONDS:
+                continue
+            if await self.store.redis.exists(self.keys.reg(text(rid))):
+                await self.store.scripts.run("reg_created", [], text(rid))
+            else:
+                out = named(await self.store.scripts.run("reg_unreserve", [], text(rid), at))
+                undone += text(out["code"]) == "undone"
+        return undone
 
     async def set_failed(self, rid: str, error_json: str) -> None:
         """Record why the run's trainer refused it (`RegRecord.failed`)."""
@@ -149,7 +198,7 @@ class RegistrationsRepo:
         queued = [
             (i, text(raw.get(b"base_model")))
             for i, raw in enumerate(raws)
-            if raw and text(raw.get(b"state")) in _WAITING
+            if raw and text(raw.get(b"state")) in WAITING
         ]
         ranks: list[int | None] = []
         if queued:
@@ -189,24 +238,97 @@ class RegistrationsRepo:
 
     async def place(self, rid: str, now: float, cap: int) -> Placement:
         """Place on a free slot or queue (fenced while this controller leads). `capped`: its
-        tenant holds `cap` slots of the base model's trainers, so it waits."""
+        tenant holds `cap` slots of the base model's trainers, so it waits.
+
+        Three steps: the run is read in its group, the slot (or its queue place) is taken in
+        the fleet (place.lua), and the run takes the slot in its group if it still waits at
+        the generation read first (accept_place.lua); refused, the slot is freed and the run
+        read again (another placement, or a retirement, came first)."""
+        group = self.keys.group_of(rid)
+        while True:
+            state, base, replica, slot, created_at, tenant, gen = await self.store.redis.hmget(
+                self.keys.reg(rid),
+                "state",
+                "base_model",
+                "replica",
+                "slot",
+                "created_at",
+                "tenant",
+                "gen",
+            )
+            st = text(state)
+            if not st or st == RegState.RETIRED:
+                return Placement("retired")
+            if st in PLACED and text(replica):
+                return Placement("bound", text(replica), int(text(slot)))
+            out = named(
+                await self.store.scripts.run(
+                    "place",
+                    [self.keys.regq(text(base))],
+                    rid,
+                    text(tenant),
+                    text(base),
+                    now if st == RegState.PAGED else float(text(created_at)),
+                    cap,
+                    epoch=self.store.epoch,
+                )
+            )
+            code = text(out["code"])
+            if code != "placed":
+                return Placement(code, position=int(out["position"]))
+            placement = Placement(code, text(out["replica"]), int(out["slot"]))
+            accepted = named(
+                await self.store.scripts.run(
+                    "accept_place",
+                    [self.keys.reg(rid)],
+                    rid,
+                    placement.replica,
+                    placement.slot,
+                    int(gen or 0),
+                    epoch=self.store.epoch,
+                    group=group,
+                )
+            )
+            if text(accepted["code"]) == "placed":
+                return placement
+            await self.fleet_slot(rid, placement.replica, placement.slot, text(base))
+
+    async def revoke_slot(self, rid: str, replica: str, slot: int) -> bool:
+        """A slot entry the run does not hold: its placement generation moves on unless it
+        holds it now (revoke_slot.lua). True when the entry may be freed."""
         out = named(
             await self.store.scripts.run(
-                "place",
+                "revoke_slot",
                 [self.keys.reg(rid)],
                 rid,
-                now,
-                cap,
+                replica,
+                slot,
                 epoch=self.store.epoch,
                 group=self.keys.group_of(rid),
             )
         )
-        code = text(out["code"])
-        if code in ("placed", "bound"):
-            return Placement(code, text(out["replica"]), int(out["slot"]))
-        if code in ("queued", "capped"):
-            return Placement(code, position=int(out["position"]))
-        return Placement(code)
+        return text(out["code"]) == "revoked"
+
+    async def fleet_slot(
+        self, rid: str, replica: str, slot: int, base: str, queue: str = "", score: float = 0
+    ) -> bool:
+        """The fleet's half of a placement change after the run's group step: free its slot
+        entry if it still holds it, and `queue` it ('leave', 'wait', 'ahead'; see
+        fleet_slot.lua). True when the entry was freed."""
+        out = named(
+            await self.store.scripts.run(
+                "fleet_slot",
+                [self.keys.regq(base)],
+                rid,
+                replica,
+                slot,
+                base,
+                queue,
+                score,
+                epoch=self.store.epoch,
+            )
+        )
+        return text(out["code"]) == "freed"
 
     async def bound(self, rid: str, replica: str, slot: int, now: float) -> bool:
         """The trainer confirmed the slot (fenced while this controller leads); False when
@@ -226,14 +348,20 @@ class RegistrationsRepo:
         return text(out["code"]) == "ok"
 
     async def release(self, rid: str) -> tuple[str, int, str]:
-        """Retire the placement: (replica, slot) freed ('', -1 when none) and the base model."""
+        """Retire the placement: (replica, slot) freed ('', -1 when none) and the base model.
+        The run retires in its group first, then leaves the fleet's slot, queue and its
+        tenant's live runs; the sweep finishes what a release cut off between left."""
         out = named(
             await self.store.scripts.run(
                 "release", [self.keys.reg(rid)], rid, group=self.keys.group_of(rid)
             )
         )
-        replica = text(out["replica"])
-        return replica, int(out["slot"]) if replica else -1, text(out["base_model"])
+        replica, base = text(out["replica"]), text(out["base_model"])
+        slot = int(text(out["slot"]) or -1)
+        freed = await self.fleet_slot(rid, replica, slot, base, "leave")
+        if text(out["tenant"]):
+            await self.retired(rid, text(out["tenant"]))
+        return (replica, slot, base) if freed else ("", -1, base)
 
 
 def _record(rid: str, raw: dict[bytes, bytes], position: int) -> RegRecord:

@@ -47,12 +47,29 @@ class Replica:
 
 
 @dataclass(frozen=True)
+class LostSlot:
+    """One slot entry of a lost trainer after its run's group step (reg_lost.lua): `lost`
+    when the run became unavailable with it (to queue at `score`), else it had left it."""
+
+    rid: str
+    slot: int
+    lost: bool
+    base_model: str
+    score: float
+
+
+@dataclass(frozen=True)
 class Lost:
     """The outcome of losing a replica: code = lost | unknown | already (was not healthy),
-    and the registrations that became unavailable with it."""
+    and its slot entries, each lost in its run's group (the caller frees them in the fleet)."""
 
     code: str
-    affected: list[str]
+    slots: list[LostSlot]
+
+    @property
+    def affected(self) -> list[str]:
+        """The registrations that became unavailable with it."""
+        return [s.rid for s in self.slots if s.lost]
 
 
 class ReplicasRepo:
@@ -121,9 +138,9 @@ class ReplicasRepo:
 
     async def lost(self, replica_id: str, now: float, reason: str) -> Lost:
         """Mark it unhealthy, then lose each slot entry in its run's group (concurrently): the
-        runs become UNAVAILABLE and re-queue (replica_lost.lua, reg_lost.lua). Fenced while
-        this controller leads. Entries left by an earlier call that died half-way are lost
-        now too, whatever the first step's code."""
+        runs become UNAVAILABLE (replica_lost.lua, reg_lost.lua); the caller frees the
+        entries and queues the runs. Fenced while this controller leads. Entries left by an
+        earlier call that died half-way are lost now too, whatever the first step's code."""
         epoch = self.store.epoch
         out = named(
             await self.store.scripts.run(
@@ -136,11 +153,11 @@ class ReplicasRepo:
         flat = [text(x) for x in out["slots"]]
         entries = sorted(zip(flat[::2], flat[1::2], strict=True), key=lambda e: int(e[0]))
 
-        async def lose(slot: str, rid: str) -> str:
+        async def lose(slot: str, rid: str) -> LostSlot:
             lost = named(
                 await self.store.scripts.run(
                     "reg_lost",
-                    [self.keys.reg(rid), self.keys.slots(replica_id)],
+                    [self.keys.reg(rid)],
                     replica_id,
                     slot,
                     rid,
@@ -150,11 +167,16 @@ class ReplicasRepo:
                     group=self.keys.group_of(rid),
                 )
             )
-            return text(lost["code"])
+            return LostSlot(
+                rid,
+                int(slot),
+                text(lost["code"]) == "lost",
+                text(lost["base_model"]),
+                float(lost["score"]),
+            )
 
-        codes = await asyncio.gather(*(lose(slot, rid) for slot, rid in entries))
-        affected = [rid for (_, rid), code in zip(entries, codes, strict=True) if code == "lost"]
-        return Lost(text(out["code"]), affected)
+        slots = await asyncio.gather(*(lose(slot, rid) for slot, rid in entries))
+        return Lost(text(out["code"]), list(slots))
 
     async def get_many(self, ids: list[str]) -> list[Replica | None]:
         async with self.store.redis.pipeline(transaction=False) as pipe:

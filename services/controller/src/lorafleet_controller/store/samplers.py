@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.store import OpState, Store, named, text
+from lorafleet_controller.store.quota import ADMIT_TRIES, Limits, Quota
 
 
 @dataclass(frozen=True)
@@ -23,16 +24,6 @@ class SamplerRecord:
     model_path: str
     ref: common_pb2.AdapterRef
     inflight: bool
-
-
-@dataclass(frozen=True)
-class SampleLimits:
-    """The admission limits a sample operation counts against."""
-
-    pending_per_tenant: int
-    pending_global: int
-    unacked_per_tenant: int
-    unacked_global: int
 
 
 @dataclass(frozen=True)
@@ -51,6 +42,7 @@ class SamplersRepo:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.keys = store.keys
+        self.quota = Quota(store)
 
     async def record(self, rec: SamplerRecord, session_id: str) -> None:
         """Record the sampler unless it exists (an existing one is kept as it is)."""
@@ -96,26 +88,33 @@ class SamplersRepo:
         body: bytes,
         now: float,
         rid: str,
-        limits: SampleLimits,
+        limits: Limits,
     ) -> SampleAdmission:
-        """Admit the sample operation `opid` (idempotent on its id and payload digest)."""
-        out = named(
-            await self.store.scripts.run(
-                "submit_sample",
-                [self.keys.op(opid), self.keys.tenant(tenant)],
-                opid,
-                digest,
-                body,
-                now,
-                tenant,
-                rid,
-                limits.pending_per_tenant,
-                limits.pending_global,
-                limits.unacked_per_tenant,
-                limits.unacked_global,
-                group=self.keys.group_of_op(opid),
+        """Admit the sample operation `opid` (idempotent on its id and payload digest), with
+        the limits its group holds leased (store/quota.py)."""
+        group = self.keys.group_of_op(opid)
+        for _ in range(ADMIT_TRIES):
+            out = named(
+                await self.store.scripts.run(
+                    "submit_sample",
+                    [self.keys.op(opid)],
+                    opid,
+                    digest,
+                    body,
+                    now,
+                    tenant,
+                    rid,
+                    group=group,
+                )
             )
-        )
+            if text(out["code"]) != "need_lease":
+                break
+            needs = [text(x) for x in out["need"]]
+            refusal = await self.quota.provide(tenant, group, needs, limits, opid, now)
+            if refusal is not None:
+                return SampleAdmission("backpressure", None, refusal.scope)
+        else:
+            return SampleAdmission("backpressure", None, needs[0])
         state = out.get("state")
         return SampleAdmission(
             code=text(out["code"]),

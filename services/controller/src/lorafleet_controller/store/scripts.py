@@ -111,7 +111,7 @@ class Scripts:
             if keys_module.KEY_FAMILIES[family][0] == "fleet":
                 shared.append(getattr(self.keys, family))
             elif group is None:
-                raise ValueError(f"script {name} uses the group key {family}: pass its group")
+                raise ValueError(f"script {name} uses the group's key {family}: pass its group")
             else:
                 shared.append(getattr(self.keys.group(group), family))
         return [*own, *shared]

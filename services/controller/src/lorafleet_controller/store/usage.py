@@ -61,25 +61,38 @@ class UsageRepo:
         )
 
     async def tenants(self) -> list[str]:
-        """Every tenant with any usage counted, sorted."""
-        return sorted(text(t) for t in await self.store.redis.smembers(self.keys.usage_tenants))
+        """Every tenant with any usage counted (in any group), sorted."""
+        tenants: set[str] = set()
+        for group in self.keys.all_groups():
+            tenants.update(text(t) for t in await self.store.redis.smembers(group.usage_tenants))
+        return sorted(tenants)
 
     async def totals(self, tenants: Sequence[str]) -> list[UsageTotals]:
-        """The totals of `tenants`, in that order."""
+        """The totals of `tenants`, in that order: each the sum of its groups' counts."""
+        groups = self.keys.all_groups()
         async with self.store.redis.pipeline(transaction=False) as pipe:
             for t in tenants:
-                pipe.hgetall(self.keys.usage(t))
+                for group in groups:
+                    pipe.hgetall(group.usage(t))
+            per_group = await pipe.execute()
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for t in tenants:
                 pipe.zrange(self.keys.tenant_ckpts(t), 0, -1)
-            raw = await pipe.execute()
-        counts, paths = raw[0::2], raw[1::2]
+            paths = await pipe.execute()
+        counts = []
+        for i in range(len(tenants)):
+            summed: dict[str, float] = {}
+            for fields in per_group[i * len(groups) : (i + 1) * len(groups)]:
+                for k, v in fields.items():
+                    summed[text(k)] = summed.get(text(k), 0.0) + float(v)  # exact below 2**53
+            counts.append(summed)
         async with self.store.redis.pipeline(transaction=False) as pipe:
             for ps in paths:
                 for p in ps:
                     pipe.hget(self.keys.ckpt(text(p)), "size")
             sizes = iter(await pipe.execute())
         out = []
-        for t, fields, ps in zip(tenants, counts, paths, strict=True):
-            f = {text(k): text(v) for k, v in fields.items()}
+        for t, f, ps in zip(tenants, counts, paths, strict=True):
             out.append(
                 UsageTotals(
                     tenant=t,

@@ -1,4 +1,4 @@
--- keys: unacked results depth
+-- keys: results depth fleet_share
 -- Acknowledge a terminal result. ARGS: opid, tenant, release_at.
 -- The result stops counting toward the unacked limits at once and stays readable until the
 -- sweep releases it (EXPIRED): its score in `results` becomes `release_at` (the ack's time

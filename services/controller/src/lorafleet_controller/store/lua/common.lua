@@ -35,10 +35,26 @@ local function depth(state, delta)
   redis.call('HINCRBY', keys.depth, tostring(state), delta)
 end
 
--- Open operations and unacknowledged results, per tenant and for the fleet.
+-- Open operations and unacknowledged results, per tenant and for the fleet: the call's
+-- group counts its share (store/quota.py sums them and leases the limits to the groups).
 local function count(tenant, field, delta)
-  redis.call('INCRBY', keys[field], delta)
-  redis.call('HINCRBY', keys.tenant(tenant), field, delta)
+  redis.call('HINCRBY', keys.fleet_share, field, delta)
+  redis.call('HINCRBY', keys.share(tenant), field, delta)
+end
+
+-- The limits a new operation needs leased in the call's group, as the backpressure scopes
+-- they refuse with (in the order they are checked): empty when the group holds enough.
+-- `pending` false for a born-FAILED record (it only needs room for its result).
+local function needs(tenant, pending)
+  local t = redis.call('HMGET', keys.share(tenant), 'pending', 'unacked', 'lp', 'lu')
+  local f = redis.call('HMGET', keys.fleet_share, 'pending', 'unacked', 'lp', 'lu')
+  local function short(s, use, lease) return tonumber(s[use] or '0') >= tonumber(s[lease] or '0') end
+  local out = {}
+  if short(t, 2, 4) then table.insert(out, 'tenant_results') end
+  if short(f, 2, 4) then table.insert(out, 'results') end
+  if pending and short(t, 1, 3) then table.insert(out, 'tenant') end
+  if pending and short(f, 1, 3) then table.insert(out, 'global') end
+  return out
 end
 
 local function error_json(category, field, message, reason)
@@ -137,12 +153,10 @@ local function fail_open(rid, err, now)
   return n
 end
 
--- A registration leaves the tenant's count of live registrations once, when it retires.
-local function retire_state(rid, tenant)
-  local rk = keys.reg(rid)
-  if redis.call('HGET', rk, 'state') == REG.RETIRED then return end
-  redis.call('HSET', rk, 'state', REG.RETIRED)
-  redis.call('HINCRBY', keys.tenant(tenant), 'registrations', -1)
+-- A registration retires; its caller then takes it out of its tenant's live runs (a fleet
+-- step, reg_retired.lua).
+local function retire_state(rid)
+  redis.call('HSET', keys.reg(rid), 'state', REG.RETIRED)
 end
 
 -- Free a trainer slot if `rid` still holds it. True when it did.

@@ -1,4 +1,4 @@
--- keys: claimed results pending unacked depth open_samples gaps ready_ctl ready_data
+-- keys: claimed results depth open_samples gaps ready_ctl ready_data usage_tenants fleet_share
 -- Record the outcomes of one or more operations. ARGS: now, then per operation: opid, state,
 -- result, error, from ('claimed' or 'open'), claim (the claim's number, claim_op; 0: any
 -- claim), n, and n triples (op, field, value) applied to

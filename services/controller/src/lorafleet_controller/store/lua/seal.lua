@@ -1,4 +1,4 @@
--- keys: gaps results unacked pending depth claimed ready_ctl ready_data
+-- keys: gaps results depth claimed ready_ctl ready_data fleet_share
 -- Seal a gap that outlived the gap timeout. ARGS: rid, now, cutoff.
 -- The missing seq_id gets a sealed FAILED record (a late arrival is a conflict, never run),
 -- and every queued, never-claimed operation behind it fails naming the missing seq_id.

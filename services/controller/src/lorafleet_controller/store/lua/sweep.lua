@@ -1,4 +1,4 @@
--- keys: claimed results retired pending unacked depth open_samples gaps ready_ctl ready_data
+-- keys: claimed results retired depth open_samples gaps ready_ctl ready_data fleet_share
 -- Periodic housekeeping. ARGS: now, claimed_cutoff, result_cutoff, limit, claimed_error.
 -- Fails claims older than the claimed TTL and expires results older than the result TTL.
 -- Registrations retired longer ago than the result TTL lose their operation records
