@@ -115,10 +115,10 @@ def redis_url(request: pytest.FixtureRequest) -> tuple[str, bool]:
     return request.getfixturevalue("redis_server").url, False
 
 
-# On one redis-server the domain runs in 8 groups (store/keys.py), so every transition is
-# checked to stay in its call's group (CROSSGROUP); on the Cluster in 1, the layout G > 1 is
-# not allowed there yet (cluster.check_groups).
-GROUPS = {False: 8, True: 1}
+# The domain runs in 8 groups (store/keys.py): on one redis-server every transition is
+# checked to stay in its call's group (CROSSGROUP), on the 3-master Cluster the groups
+# spread over the masters. The fleet tests (tests/fleet.py) run the default, 1.
+GROUPS = 8
 
 
 @pytest.fixture
@@ -127,7 +127,7 @@ async def domain(redis_url: tuple[str, bool]) -> AsyncIterator[Domain]:
     settings = ControllerSettings(
         redis_url=url,
         redis_cluster=cluster,
-        ledger_groups=GROUPS[cluster],
+        ledger_groups=GROUPS,
         max_pending_per_registration=8,
         max_unacked_results=20,
         max_unacked_results_per_tenant=20,

@@ -13,8 +13,6 @@ from lorafleet import errors
 from lorafleet.testing import RedisServer
 from lorafleet.v1 import controller_pb2
 from lorafleet_controller import ledger as L
-from lorafleet_controller.cluster import check_groups
-from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import Keys, OpState, RegState, StaleEpoch, Store, connect
 from lorafleet_controller.store.keys import KEY_FAMILIES, lua_prelude
 from lorafleet_controller.store.scripts import SHARED_KEYS
@@ -58,10 +56,13 @@ def test_a_registrations_records_and_operations_share_its_groups_tag() -> None:
 
 async def test_a_script_refuses_a_record_of_another_group(redis_server: RedisServer) -> None:
     """On one redis-server (where slots are not enforced) as on a Cluster, a script touching
-    a record outside its call's group fails, naming it."""
+    a record outside its call's group fails, naming it; a call given a key of another group
+    is refused before it is sent."""
     store = Store(connect(redis_server.url), "xg:", 4)
     rid = next(f"r{i}" for i in range(100) if store.keys.group_of(f"r{i}") != 0)
     with pytest.raises(Exception, match="CROSSGROUP"):
+        await store.scripts.run("repush", [], rid, 1.0, group=0)
+    with pytest.raises(ValueError, match="in group 0 was given"):
         await store.scripts.run("repush", [store.keys.reg(rid)], rid, 1.0, group=0)
     await store.scripts.run(
         "repush", [store.keys.reg(rid)], rid, 1.0, group=store.keys.group_of(rid)
@@ -79,13 +80,6 @@ async def test_a_fleet_keeps_the_group_count_it_started_with(redis_server: Redis
     assert refused.value.field == "ledger_groups"
     await Store(client, "other:", 8).check_layout()  # another fleet (prefix) has its own
     await client.aclose()
-
-
-def test_groups_above_one_are_refused_on_a_cluster_for_now() -> None:
-    check_groups(ControllerSettings(ledger_groups=8))  # one redis-server: fine
-    check_groups(ControllerSettings(redis_cluster=True, ledger_groups=1))
-    with pytest.raises(errors.InvalidArgument, match="not supported on a Redis Cluster"):
-        check_groups(ControllerSettings(redis_cluster=True, ledger_groups=8))
 
 
 def test_scripts_are_declared_and_states_come_from_the_proto() -> None:

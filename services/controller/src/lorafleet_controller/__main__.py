@@ -50,7 +50,6 @@ def main() -> None:
         print(f"error: cannot reach Redis at {settings.redis_url}: {why}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        cluster.check_groups(settings)
         discovery = cluster.build_discovery(settings)
         if settings.leader_election:
             cluster.check_lease_timings(settings)

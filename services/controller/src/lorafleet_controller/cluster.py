@@ -73,18 +73,6 @@ def check_lease_timings(settings: ControllerSettings) -> None:
         )
 
 
-def check_groups(settings: ControllerSettings) -> None:
-    """Groups above 1 need every transition split by group, which is not done yet for
-    admission limits, placement and the registration count (store/README.md): on a Redis
-    Cluster those scripts would fail on their first cross-slot key, so refuse at start."""
-    if settings.redis_cluster and settings.ledger_groups > 1:
-        raise InvalidArgument(
-            f"LEDGER_GROUPS={settings.ledger_groups} is not supported on a Redis Cluster yet "
-            "(store/README.md): use 1",
-            field="ledger_groups",
-        )
-
-
 def build_elector(
     settings: ControllerSettings,
     on_started: Callable[[], Awaitable[None]],

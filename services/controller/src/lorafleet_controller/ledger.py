@@ -404,7 +404,7 @@ class Ledger:
     async def ack(self, tenant: str, opid: str) -> None:
         """The client has the result: it stops counting toward the unacked limits now and
         is released `acked_result_grace_seconds` later (ack.lua says why)."""
-        own = [self.keys.op(opid), self.keys.tenant(tenant)]
+        own = [self.keys.op(opid)]
         s = self.settings
         release_at = self.clock() + s.acked_result_grace_seconds - s.result_ttl_seconds
         out = await self.store.scripts.run(

@@ -20,8 +20,8 @@ class ControllerSettings:
     redis_url: str = setting("redis://127.0.0.1:6379/0", doc="Redis holding all durable state.")
     redis_cluster: bool = setting(
         False,
-        doc="REDIS_URL names a node of a Redis Cluster (with LEDGER_GROUPS 1 the fleet's keys "
-        "share one hash tag, so one master holds them; several fleets spread over the masters).",
+        doc="REDIS_URL names a node of a Redis Cluster (LEDGER_GROUPS spreads the fleet's "
+        "ledger over its masters).",
     )
     key_prefix: str = setting(
         "lf:",
@@ -31,10 +31,10 @@ class ControllerSettings:
     ledger_groups: int = setting(
         1,
         doc="Groups the fleet's registrations are spread over (store/keys.py): a registration's "
-        "operations and indexes live in its group's hash tag, so on a Redis Cluster the groups "
-        "can spread over the masters. Fixed when a fleet first starts. Above 1 only on one "
-        "redis-server for now: the admission limits, placement and registration count still "
-        "span groups (store/README.md, what is left).",
+        "records and the ledger's indexes live under its group's hash tag, so on a Redis "
+        "Cluster the groups spread over the masters and the ledger's throughput with them "
+        "(store/README.md). Fixed when a fleet first starts. 1 keeps the fleet on one slot "
+        "(the layout before groups); on a Cluster use at least 8 per master.",
         min=1,
         max=16384,
     )

@@ -57,6 +57,13 @@ __all__ = [
 ]
 
 
+# Connections to one Cluster node. redis-py's asyncio Cluster client fails a command at its
+# default of 100 (MaxConnectionsError) instead of waiting; the controller runs a call per
+# group at once (a sweep, a batch's outcomes, a new epoch), one BLPOP per group, and its
+# gRPC handlers' submits, which pass 100 on a master holding many groups.
+MAX_NODE_CONNECTIONS = 4096
+
+
 def connect(url: str, *, cluster: bool = False) -> Client:
     """A client that reconnects and retries across a Redis restart (or a Cluster failover).
 
@@ -73,6 +80,7 @@ def connect(url: str, *, cluster: bool = False) -> Client:
             # Maintenance notifications are Redis Enterprise's: open-source Redis refuses the
             # handshake command, which cost every new connection a failed round trip.
             maint_notifications_config=MaintNotificationsConfig(enabled=False),
+            max_connections=MAX_NODE_CONNECTIONS,
         )
     return aioredis.from_url(
         url,

@@ -106,6 +106,10 @@ class Scripts:
         self._coalescers = {name: Coalescer(client, s) for name, s in self._scripts.items()}
 
     def _keys(self, name: str, own: Sequence[str], group: int | None) -> list[str]:
+        if group is not None:  # a call in a group names only its group's keys (one slot)
+            base = self.keys.group(group).base
+            if stray := [k for k in own if not k.startswith(base)]:
+                raise ValueError(f"script {name} in group {group} was given {stray}")
         shared = []
         for family in SHARED_KEYS[name]:
             if keys_module.KEY_FAMILIES[family][0] == "fleet":

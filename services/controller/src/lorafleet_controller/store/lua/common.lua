@@ -159,15 +159,6 @@ local function retire_state(rid)
   redis.call('HSET', keys.reg(rid), 'state', REG.RETIRED)
 end
 
--- Free a trainer slot if `rid` still holds it. True when it did.
-local function free_slot(replica, slot, rid)
-  if not replica or replica == '' then return false end
-  if redis.call('HGET', keys.slots(replica), tostring(slot)) ~= rid then return false end
-  redis.call('HDEL', keys.slots(replica), tostring(slot))
-  redis.call('HDEL', keys.slot_tenants(replica), tostring(slot))
-  return true
-end
-
 -- Claim a queued operation for dispatch. Ordered operations are claimable only at their
 -- registration's head while it is bound. Each claim of an operation gets the next number: an
 -- operation re-queued (its trainer lost) and claimed again may still be answered under its

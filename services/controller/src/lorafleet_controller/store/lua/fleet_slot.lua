@@ -7,6 +7,12 @@
 -- Result: code = freed | kept (the entry was not the run's, or no slot was given).
 local rid, replica, slot, base, queue, score = ARGS[1], ARGS[2], ARGS[3], ARGS[4], ARGS[5],
   ARGS[6]
+local freed = false
+if replica ~= '' and redis.call('HGET', keys.slots(replica), slot) == rid then
+  redis.call('HDEL', keys.slots(replica), slot)
+  redis.call('HDEL', keys.slot_tenants(replica), slot)
+  freed = true
+end
 if queue == 'leave' then
   redis.call('ZREM', keys.regq(base), rid)
 elseif queue == 'wait' then
@@ -14,4 +20,4 @@ elseif queue == 'wait' then
 elseif queue == 'ahead' then
   redis.call('ZADD', keys.regq(base), score, rid)
 end
-return result('code', free_slot(replica, slot, rid) and 'freed' or 'kept')
+return result('code', freed and 'freed' or 'kept')
