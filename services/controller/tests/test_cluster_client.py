@@ -39,3 +39,31 @@ async def test_commands_in_flight_survive_the_client_closing_its_connections(
         assert sum(counts) == COMMANDS * ROUNDS  # each applied once, none twice
     finally:
         await client.aclose()
+
+
+async def test_a_cold_client_under_concurrent_commands_never_closes_itself(
+    redis_cluster: RedisClusterNodes,
+) -> None:
+    """A client's first concurrent commands go out before it knows the slots, and some are
+    answered MOVED. With redis-py's default (`reinitialize_steps` 5) every fifth MOVED closed
+    the whole client, whose next commands went out before it knew the slots again: in
+    bench/ledger.py --cluster 235 closes (and 1,638 reconnects) for 2,048 submits, a fourth
+    of the throughput. connect() only patches the moved slot."""
+    client = connect(redis_cluster.url, cluster=True)
+    closes = 0
+    close = client.aclose
+
+    async def counted() -> None:
+        nonlocal closes
+        closes += 1
+        await close()
+
+    client.aclose = counted  # type: ignore[method-assign]
+    try:
+        for _ in range(20):
+            await asyncio.gather(*(client.incr(f"{{k{i % 16}}}:m") for i in range(64)))
+        assert closes == 0
+        counts = [int(await client.get(f"{{k{k}}}:m") or 0) for k in range(16)]
+        assert sum(counts) == 64 * 20
+    finally:
+        await close()
