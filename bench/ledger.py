@@ -3,7 +3,7 @@
     .venv/bin/python bench/ledger.py [--registrations 64] [--ops 20000] [--consumers 4]
         [--admission-rate 0]
     .venv/bin/python bench/ledger.py --cluster [--masters 3] [--workers 4] [--rounds 2]
-        [--groups 64]
+        [--groups 24]
 
 Producers submit forward_backward ops for many registrations (each registration's ops in
 seq order, as the SDK sends them); consumers do what the scheduler does (BLPOP the ready
@@ -419,8 +419,9 @@ def main() -> None:
     parser.add_argument(
         "--groups",
         type=int,
-        default=64,
-        help="--cluster: the fleet's ledger_groups on both sides (store/keys.py)",
+        default=24,
+        help="--cluster: the fleet's ledger_groups on both sides (store/keys.py); about 8 "
+        "per master, since claims and outcomes batch per group",
     )
     args = parser.parse_args()
     args.lockstep = False
