@@ -198,6 +198,19 @@ async def test_placements_cut_off_between_their_steps_are_repaired(domain: Domai
     assert await registry.slot_table("tr-a") == {again.slot: placed}  # held: left alone
 
 
+async def test_a_run_retired_in_its_group_only_leaves_its_tenants_live_runs(
+    domain: Domain,
+) -> None:
+    """Retiring is the group's change (a fence), then the fleet's (release: out of the
+    tenant's live runs). Cut off between them, the repair takes it out."""
+    rid = await create(domain, 0)
+    gone = errors.FailedPrecondition("gone", reason="RETIRED")
+    await domain.ledger.fence(rid, RegState.RETIRED, gone)
+    assert await domain.registry.regs.live_count("t1") == 1  # the fleet's step is next
+    await domain.registry.repair_placements()
+    assert await domain.registry.regs.live_count("t1") == 0
+
+
 async def test_heartbeat_silence_is_detected(domain: Domain) -> None:
     await add_trainer(domain, "tr-a", 1)
     assert await domain.registry.silent_replicas(5) == []

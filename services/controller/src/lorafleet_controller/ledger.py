@@ -526,13 +526,6 @@ class Ledger:
         )
         if text(out["code"]) == "not_found":
             return -1
-        if new_state == RegState.RETIRED:
-            await self.store.scripts.run(
-                "reg_retired",
-                [self.keys.tenant_live(text(out["tenant"]))],
-                registration_id,
-                text(out["tenant"]),
-            )
         return int(out["failed"])
 
     async def claimed_ids(self) -> list[str]:

@@ -140,7 +140,8 @@ class Registry:
         """Finish placement changes a controller died in the middle of, between a run's
         group step and the fleet's (store/registrations.py): a slot entry whose run does not
         hold it is revoked in the run's group, then freed; a waiting run (QUEUED, UNAVAILABLE,
-        or PAGED with work) in no queue is queued. Only what two calls in a row found (the
+        or PAGED with work) in no queue is queued; a retired run still counted among its
+        tenant's live runs leaves them. Only what two calls in a row found (the
         sweeper's, seconds apart), so a change in flight (milliseconds) is left alone."""
         found: set[tuple[str, str, int]] = set()
         trainers = [r.replica_id for r in await self.replicas(TRAINER)]
@@ -156,6 +157,11 @@ class Registry:
                 log.warning("freeing %s slot %d, left to %s by a cut-off change", rep, slot, rid)
                 await self.regs.fleet_slot(rid, rep, slot, rec.base_model if rec else "")
         for rec in await self.get_many(await self.all_ids()):
+            if rec is not None and rec.state == RegState.RETIRED:
+                # retired in its group, cut off before it left its tenant's live runs
+                if await self.regs.is_live(rec.registration_id, rec.tenant):
+                    await self.regs.retired(rec.registration_id, rec.tenant)
+                continue
             if rec is None or rec.queue_position or rec.state not in WAITING:
                 continue
             if rec.state == RegState.PAGED and not rec.pending:

@@ -165,6 +165,9 @@ class RegistrationsRepo:
         """A run retired in its group leaves its tenant's live runs (fleet; idempotent)."""
         await self.store.scripts.run("reg_retired", [self.keys.tenant_live(tenant)], rid, tenant)
 
+    async def is_live(self, rid: str, tenant: str) -> bool:
+        return bool(await self.store.redis.sismember(self.keys.tenant_live(tenant), rid))
+
     async def live_count(self, tenant: str) -> int:
         """The tenant's registrations not retired (what its limit counts)."""
         return int(await self.store.redis.scard(self.keys.tenant_live(tenant)))
