@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
+#: The quickstart below may run 900 s on a loaded machine; its item's timeout is above that.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 TOL = 1e-4
 REPO = Path(__file__).resolve().parents[2]
 

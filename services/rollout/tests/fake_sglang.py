@@ -213,8 +213,10 @@ class _Server:
         serve: bool,
         deterministic: bool,
         original_logprobs: bool,
+        max_loaded_loras: int,
     ) -> None:
         self.model_dir = model_dir
+        self.max_loaded_loras = max_loaded_loras
         self.flags = list(targets)
         self.max_lora_rank = max_lora_rank
         self.deterministic = deterministic
@@ -250,6 +252,13 @@ class _Server:
                 )
             if name in self.registry:
                 raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
+            if len(self.registry) >= self.max_loaded_loras:
+                # The real server unloads its own least recently used adapter here, behind
+                # the driver's back; the fake refuses, so a driver that relied on that fails.
+                raise ValueError(
+                    f"fake SGLang: loading {name} would pass --max-loaded-loras "
+                    f"{self.max_loaded_loras}"
+                )
             normalized = get_normalized_target_modules(targets)
             if rank > self.max_lora_rank or not ("all" in normalized or normalized <= self.targets):
                 raise ValueError(
@@ -369,6 +378,7 @@ def build_app(server: _Server) -> FastAPI:
             {
                 "enable_lora": True,
                 "max_lora_rank": server.max_lora_rank,
+                "max_loaded_loras": server.max_loaded_loras,
                 "lora_target_modules": server.flags,
                 "enable_deterministic_inference": server.deterministic,
                 "version": api.SGLANG_VERSION,
@@ -633,10 +643,19 @@ class FakeSGLang:
         serve: bool = True,
         deterministic: bool = True,
         original_logprobs: bool = True,
+        max_loaded_loras: int = 16,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._args = (model_dir, targets, max_lora_rank, serve, deterministic, original_logprobs)
+        self._args = (
+            model_dir,
+            targets,
+            max_lora_rank,
+            serve,
+            deterministic,
+            original_logprobs,
+            max_loaded_loras,
+        )
         self.state = _Server(*self._args)
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from rollout_helpers import (
     file_digests,
     make_adapter,
@@ -24,12 +25,23 @@ from lorafleet.errors import (
     NotFound,
     ResourceExhausted,
 )
+from lorafleet.testing import wait_until_async
 from lorafleet_rollout.core import Limits, RolloutCore
 from lorafleet_rollout.torch_engine import TorchEngine
 from lorafleet_rollout.types import LoraSpec, SampleRequest, SamplingSpec
 
 PROMPT = (5, 17, 33, 90, 12, 7)
 LORA = LoraSpec(4, 8)
+
+
+async def upkeep(core: RolloutCore) -> None:
+    """Wait for the cache upkeep a response left running (dropping idle retiring versions)."""
+    while core._background:
+        await asyncio.gather(*core._background)
+
+
+def loads_by(cause: str) -> float:
+    return REGISTRY.get_sample_value("lorafleet_rollout_adapter_loads_total", {"cause": cause}) or 0
 
 
 def greedy(n: int) -> SampleRequest:
@@ -65,7 +77,7 @@ async def test_publish_while_sampling_keeps_versions_apart(
     await push(core, "reg-a", 1, adapters[1], tmp_path)
     await push(core, "reg-b", 1, adapters[4], tmp_path)
     on_v1 = asyncio.ensure_future(core.sample("reg-a", 1, greedy(120)))
-    await asyncio.sleep(0.05)
+    await wait_until_async(lambda: core.registry.resident["reg-a@1"].in_flight, "v1 pinned")
 
     assert await push(core, "reg-a", 2, adapters[2], tmp_path) == ("reg-a@2", False)
     v2 = await core.sample("reg-a", 2, greedy(8))
@@ -86,7 +98,7 @@ async def test_publish_while_sampling_keeps_versions_apart(
         assert list(result.sequences[0].tokens) == reference_greedy(
             reference_model(model_dir, source), list(PROMPT), 8
         )
-    await asyncio.sleep(0.1)  # the idle retiring version is unloaded in the background
+    await upkeep(core)  # the idle retiring version is dropped in the background
     assert [r.adapter_id for r in core.list_adapters()] == ["reg-a@2", "reg-a@3", "reg-b@1"]
 
 
@@ -125,23 +137,122 @@ async def test_load_is_idempotent_and_verified(
     assert [r.adapter_id for r in core.list_adapters()] == ["reg-a@1"]
 
 
-async def test_capacity_limits(
+async def test_more_adapters_than_the_engine_holds_are_served_exactly(
+    core: RolloutCore, model_dir: Path, tmp_path: Path
+) -> None:
+    """Eight tenants on an engine of four: every publish and sample succeeds, each evicted
+    version loads again with the tokens of its own PEFT reference, in any order."""
+    sources = {i: make_adapter(model_dir, tmp_path / f"many{i}", seed=10 + i) for i in range(8)}
+    for i, source in sources.items():
+        assert await push(core, f"reg-{i}", 1, source, tmp_path) == (f"reg-{i}@1", False)
+    assert len(core.list_adapters()) == 8
+    assert core.registry.loaded_count() == 4  # the engine holds the four most recent
+    expected = {
+        i: reference_greedy(reference_model(model_dir, source), list(PROMPT), 6)
+        for i, source in sources.items()
+    }
+    first = {i: (await core.sample(f"reg-{i}", 1, greedy(6))) for i in sources}
+    again = {}
+    for i in (5, 0, 7, 2, 2, 6, 1, 3, 4, 0):
+        again[i] = await core.sample(f"reg-{i}", 1, greedy(6))
+    for i, result in [*first.items(), *again.items()]:
+        assert list(result.sequences[0].tokens) == expected[i], i
+    for i in again:
+        assert again[i].sequences[0].logprobs == first[i].sequences[0].logprobs  # bit-identical
+    assert core.registry.loaded_count() == 4
+    # A publish identical to a held version is acknowledged even while it is evicted.
+    evicted = next(r for r in core.list_adapters() if not r.loaded)
+    source = sources[int(evicted.registration_id.split("-")[1])]
+    assert await push(core, evicted.registration_id, 1, source, tmp_path) == (
+        evicted.adapter_id,
+        True,
+    )
+
+
+async def test_waiting_for_room_and_for_a_load(
+    core: RolloutCore, adapters: dict[int, Path], model_dir: Path, tmp_path: Path
+) -> None:
+    """With every engine slot pinned by a running request, a sample of a fifth version waits
+    (never fails) and runs once one goes idle; many requests on one evicted version load it
+    once."""
+    for i in range(5):
+        await push(core, f"reg-{i}", 1, adapters[1 + i % 4], tmp_path)
+    loaded = sorted(r.registration_id for r in core.list_adapters() if r.loaded)
+    cold = next(r.registration_id for r in core.list_adapters() if not r.loaded)
+    order: list[str] = []
+
+    def track(kind: str, future: asyncio.Future) -> asyncio.Future:
+        future.add_done_callback(lambda _: order.append(kind))
+        return future
+
+    running = [
+        track("running", asyncio.ensure_future(core.sample(reg, 1, greedy(40)))) for reg in loaded
+    ]
+    await wait_until_async(
+        lambda: all(core.registry.resident[f"{reg}@1"].in_flight for reg in loaded),
+        "every loaded version pinned",
+    )
+    loads_before = loads_by("sample")
+    entry = core.registry.resident[f"{cold}@1"]
+    waiting = [
+        track("cold", asyncio.ensure_future(core.sample(cold, 1, greedy(4)))) for _ in range(3)
+    ]
+    results = await asyncio.gather(*waiting)
+    await asyncio.gather(*running)
+    # Every slot was pinned: the cold version loaded only once a running request let go.
+    assert order[0] == "running", order
+    assert all(r.sequences == results[0].sequences for r in results)
+    assert loads_by("sample") - loads_before == 1  # three requests, one load
+    assert entry.loaded and core.registry.loaded_count() == 4
+
+
+async def test_superseded_while_waiting_for_a_load_is_refused(
     core: RolloutCore, adapters: dict[int, Path], tmp_path: Path
 ) -> None:
-    for i in range(4):
+    """A retired version that was evicted is never loaded again, not even for a request that
+    pinned it before the retirement."""
+    for i in range(5):
         await push(core, f"reg-{i}", 1, adapters[1 + i % 4], tmp_path)
-    with pytest.raises(ResourceExhausted) as full:
-        await push(core, "reg-9", 1, adapters[1], tmp_path)
-    assert full.value.retry_after > 0
-    # At capacity, a new version of a resident registration replaces its idle older one.
-    await push(core, "reg-0", 2, adapters[2], tmp_path)
-    assert [r.adapter_id for r in core.list_adapters()] == [
-        "reg-0@2",
-        "reg-1@1",
-        "reg-2@1",
-        "reg-3@1",
-    ]
+    loaded = sorted(r.registration_id for r in core.list_adapters() if r.loaded)
+    cold = next(r.registration_id for r in core.list_adapters() if not r.loaded)
+    pins = [core.registry.acquire(reg, 1) for reg in loaded]  # as running requests would
+    waiting = asyncio.ensure_future(core.sample(cold, 1, greedy(4)))
+    await wait_until_async(lambda: core._waiting, "the cold request waiting for room")
+    await core.unload_adapter(cold, 0)
+    with pytest.raises(NotFound) as refused:
+        await waiting
+    assert refused.value.reason == "VERSION_NOT_RESIDENT"
+    for pin in pins:
+        core._release(pin)
+    await upkeep(core)
+    assert cold not in {r.registration_id for r in core.list_adapters()}
 
+
+async def test_stored_versions_are_bounded(model_dir: Path, tmp_path: Path) -> None:
+    """Past max_stored_adapters the least recently used idle version leaves the replica; a
+    request for it gets VERSION_NOT_RESIDENT (the controller pushes it again)."""
+    limits = Limits(max_loaded_adapters=2, max_stored_adapters=3, max_queued_requests=8)
+    c = RolloutCore(TorchEngine(model_dir), limits, tmp_path / "resident")
+    await c.start()
+    try:
+        sources = {i: make_adapter(model_dir, tmp_path / f"s{i}", seed=20 + i) for i in range(4)}
+        for i in range(3):
+            await push(c, f"reg-{i}", 1, sources[i], tmp_path)
+        await c.sample("reg-0", 1, greedy(2))  # reg-1 is now the least recently used
+        await push(c, "reg-3", 1, sources[3], tmp_path)
+        assert [r.adapter_id for r in c.list_adapters()] == ["reg-0@1", "reg-2@1", "reg-3@1"]
+        assert len(list((tmp_path / "resident").iterdir())) == 3  # its files went with it
+        with pytest.raises(NotFound) as gone:
+            await c.sample("reg-1", 1, greedy(2))
+        assert gone.value.reason == "VERSION_NOT_RESIDENT"
+        await push(c, "reg-1", 1, sources[1], tmp_path)  # pushed again, it serves
+        assert len((await c.sample("reg-1", 1, greedy(2))).sequences[0].tokens) == 2
+    finally:
+        await c.close()
+
+
+async def test_queue_is_bounded(core: RolloutCore, adapters: dict[int, Path], tmp_path: Path):
+    await push(core, "reg-1", 1, adapters[1], tmp_path)
     running = [asyncio.ensure_future(core.sample("reg-1", 1, greedy(60))) for _ in range(8)]
     await asyncio.sleep(0)
     with pytest.raises(ResourceExhausted) as queued:

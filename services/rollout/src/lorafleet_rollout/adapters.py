@@ -8,7 +8,11 @@ running on whatever weights are there (vllm-project/vllm#47724, design-lessons Â
 
 The newest `versions_per_registration` versions of each registration accept new requests;
 an older one is *retiring*: in-flight samples finish on it, new ones are refused, and it is
-unloaded as soon as its in-flight count drops to zero. Publishing thus never pauses anyone.
+dropped as soon as its in-flight count drops to zero, never loaded again (the fence is exact).
+Publishing thus never pauses anyone.
+
+The versions held are a cache over the checkpoint store (`AdapterRegistry`): many more are
+held than the engine has loaded, and a sample loads what it needs.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from lorafleet.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
 )
+from lorafleet_rollout.types import LoraSpec
 
 #: How many retired registration ids are remembered, to refuse late requests by name.
 RETIRED_MEMORY = 65536
@@ -79,40 +83,60 @@ def verify_digests(expected: dict[str, str], measured: dict[str, str]) -> None:
 
 @dataclass
 class Resident:
+    """A version this replica holds: its files always (`folder`, the cache's backing copy on
+    this replica), its weights in the engine only while `loaded`."""
+
     registration_id: str
     version: int
-    rank: int
+    lora: LoraSpec
     digests: dict[str, str]
     folder: Path | None = None
+    #: Requests pinning it: running on it, or waiting for it to load.
     in_flight: int = 0
     retiring: bool = False
+    loaded: bool = False
+    #: The registry's use counter when a request last pinned it (least recently used first).
+    last_used: int = 0
 
     @property
     def adapter_id(self) -> str:
         return adapter_id(self.registration_id, self.version)
 
+    @property
+    def rank(self) -> int:
+        return self.lora.rank
+
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """What a load will do, decided before anything changes."""
+    """What a publish will do, decided before anything changes."""
 
     already_loaded: bool
-    #: Versions to mark retiring (outside the window once the new one is in).
-    retire: tuple[str, ...] = ()
 
 
 @dataclass
 class AdapterRegistry:
-    """Resident adapter versions of one replica. Single-threaded (the service's event loop)."""
+    """The versions one replica holds, as a two-tier cache. Single-threaded (the service's
+    event loop); what changes the engine is the caller's (`RolloutCore`).
+
+    Every version published here stays on this replica's disk (up to `max_stored`) and is
+    selectable; at most `max_loaded` are in the engine at once. A request for one that is not
+    loaded waits for it to be loaded, evicting the least recently used loaded version that no
+    request pins: other tenants' publishes never make a sample fail. Past `max_stored`, idle
+    versions leave the replica altogether (least recently used first); a request for one gets
+    VERSION_NOT_RESIDENT, and the controller pushes it again from the checkpoint store.
+    """
 
     max_loaded: int
     versions_per_registration: int = 2
+    max_stored: int = 1024
     resident: dict[str, Resident] = field(default_factory=dict)
     _retired: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
+    _uses: int = 0
 
     # ------------------------------------------------------------- sampling side
-    def acquire(self, registration_id: str, version: int) -> str | None:
-        """Pin a version for one request; returns its engine id (None = base model)."""
+    def acquire(self, registration_id: str, version: int) -> Resident | None:
+        """Pin a version for one request (None = the base model); it may still need loading."""
         if not registration_id:
             return None
         if registration_id in self._retired:
@@ -123,32 +147,58 @@ class AdapterRegistry:
             )
         entry = self.resident.get(adapter_id(registration_id, version))
         if entry is None or entry.retiring:
-            live = sorted(
-                r.version
-                for r in self.resident.values()
-                if r.registration_id == registration_id and not r.retiring
-            )
-            state = "was superseded" if entry is not None else "is not loaded on this replica"
-            raise NotFound(
-                f"adapter {adapter_id(registration_id, version)} {state} "
-                f"(serving versions: {live or 'none'})",
-                field="adapter.version",
-                reason="VERSION_NOT_RESIDENT",
-            )
+            raise self.not_resident(registration_id, version)
         entry.in_flight += 1
-        return entry.adapter_id
+        self._uses += 1
+        entry.last_used = self._uses
+        return entry
 
-    def release(self, engine_id: str | None) -> bool:
-        """Unpin; True when the version is retiring and now idle (the caller unloads it)."""
-        if engine_id is None:
-            return False
-        entry = self.resident[engine_id]
+    def not_resident(self, registration_id: str, version: int) -> NotFound:
+        """The refusal of a version this replica will not serve (superseded or not held)."""
+        entry = self.resident.get(adapter_id(registration_id, version))
+        live = sorted(
+            r.version
+            for r in self.resident.values()
+            if r.registration_id == registration_id and not r.retiring
+        )
+        state = "was superseded" if entry is not None else "is not loaded on this replica"
+        return NotFound(
+            f"adapter {adapter_id(registration_id, version)} {state} "
+            f"(serving versions: {live or 'none'})",
+            field="adapter.version",
+            reason="VERSION_NOT_RESIDENT",
+        )
+
+    @staticmethod
+    def release(entry: Resident) -> bool:
+        """Unpin; True when the version is retiring and now idle (the caller drops it)."""
         entry.in_flight -= 1
         return entry.retiring and entry.in_flight == 0
 
+    # ------------------------------------------------------------- cache tiers
+    def loaded_count(self) -> int:
+        return sum(1 for r in self.resident.values() if r.loaded)
+
+    def victim(self) -> Resident | None:
+        """The loaded version to evict for room: the least recently used one no request pins."""
+        idle = [r for r in self.resident.values() if r.loaded and r.in_flight == 0]
+        return min(idle, key=lambda r: (not r.retiring, r.last_used), default=None)
+
+    def over_stored(self) -> list[Resident]:
+        """Idle versions to drop from this replica to get back within `max_stored`, least
+        recently used first (pinned ones stay; the bound is met once they are released)."""
+        excess = len(self.resident) - self.max_stored
+        if excess <= 0:
+            return []
+        idle = sorted(
+            (r for r in self.resident.values() if r.in_flight == 0),
+            key=lambda r: (not r.retiring, r.last_used),
+        )
+        return idle[:excess]
+
     # ------------------------------------------------------------- publishing side
     def plan_load(self, registration_id: str, version: int, digests: dict[str, str]) -> LoadPlan:
-        """Decide a load without changing anything; raise if it cannot happen."""
+        """Decide a publish without changing anything; raise if it cannot happen."""
         if registration_id in self._retired:
             raise FailedPrecondition(
                 f"registration {registration_id} was retired",
@@ -169,46 +219,35 @@ class AdapterRegistry:
                 f"{existing.adapter_id} is retiring; publish a newer version",
                 field="header.adapter.version",
             )
-        live = sorted(
-            (
-                r
-                for r in self.resident.values()
-                if r.registration_id == registration_id and not r.retiring
-            ),
-            key=lambda r: r.version,
-            reverse=True,
-        )
-        window = sorted([version, *(r.version for r in live)], reverse=True)
-        if version not in window[: self.versions_per_registration]:
+        live = self._live_versions(registration_id)
+        if version not in sorted([version, *live], reverse=True)[: self.versions_per_registration]:
             raise FailedPrecondition(
                 f"version {version} is older than the {self.versions_per_registration} "
-                f"resident versions {[r.version for r in live]}",
+                f"resident versions {live}",
                 field="header.adapter.version",
             )
-        keep = set(window[: self.versions_per_registration])
-        retire = tuple(r.adapter_id for r in live if r.version not in keep)
-        freeable = sum(
-            1
-            for r in self.resident.values()
-            if r.in_flight == 0 and (r.retiring or r.adapter_id in retire)
-        )
-        # At capacity, a registration's own idle older versions make room for its new one:
-        # the window is "up to N", never a reason to refuse a publish.
-        spare = [r for r in reversed(live) if r.adapter_id not in retire and r.in_flight == 0]
-        while spare and len(self.resident) - freeable + 1 > self.max_loaded:
-            retire = (*retire, spare.pop(0).adapter_id)
-            freeable += 1
-        if len(self.resident) - freeable + 1 > self.max_loaded:
-            raise ResourceExhausted(
-                f"{len(self.resident)} adapter versions are resident (limit "
-                f"{self.max_loaded}) and none can be freed now",
-                retry_after=1.0,
-                field="header.adapter",
-            )
-        return LoadPlan(already_loaded=False, retire=retire)
+        return LoadPlan(already_loaded=False)
+
+    def add(self, entry: Resident) -> None:
+        self._uses += 1
+        entry.last_used = self._uses
+        self.resident[entry.adapter_id] = entry
+
+    def remove(self, entry: Resident) -> bool:
+        """Forget `entry`; False when it was already gone (or replaced)."""
+        if self.resident.get(entry.adapter_id) is not entry:
+            return False
+        del self.resident[entry.adapter_id]
+        return True
+
+    def trim_window(self, registration_id: str) -> list[Resident]:
+        """Retire the registration's versions older than its newest `versions_per_registration`;
+        return those already idle (to drop now)."""
+        old = self._live_versions(registration_id)[self.versions_per_registration :]
+        return self.retire(tuple(adapter_id(registration_id, v) for v in old))
 
     def retire(self, engine_ids: tuple[str, ...]) -> list[Resident]:
-        """Mark versions retiring; return those already idle (to unload now)."""
+        """Mark versions retiring; return those already idle (to drop now)."""
         idle = []
         for engine_id in engine_ids:
             entry = self.resident[engine_id]
@@ -220,14 +259,8 @@ class AdapterRegistry:
     def idle_retiring(self) -> list[Resident]:
         return [r for r in self.resident.values() if r.retiring and r.in_flight == 0]
 
-    def add(self, entry: Resident) -> None:
-        self.resident[entry.adapter_id] = entry
-
-    def remove(self, engine_id: str) -> Resident | None:
-        return self.resident.pop(engine_id, None)
-
     def retire_registration(self, registration_id: str) -> list[Resident]:
-        """Fence a registration for good; return its idle versions (to unload now)."""
+        """Fence a registration for good; return its idle versions (to drop now)."""
         self._retired[registration_id] = None
         while len(self._retired) > RETIRED_MEMORY:
             self._retired.popitem(last=False)
@@ -241,3 +274,14 @@ class AdapterRegistry:
         if engine_id not in self.resident:
             return []
         return self.retire((engine_id,))
+
+    def _live_versions(self, registration_id: str) -> list[int]:
+        """The registration's selectable versions, newest first."""
+        return sorted(
+            (
+                r.version
+                for r in self.resident.values()
+                if r.registration_id == registration_id and not r.retiring
+            ),
+            reverse=True,
+        )

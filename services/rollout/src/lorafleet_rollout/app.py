@@ -63,6 +63,7 @@ def make_engine(settings: RolloutSettings) -> RolloutEngine:
 def make_core(settings: RolloutSettings) -> RolloutCore:
     limits = Limits(
         max_loaded_adapters=settings.max_loaded_adapters,
+        max_stored_adapters=settings.max_stored_adapters,
         max_queued_requests=settings.max_queued_requests,
         max_num_samples=settings.max_num_samples,
         versions_per_registration=settings.versions_per_registration,
@@ -83,7 +84,7 @@ def run(settings: RolloutSettings, server: ServerSettings, replica: ReplicaSetti
             replica_id=settings.replica_id,
             address=replica.address(server.port),
             base_model=settings.served_base_model,
-            num_slots=settings.max_loaded_adapters,
+            num_slots=core.max_loaded_adapters,
             incarnation=core.incarnation,
             tokenizer_id=settings.served_base_model,
             max_rank=info.max_lora_rank,

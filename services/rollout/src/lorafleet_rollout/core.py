@@ -4,7 +4,9 @@ The servicer translates protos to calls on `RolloutCore`; the engine only genera
 request is validated, bounded (ResourceExhausted with retry_after rather than an unbounded
 queue or an OOM), pinned to a resident adapter version for its whole life, and released.
 Adapter pushes are verified by SHA-256, checked against the base model, and only then made
-selectable; older versions retire once idle.
+selectable; older versions retire once idle. The engine holds a bounded number of versions at a
+time and this replica many more: a request for one not in the engine loads it, evicting the
+least recently used idle one (`AdapterRegistry`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import asyncio
 import json
 import logging
 import shutil
+import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +45,7 @@ _OUTCOMES = {InvalidArgument: "invalid", NotFound: "not_found", ResourceExhauste
 @dataclass(frozen=True)
 class Limits:
     max_loaded_adapters: int = 16
+    max_stored_adapters: int = 1024
     max_queued_requests: int = 256
     max_num_samples: int = 16
     versions_per_registration: int = 2
@@ -53,22 +58,38 @@ class RolloutCore:
         self.limits = limits
         self.adapter_dir = adapter_dir
         self.registry = AdapterRegistry(
-            limits.max_loaded_adapters, limits.versions_per_registration
+            limits.max_loaded_adapters,
+            limits.versions_per_registration,
+            limits.max_stored_adapters,
         )
         self.incarnation = uuid.uuid4().hex
         self._in_flight = 0
-        self._publish = asyncio.Lock()
-        self._unloads: set[asyncio.Task[None]] = set()
+        #: Guards every change to what the engine holds (loads, evictions, drops, publishes);
+        #: a request that needs a load waits on it for room. Sampling a loaded version never
+        #: takes it.
+        self._adapters = asyncio.Condition()
+        self._waiting = 0
+        self._background: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self.adapter_dir.mkdir(parents=True, exist_ok=True)
         await self.engine.start()
+        # The engine's own limit (SGLang's --max-loaded-loras) binds if it is the smaller:
+        # loading past it would be refused there.
+        engine_limit = self.engine.info().max_loaded_adapters
+        if engine_limit:
+            self.registry.max_loaded = min(self.registry.max_loaded, engine_limit)
 
     async def close(self) -> None:
         await self.engine.close()
 
     def info(self) -> EngineInfo:
         return self.engine.info()
+
+    @property
+    def max_loaded_adapters(self) -> int:
+        """Versions the engine holds at once (the setting, or the engine's own smaller limit)."""
+        return self.registry.max_loaded
 
     # ------------------------------------------------------------------ sampling
     async def sample(
@@ -86,7 +107,7 @@ class RolloutCore:
                     f"{self.limits.max_queued_requests})",
                     retry_after=0.5,
                 )
-            engine_id = self.registry.acquire(registration_id, version)
+            entry = self.registry.acquire(registration_id, version)
         except LorafleetError as exc:
             metrics.REQUESTS.labels(_OUTCOMES.get(type(exc), "error")).inc()
             raise
@@ -94,10 +115,15 @@ class RolloutCore:
         metrics.QUEUE_DEPTH.set(self._in_flight)
         outcome = "error"
         try:
+            if entry is not None:
+                metrics.ADAPTER_LOOKUPS.labels("hit" if entry.loaded else "miss").inc()
+                if not entry.loaded:
+                    async with self._adapters:
+                        await self._ensure_loaded(entry, cause="sample")
             # Tinker's rule: asking for the top-k prompt distribution returns the flat
             # per-token prompt logprobs beside it (both come off the same prompt pass).
             pinned = SampleRequest(
-                engine_id,
+                None if entry is None else entry.adapter_id,
                 request.prompt_tokens,
                 request.params,
                 request.num_samples,
@@ -117,8 +143,8 @@ class RolloutCore:
             self._in_flight -= 1
             metrics.QUEUE_DEPTH.set(self._in_flight)
             metrics.REQUESTS.labels(outcome).inc()
-            if engine_id is not None and self.registry.release(engine_id):
-                self._unload_later(engine_id)
+            if entry is not None:
+                self._release(entry)
 
     # ------------------------------------------------------------------ publishing
     async def load_adapter(
@@ -132,6 +158,9 @@ class RolloutCore:
     ) -> tuple[str, bool]:
         """Verify a staged PEFT folder and make it serve; returns (adapter_id, already_loaded).
 
+        The version is loaded into the engine now (evicting the least recently used idle
+        version if the engine is full, waiting for one to go idle if none is), so the engine
+        checks its files before the publish is acknowledged and the first sample pays no load.
         `digests` are the announced SHA-256s; `measured` those the upload computed while
         staging (None: hash the folder's files here). Consumes `staged` (moved or deleted).
         """
@@ -147,25 +176,32 @@ class RolloutCore:
             if measured is None:
                 measured = await asyncio.to_thread(folder_digests, staged)
             verify_digests(digests, measured)
-            async with self._publish:
+            async with self._adapters:
                 plan = self.registry.plan_load(registration_id, version, digests)
                 engine_id = adapter_id(registration_id, version)
                 if plan.already_loaded:
                     return engine_id, True
-                for entry in self.registry.retire(plan.retire):
-                    await self._unload(entry)
-                for entry in self.registry.idle_retiring():
-                    await self._unload(entry)
-                folder = self.adapter_dir / f"{registration_id}@{version}-{uuid.uuid4().hex[:8]}"
+                folder = self.adapter_dir / f"{engine_id}-{uuid.uuid4().hex[:8]}"
                 await asyncio.to_thread(staged.rename, folder)
+                entry = Resident(registration_id, version, lora, digests, folder, in_flight=1)
+                self.registry.add(entry)
+                self._count()
                 try:
-                    await self.engine.load_adapter(engine_id, folder, lora)
+                    await self._ensure_loaded(entry, cause="publish")
                 except BaseException:
-                    shutil.rmtree(folder, ignore_errors=True)
+                    # The engine refused the files (or we were cancelled): the version was
+                    # never acknowledged, so it leaves no trace.
+                    entry.retiring = True
+                    await self._drop(entry)
                     raise
-                self.registry.add(Resident(registration_id, version, lora.rank, digests, folder))
-                metrics.ADAPTERS_LOADED.set(len(self.registry.resident))
-                log.info("adapter %s loaded", engine_id)
+                finally:
+                    entry.in_flight -= 1
+                    self._adapters.notify_all()
+                for old in self.registry.trim_window(registration_id):
+                    await self._drop(old)
+                for spare in self.registry.over_stored():
+                    await self._drop(spare)
+                log.info("adapter %s published", engine_id)
                 return engine_id, False
         finally:
             shutil.rmtree(staged, ignore_errors=True)
@@ -176,45 +212,117 @@ class RolloutCore:
             raise InvalidArgument("the base model cannot be unloaded", field="adapter")
         if version < 0:
             raise InvalidArgument(f"version {version} is negative", field="adapter.version")
-        async with self._publish:
+        async with self._adapters:
             if version == 0:
                 idle = self.registry.retire_registration(registration_id)
             else:
                 idle = self.registry.retire_version(registration_id, version)
             for entry in idle:
-                await self._unload(entry)
+                await self._drop(entry)
+            # Requests waiting to load a version retired just now are refused at once.
+            self._adapters.notify_all()
 
     def list_adapters(self) -> list[Resident]:
         return sorted(self.registry.resident.values(), key=lambda r: r.adapter_id)
 
-    async def _unload(self, entry: Resident) -> None:
-        if self.registry.remove(entry.adapter_id) is None:
-            return
+    # ------------------------------------------------------------------ the cache
+    async def _ensure_loaded(self, entry: Resident, cause: str) -> None:
+        """Load a pinned version into the engine, making room by evicting the least recently
+        used idle version, or waiting until one goes idle. Called with `_adapters` held, so
+        loads run one at a time and a version is loaded once however many requests wait."""
+        while not entry.loaded:
+            if entry.retiring or self.registry.resident.get(entry.adapter_id) is not entry:
+                # Superseded or retired while this request waited: never loaded again.
+                raise self.registry.not_resident(entry.registration_id, entry.version)
+            if await self._make_room():
+                await self._load(entry, cause)
+                return
+            self._waiting += 1
+            try:
+                await self._adapters.wait()
+            finally:
+                self._waiting -= 1
+
+    async def _make_room(self) -> bool:
+        """Free one engine slot if none is free; False when every loaded version is pinned.
+        Called with `_adapters` held."""
+        for entry in self.registry.idle_retiring():
+            await self._drop(entry)
+        while self.registry.loaded_count() >= self.registry.max_loaded:
+            victim = self.registry.victim()
+            if victim is None:
+                return False
+            await self._evict(victim)
+        return True
+
+    async def _load(self, entry: Resident, cause: str) -> None:
+        assert entry.folder is not None
+        started = time.monotonic()
+        await self.engine.load_adapter(entry.adapter_id, entry.folder, entry.lora)
+        entry.loaded = True
+        metrics.ADAPTER_LOADS.labels(cause).inc()
+        metrics.ADAPTER_LOAD_SECONDS.observe(time.monotonic() - started)
+        self._count()
+        log.debug("adapter %s loaded (%s)", entry.adapter_id, cause)
+
+    async def _evict(self, entry: Resident) -> None:
+        """Take an idle version out of the engine; its files stay, to load it again."""
+        entry.loaded = False
         try:
             await self.engine.unload_adapter(entry.adapter_id)
         finally:
+            metrics.ADAPTER_EVICTIONS.inc()
+            self._count()
+            log.debug("adapter %s evicted", entry.adapter_id)
+
+    async def _drop(self, entry: Resident) -> None:
+        """Forget an idle version: out of the engine and off this replica's disk."""
+        if not self.registry.remove(entry):
+            return
+        try:
+            if entry.loaded:
+                entry.loaded = False
+                await self.engine.unload_adapter(entry.adapter_id)
+        finally:
             if entry.folder is not None:
                 shutil.rmtree(entry.folder, ignore_errors=True)
-            metrics.ADAPTERS_LOADED.set(len(self.registry.resident))
-            log.info("adapter %s unloaded", entry.adapter_id)
+            self._count()
+            log.info("adapter %s dropped", entry.adapter_id)
 
-    def _unload_later(self, engine_id: str) -> None:
-        """A retiring version just went idle: unload it without delaying the response."""
+    def _release(self, entry: Resident) -> None:
+        """Unpin after a request; drop a retiring version that went idle, and wake requests
+        waiting for room when a loaded version becomes evictable."""
+        if self.registry.release(entry):
+            self._later(self._drop_if_idle(entry))
+        elif entry.in_flight == 0 and entry.loaded and self._waiting:
+            self._later(self._wake())
+
+    async def _drop_if_idle(self, entry: Resident) -> None:
+        async with self._adapters:
+            if entry.in_flight == 0:
+                await self._drop(entry)
+            self._adapters.notify_all()
+
+    async def _wake(self) -> None:
+        async with self._adapters:
+            self._adapters.notify_all()
+
+    def _later(self, work: Coroutine[None, None, None]) -> None:
+        """Run cache upkeep without delaying the response that triggered it."""
 
         async def run() -> None:
-            entry = self.registry.resident.get(engine_id)
-            if entry is None:
-                return
             try:
-                async with self._publish:
-                    if entry.in_flight == 0:
-                        await self._unload(entry)
+                await work
             except Exception:
-                log.exception("unloading %s failed", engine_id)
+                log.exception("adapter cache upkeep failed")
 
         task = asyncio.get_running_loop().create_task(run())
-        self._unloads.add(task)
-        task.add_done_callback(self._unloads.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _count(self) -> None:
+        metrics.ADAPTERS_LOADED.set(self.registry.loaded_count())
+        metrics.ADAPTERS_STORED.set(len(self.registry.resident))
 
 
 def _complete_spec(lora: LoraSpec, staged: Path) -> LoraSpec:

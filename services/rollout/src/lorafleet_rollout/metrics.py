@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 ADAPTERS_LOADED = Gauge(
-    "lorafleet_rollout_adapters_loaded", "Adapter versions resident in the engine."
+    "lorafleet_rollout_adapters_loaded", "Adapter versions loaded in the engine."
 )
 TOKENS = Counter("lorafleet_rollout_tokens_total", "Tokens generated (all sequences).")
 TTFT = Histogram(
@@ -44,4 +44,29 @@ DECODE_KERNELS = Gauge(
     "1 for the decode kernels the torch engine runs: a native build variant (x86-64-v4 with "
     "AVX-512, x86-64-v3) or the torch fallback (installed without a compiler, another CPU).",
     ["path"],  # x86-64-v4, x86-64-v3, torch
+)
+ADAPTERS_STORED = Gauge(
+    "lorafleet_rollout_adapters_stored",
+    "Adapter versions this replica holds on disk and serves, loaded in the engine or not.",
+)
+ADAPTER_LOOKUPS = Counter(
+    "lorafleet_rollout_adapter_lookups_total",
+    "Sample requests on an adapter, by whether it was in the engine (hit) or had to be "
+    "loaded first (miss).",
+    ["result"],  # hit, miss
+)
+ADAPTER_LOADS = Counter(
+    "lorafleet_rollout_adapter_loads_total",
+    "Adapter versions loaded into the engine, by cause: a publish, or a sample of a version "
+    "that was evicted.",
+    ["cause"],  # publish, sample
+)
+ADAPTER_EVICTIONS = Counter(
+    "lorafleet_rollout_adapter_evictions_total",
+    "Idle adapter versions taken out of the engine to make room (their files stay).",
+)
+ADAPTER_LOAD_SECONDS = Histogram(
+    "lorafleet_rollout_adapter_load_seconds",
+    "Time to load one adapter version into the engine.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )

@@ -49,7 +49,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             replica_id=self.replica_id,
             base_model=self.base_model or info.base_model,
             engine=info.engine,
-            max_loaded_adapters=self.core.limits.max_loaded_adapters,
+            max_loaded_adapters=self.core.max_loaded_adapters,
             max_queued_requests=self.core.limits.max_queued_requests,
             max_lora_rank=info.max_lora_rank,
             max_context_length=info.max_context_length,

@@ -38,7 +38,19 @@ class RolloutSettings:
         "base", doc="vllm only: the --served-model-name of the base model."
     )
     max_loaded_adapters: int = setting(
-        16, doc="Adapter versions resident at once (all registrations).", min=1, max=4096
+        16,
+        doc="Adapter versions loaded in the engine at once (all registrations; SGLang's "
+        "--max-loaded-loras binds if smaller). More are served: the least recently used idle "
+        "one is evicted to load another.",
+        min=1,
+        max=4096,
+    )
+    max_stored_adapters: int = setting(
+        1024,
+        doc="Adapter versions this replica keeps on disk, loaded or not; past it idle ones "
+        "leave (least recently used first) and the controller pushes them again when sampled.",
+        min=1,
+        max=1_000_000,
     )
     max_queued_requests: int = setting(
         256,

@@ -86,6 +86,9 @@ class ServerInfo(BaseModel):
 
     enable_lora: bool | None = None
     max_lora_rank: int | None = None
+    #: --max-loaded-loras: past it SGLang silently unloads its own least recently used
+    #: adapter (tokenizer_control_mixin), so the driver evicts before it gets there.
+    max_loaded_loras: int | None = None
     #: Names as given to --lora-target-modules ("all" = every module SGLang supports).
     lora_target_modules: list[str] | None = None
     enable_deterministic_inference: bool = False

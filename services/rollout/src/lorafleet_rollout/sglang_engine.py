@@ -20,6 +20,10 @@ Schema: `sglang_api.py` (sglang 0.5.23). What the driver guarantees, and why:
   longer serves (the server is this rollout's alone); it does so every `reconcile_interval`
   seconds and at once when /generate says an adapter it serves was never loaded (then retries
   that request once).
+* **The service decides what is loaded.** Past `--max-loaded-loras` SGLang would unload its own
+  least recently used adapter behind the service's back; the driver reports the limit
+  (`EngineInfo.max_loaded_adapters`) and `RolloutCore` evicts (`/unload_lora_adapter`) before
+  any load that would pass it.
 * **Every request names its adapter** in `lora_path` (None for the base): without it SGLang
   silently samples the base model.
 * **Seeds.** SGLang honours seeds only when started with `--enable-deterministic-inference`
@@ -39,6 +43,7 @@ Schema: `sglang_api.py` (sglang 0.5.23). What the driver guarantees, and why:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -189,7 +194,8 @@ class SGLangEngine:
             )
         config = await asyncio.to_thread(AutoConfig.from_pretrained, self.model_path)
         self._shape = ModelShape.from_config(config)
-        self._info = await engine_info("sglang", self.model_path, rank)
+        info = await engine_info("sglang", self.model_path, rank)
+        self._info = dataclasses.replace(info, max_loaded_adapters=server.max_loaded_loras or 0)
         await self._check_logprobs()
         if self.reconcile_interval > 0:
             self._watch = asyncio.get_running_loop().create_task(self._reconcile_forever())

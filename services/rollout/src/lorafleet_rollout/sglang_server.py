@@ -22,6 +22,7 @@ every adapter, and a server without it refuses them.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -188,8 +189,8 @@ class SGLangServer:
                 with urllib.request.urlopen(self.url + sglang_api.HEALTH, timeout=5) as resp:
                     if resp.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            except (urllib.error.URLError, http.client.HTTPException, OSError):
+                pass  # not listening yet, or answering 503 while its health generate runs
             time.sleep(0.5)
         raise TimeoutError(f"SGLang at {self.url} not healthy after {timeout:.0f}s: {_tail(log)}")
 

@@ -72,3 +72,6 @@ class EngineInfo:
     max_context_length: int
     vocab_size: int
     max_lora_rank: int
+    #: Adapters the engine can hold at once by its own configuration (SGLang's
+    #: --max-loaded-loras); 0 when only the service's setting bounds it.
+    max_loaded_adapters: int = 0
