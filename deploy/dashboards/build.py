@@ -289,6 +289,27 @@ def sampling() -> dict:
                 "s",
                 description="save_weights_for_sampler until every rollout replica has the version.",
             ),
+            Panel(
+                "Adapter cache per second",
+                [
+                    (rate("lorafleet_rollout_adapter_lookups_total", "result"), "{{result}}"),
+                    (rate("lorafleet_rollout_adapter_loads_total", "cause"), "load ({{cause}})"),
+                    (rate("lorafleet_rollout_adapter_evictions_total"), "evictions"),
+                ],
+                "reqps",
+                description="Samples on an adapter already in the engine (hit) or loaded first "
+                "(miss); loads by cause (a publish, or a sample of an evicted version); idle "
+                "versions evicted to make room.",
+            ),
+            Panel(
+                "Adapters held and load time",
+                [
+                    ("sum by (instance) (lorafleet_rollout_adapters_stored)", "held {{instance}}"),
+                    (quantile(0.95, "lorafleet_rollout_adapter_load_seconds_bucket"), "load p95"),
+                ],
+                description="Versions each rollout keeps and serves, loaded in its engine or not "
+                "(the loaded ones are in 'Adapters loaded'), and the p95 time to load one.",
+            ),
         ],
     )
 

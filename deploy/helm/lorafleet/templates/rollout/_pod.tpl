@@ -64,7 +64,7 @@ loopback, and holds the GPUs; with engine torch the rollout container does.
 {{- end -}}
 {{- if $sglang -}}
 {{- if gt (int $v.numSlots) (int $s.maxLoadedLoras) -}}
-{{- fail "rollout.numSlots must be <= rollout.sglang.maxLoadedLoras: the SGLang server holds every resident adapter" -}}
+{{- fail "rollout.numSlots must be <= rollout.sglang.maxLoadedLoras: the SGLang server loads at most that many at once (the rollout evicts before it would)" -}}
 {{- end -}}
 {{- include "lorafleet.rollout.checkSglangTargets" $s.loraTargetModules -}}
 {{- end -}}
@@ -131,6 +131,8 @@ containers:
         value: {{ $.Values.model.quantization | quote }}
       - name: LORAFLEET_ROLLOUT_MAX_LOADED_ADAPTERS
         value: {{ $v.numSlots | quote }}
+      - name: LORAFLEET_ROLLOUT_MAX_STORED_ADAPTERS
+        value: {{ $v.maxStoredAdapters | quote }}
       # Pushed adapters (the service adds its replica id): on the checkpoint volume, which the
       # SGLang or vLLM container (and, multi-node, every pod of the group) reads them from by path.
       - name: LORAFLEET_ROLLOUT_ADAPTER_DIR
