@@ -170,40 +170,30 @@ async def test_more_adapters_than_the_engine_holds_are_served_exactly(
 
 
 async def test_waiting_for_room_and_for_a_load(
-    core: RolloutCore, adapters: dict[int, Path], model_dir: Path, tmp_path: Path
+    core: RolloutCore, adapters: dict[int, Path], tmp_path: Path
 ) -> None:
-    """With every engine slot pinned by a running request, a sample of a fifth version waits
-    (never fails) and runs once one goes idle; many requests on one evicted version load it
-    once."""
+    """With every engine slot pinned by a running request, samples of a fifth version wait
+    (never fail) and run once one goes idle, evicting that one; three requests on one evicted
+    version load it once."""
     for i in range(5):
         await push(core, f"reg-{i}", 1, adapters[1 + i % 4], tmp_path)
     loaded = sorted(r.registration_id for r in core.list_adapters() if r.loaded)
     cold = next(r.registration_id for r in core.list_adapters() if not r.loaded)
-    order: list[str] = []
-
-    def track(kind: str, future: asyncio.Future) -> asyncio.Future:
-        future.add_done_callback(lambda _: order.append(kind))
-        return future
-
-    running = [
-        track("running", asyncio.ensure_future(core.sample(reg, 1, greedy(40)))) for reg in loaded
-    ]
-    await wait_until_async(
-        lambda: all(core.registry.resident[f"{reg}@1"].in_flight for reg in loaded),
-        "every loaded version pinned",
-    )
+    pins = [core.registry.acquire(reg, 1) for reg in loaded]  # as running requests would
     loads_before = loads_by("sample")
-    entry = core.registry.resident[f"{cold}@1"]
-    waiting = [
-        track("cold", asyncio.ensure_future(core.sample(cold, 1, greedy(4)))) for _ in range(3)
-    ]
+    waiting = [asyncio.ensure_future(core.sample(cold, 1, greedy(4))) for _ in range(3)]
+    await wait_until_async(lambda: core._waiting == 3, "three cold requests waiting for room")
+    assert not any(w.done() for w in waiting) and loads_by("sample") == loads_before
+    core._release(pins[1])  # one running request finishes: its version is the one evicted
     results = await asyncio.gather(*waiting)
-    await asyncio.gather(*running)
-    # Every slot was pinned: the cold version loaded only once a running request let go.
-    assert order[0] == "running", order
     assert all(r.sequences == results[0].sequences for r in results)
     assert loads_by("sample") - loads_before == 1  # three requests, one load
-    assert entry.loaded and core.registry.loaded_count() == 4
+    assert core.registry.resident[f"{cold}@1"].loaded
+    assert not core.registry.resident[f"{loaded[1]}@1"].loaded
+    assert core.registry.loaded_count() == 4
+    for pin in (pins[0], *pins[2:]):
+        core._release(pin)
+    await upkeep(core)
 
 
 async def test_superseded_while_waiting_for_a_load_is_refused(
