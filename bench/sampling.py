@@ -293,8 +293,9 @@ class Publisher:
             latencies.append(await self.once())
             if period:
                 rest = period - (time.perf_counter() - started)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(load), max(rest, 0))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(rest, 0)):
+                        await asyncio.shield(load)
         return latencies
 
 

@@ -516,6 +516,29 @@ async def test_leader_releases_the_lease_on_shutdown(apiserver):
     assert await asyncio.to_thread(b.try_acquire_or_renew) is True
 
 
+async def test_a_cancel_as_a_renewal_lands_stops_the_leader(apiserver):
+    """Shutdown while a renewal completes: the cancel wins. Python 3.11's `wait_for` returned
+    the attempt's result instead and lost the cancel, so the elector (and the controller
+    awaiting it) renewed forever; CI hung 600 s in the two-electors test on exactly this."""
+    log: list = []
+    a = elector(apiserver, "a", log, lease_duration=30.0, renew_deadline=20.0)
+    task = asyncio.create_task(a.run())
+    await wait_until(lambda: log)
+    apiserver.blocked.add("a")  # hold the next renewal in flight, well inside its budget
+    held = len(apiserver.requests)
+    await wait_until(lambda: len(apiserver.requests) > held and a._attempts)
+    (attempt,) = a._attempts
+    # Callbacks run in the order added: the elector's own wake-up is scheduled first, then
+    # this cancel, both in the loop iteration where the attempt lands.
+    attempt.add_done_callback(lambda _: task.cancel())
+    apiserver.blocked.clear()
+    await wait_until(task.done)
+    assert task.cancelled()
+    assert [what for _, _, what in log] == ["start", "stop"]
+    assert not a.is_leader
+    assert apiserver.lease["spec"].get("holderIdentity") is None
+
+
 async def test_cancel_during_the_first_read_writes_nothing(apiserver):
     """An attempt whose read is held past shutdown does not go on to take the lease."""
     a = elector(apiserver, "a", [], lease_duration=30.0, renew_deadline=20.0)

@@ -397,7 +397,8 @@ class Ledger:
                 if rec.terminal or remaining <= 0:
                     return rec
                 try:
-                    await asyncio.wait_for(event.wait(), remaining)
+                    async with asyncio.timeout(remaining):
+                        await event.wait()
                 except TimeoutError:
                     return await self.get(tenant, opid)
 

@@ -107,7 +107,8 @@ class Membership:
     async def probe(self, endpoint: Endpoint) -> str | None:
         """Ask the replica who it is and admit it. None when it did not answer in time."""
         try:
-            rep = await asyncio.wait_for(self.describe(endpoint), self.probe_timeout)
+            async with asyncio.timeout(self.probe_timeout):
+                rep = await self.describe(endpoint)
         except (errors.LorafleetError, TimeoutError) as exc:
             log.info(
                 "probing %s %s at %s failed: %s",

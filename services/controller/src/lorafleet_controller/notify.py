@@ -30,7 +30,8 @@ class Notifier:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="notifier")
-        await asyncio.wait_for(self._ready.wait(), 10)
+        async with asyncio.timeout(10):
+            await self._ready.wait()
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -95,7 +95,8 @@ class LeaderElector:
                     attempt = asyncio.ensure_future(asyncio.to_thread(self.try_acquire_or_renew))
                     self._attempts.add(attempt)
                     attempt.add_done_callback(self._attempts.discard)
-                    renewed = await asyncio.wait_for(asyncio.shield(attempt), budget)
+                    async with asyncio.timeout(budget):
+                        renewed = await asyncio.shield(attempt)
                 except TimeoutError:
                     renewed = False
                 except Exception:  # network, 5xx: keep trying; the deadline decides

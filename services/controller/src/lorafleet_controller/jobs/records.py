@@ -70,7 +70,8 @@ class Records:
                 if rec.version > after or rec.finished or remaining <= 0:
                     return rec
                 try:
-                    await asyncio.wait_for(event.wait(), remaining)
+                    async with asyncio.timeout(remaining):
+                        await event.wait()
                 except TimeoutError:
                     return await self.get(tenant, job_id)
 
