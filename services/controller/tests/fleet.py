@@ -91,6 +91,7 @@ def rollout_proc(
     *,
     port: int = 0,
     register: bool = True,
+    **env: str,
 ) -> Proc:
     """A rollout; `register=False` leaves it to the controller's discovery to find it."""
     port = port or free_port()
@@ -102,6 +103,7 @@ def rollout_proc(
         LORAFLEET_ROLLOUT_CONTROLLER_ADDRESS=f"127.0.0.1:{controller_port}" if register else "",
         LORAFLEET_ROLLOUT_REGISTER_INTERVAL_SECONDS="0.5",
         LORAFLEET_ROLLOUT_TORCH_THREADS="1",
+        **env,
     )
     return Proc([sys.executable, "-m", "lorafleet_rollout"], e, port, root / f"{replica}.log")
 

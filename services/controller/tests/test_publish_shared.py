@@ -145,10 +145,14 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
     assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
     assert op_result(op).save_weights_for_sampler.version == 1
 
-    # every rollout read the version itself; the controller neither received nor wrote it
-    for rollout in rollouts:
-        assert f"{rid}@1" in await resident(rollout)
-        assert pushes(rollout) == {"stream": 0.0, "shared": 1.0}
+    # the run's home rollout read the version itself (the others load it on a first sample
+    # there); the controller neither received nor wrote it
+    holders = [r for r in rollouts if f"{rid}@1" in await resident(r)]
+    assert len(holders) == 1
+    (home,) = holders
+    (other,) = [r for r in rollouts if r is not home]
+    assert pushes(home) == {"stream": 0.0, "shared": 1.0}
+    assert pushes(other) == {"stream": 0.0, "shared": 0.0}
     assert not (fleet.procs.root / "controller-storage" / "adapters").exists()
     folder = adapter_folder(shared.resolve(), rid, 1)
     files = {p.name: p.read_bytes() for p in folder.iterdir()}
@@ -160,15 +164,15 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
     )
     lora = reg.registration.lora_config  # type: ignore[attr-defined]
     copy = common_pb2.AdapterRef(registration_id="streamed-copy", version=1)
-    pusher = RolloutClient(f"127.0.0.1:{rollouts[0].port}", retry_seconds=0)
+    pusher = RolloutClient(f"127.0.0.1:{home.port}", retry_seconds=0)
     try:
-        await pusher.load_adapter(copy, lora, files)
-        by_ref = await greedy(rollouts[0], common_pb2.AdapterRef(registration_id=rid, version=1))
-        streamed = await greedy(rollouts[0], copy)
+        await pusher.load_adapter(copy, lora, files, tenant=T)
+        by_ref = await greedy(home, common_pb2.AdapterRef(registration_id=rid, version=1))
+        streamed = await greedy(home, copy)
         assert list(by_ref.sequences[0].tokens) == list(streamed.sequences[0].tokens)
         assert list(by_ref.sequences[0].logprobs) == list(streamed.sequences[0].logprobs)
         assert by_ref.prompt_logprobs[1:] == streamed.prompt_logprobs[1:]
-        assert pushes(rollouts[0]) == {"stream": 1.0, "shared": 1.0}
+        assert pushes(home) == {"stream": 1.0, "shared": 1.0}
 
         # an edited file is refused (digest mismatch) and nothing is installed
         refs = {name: blob_ref(folder / name) for name in files}
@@ -185,7 +189,7 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
         }
         v2 = common_pb2.AdapterRef(registration_id=rid, version=2)
         with pytest.raises(errors.InvalidArgument, match="SHA-256"):
-            await pusher.load_shared_adapter(v2, lora, bad)
+            await pusher.load_shared_adapter(v2, lora, bad, tenant=T)
         # a reference outside the replica's shared root is refused too
         outside = dict(refs)
         elsewhere = fleet.procs.root / "elsewhere"
@@ -196,9 +200,9 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
             size_bytes=refs["adapter_config.json"].size_bytes,
         )
         with pytest.raises(errors.FailedPrecondition, match="shared adapter root"):
-            await pusher.load_shared_adapter(v2, lora, outside)
-        assert f"{rid}@2" not in await resident(rollouts[0])
-        again = await greedy(rollouts[0], common_pb2.AdapterRef(registration_id=rid, version=1))
+            await pusher.load_shared_adapter(v2, lora, outside, tenant=T)
+        assert f"{rid}@2" not in await resident(home)
+        again = await greedy(home, common_pb2.AdapterRef(registration_id=rid, version=1))
         assert list(again.sequences[0].tokens) == list(by_ref.sequences[0].tokens)
     finally:
         await pusher.close()
@@ -218,20 +222,19 @@ async def test_publish_by_reference_moves_no_bytes_through_the_controller(
     )
     assert sampler.sampler.adapter.version == 2  # type: ignore[attr-defined]
     assert (adapter_folder(shared.resolve(), rid, 2) / "adapter_model.safetensors").is_file()
-    for rollout in rollouts:
-        assert f"{rid}@2" in await resident(rollout)
-    assert pushes(rollouts[0]) == {"stream": 1.0, "shared": 2.0}
-    assert pushes(rollouts[1]) == {"stream": 0.0, "shared": 2.0}
+    assert f"{rid}@2" in await resident(home)
+    assert pushes(home) == {"stream": 1.0, "shared": 2.0}
+    assert pushes(other) == {"stream": 0.0, "shared": 0.0}
 
-    # a restarted rollout is reconciled by reference as well
-    rollouts[1].kill()
-    rollouts[1].start()
+    # a restarted home is reconciled by reference as well
+    home.kill()
+    home.start()
 
     async def reconciled() -> bool:
-        return f"{rid}@1" in await resident(rollouts[1])
+        return f"{rid}@1" in await resident(home)
 
-    await wait_until_async(reconciled, "the restarted rollout-1 serving the live version")
-    reconciled = pushes(rollouts[1])
+    await wait_until_async(reconciled, "the restarted home serving the live version")
+    reconciled = pushes(home)
     assert reconciled["stream"] == 0.0 and reconciled["shared"] >= 1.0
 
 

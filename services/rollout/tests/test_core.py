@@ -169,6 +169,40 @@ async def test_more_adapters_than_the_engine_holds_are_served_exactly(
     )
 
 
+async def test_a_tenant_with_many_adapters_evicts_its_own_not_anothers_hot_set(
+    core: RolloutCore, adapters: dict[int, Path], tmp_path: Path
+) -> None:
+    """Fair share of the engine's slots: "small" keeps two adapters hot while "big" cycles
+    through eight on an engine of four. Plain LRU would evict small's pair on every pass of
+    big's cycle; by tenant, big evicts its own and small's samples never load again."""
+
+    async def push_for(tenant: str, reg: str, folder: Path) -> None:
+        staged = tmp_path / f"staged-{reg}"
+        shutil.copytree(folder, staged)
+        await core.load_adapter(reg, 1, LORA, staged, file_digests(folder), tenant=tenant)
+
+    for i in (1, 2):
+        await push_for("small", f"small-{i}", adapters[i])
+    for i in range(8):
+        await push_for("big", f"big-{i}", adapters[1 + i % 4])
+    held = {r.adapter_id: r.tenant for r in core.list_adapters() if r.loaded}
+    assert sorted(held.values()) == ["big", "big", "small", "small"], held
+    small_first = {i: await core.sample(f"small-{i}", 1, greedy(4)) for i in (1, 2)}
+    loads_before = loads_by("sample")
+    for rnd in range(2):
+        for i in range(8):
+            await core.sample(f"big-{i}", 1, greedy(2))
+            small = 1 + (i + rnd) % 2  # small's hot pair, used between big's samples
+            again = await core.sample(f"small-{small}", 1, greedy(4))
+            assert again.sequences == small_first[small].sequences
+    # Every one of big's 16 samples loads (eight adapters cycling through its two slots);
+    # none of small's does.
+    assert loads_by("sample") - loads_before == 16
+    assert core.registry.resident["small-1@1"].loaded
+    assert core.registry.resident["small-2@1"].loaded
+    await upkeep(core)
+
+
 async def test_waiting_for_room_and_for_a_load(
     core: RolloutCore, adapters: dict[int, Path], tmp_path: Path
 ) -> None:

@@ -13,6 +13,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -77,6 +78,17 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+# A rollout holds hundreds of versions: the table names a few, and says how many more.
+ADAPTERS_NAMED = 4
+
+
+def _some(ids: Sequence[str]) -> str:
+    if not ids:
+        return "(none)"
+    shown = ", ".join(sorted(ids)[:ADAPTERS_NAMED])
+    return shown if len(ids) <= ADAPTERS_NAMED else f"{shown} (+{len(ids) - ADAPTERS_NAMED} more)"
 
 
 def _ago(ts: float) -> str:
@@ -163,9 +175,18 @@ def render_status(
                     ]
                 )
         else:
-            adapters = ", ".join(r.adapters) or "(none)"
             health = "healthy" if r.healthy else f"unhealthy ({_ago(r.last_seen)})"
-            adapter_rows.append([r.replica_id, r.base_model, adapters, health])
+            adapter_rows.append(
+                [
+                    r.replica_id,
+                    r.base_model,
+                    str(r.homes),
+                    str(len(r.adapters)),
+                    f"{r.adapters_loaded}/{r.num_slots}",
+                    _some(r.adapters),
+                    health,
+                ]
+            )
     out += [
         "Trainer slots",
         _table(
@@ -187,8 +208,12 @@ def render_status(
     if down:
         out += ["Replicas down for good (the controller's replica table):", *down, ""]
     out += [
-        "Rollout adapters",
-        _table(["rollout", "base model", "adapters", "health"], adapter_rows),
+        "Rollout adapters (homes: runs placed there; held: versions on its disk; loaded: in"
+        " its engine, of its slots)",
+        _table(
+            ["rollout", "base model", "homes", "held", "loaded", "adapters", "health"],
+            adapter_rows,
+        ),
         "",
     ]
     depth = ", ".join(f"{k}={v}" for k, v in sorted(status.ledger_depth.items())) or "empty"

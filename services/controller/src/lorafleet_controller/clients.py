@@ -233,10 +233,14 @@ class RolloutClient(_Base):
         lora: common_pb2.LoraConfig,
         files: dict[str, bytes],
         *,
+        tenant: str,
         retry: bool = True,
     ) -> rollout_pb2.LoadAdapterResponse:
         header = rollout_pb2.AdapterHeader(
-            adapter=ref, lora_config=lora, file_sha256={p: sha256(d) for p, d in files.items()}
+            adapter=ref,
+            lora_config=lora,
+            file_sha256={p: sha256(d) for p, d in files.items()},
+            tenant=tenant,
         )
 
         async def chunks() -> AsyncIterator[rollout_pb2.LoadAdapterChunk]:
@@ -252,6 +256,7 @@ class RolloutClient(_Base):
         lora: common_pb2.LoraConfig,
         refs: dict[str, common_pb2.BlobRef],
         *,
+        tenant: str,
         retry: bool = True,
     ) -> rollout_pb2.LoadAdapterResponse:
         """A header naming the files on shared storage; no chunks (the replica reads them)."""
@@ -260,6 +265,7 @@ class RolloutClient(_Base):
             lora_config=lora,
             file_refs=refs,
             file_sha256={path: r.sha256 for path, r in refs.items()},
+            tenant=tenant,
         )
 
         async def only_header() -> AsyncIterator[rollout_pb2.LoadAdapterChunk]:

@@ -148,6 +148,8 @@ def fleet_status(view: FleetView) -> controller_pb2.GetFleetStatusResponse:
                 slots=[registration(r) for r in rv.slots],
                 adapters=rv.adapters,
                 failed=rep.failed,
+                adapters_loaded=rv.loaded,
+                homes=rv.homes,
             )
         )
     resp.queued_registrations.extend(registration(r) for r in view.queued)

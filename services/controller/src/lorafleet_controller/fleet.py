@@ -10,9 +10,11 @@ an operator's eye: it is an admin call, not on any request's path.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 
 from lorafleet import errors
+from lorafleet.v1 import rollout_pb2
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Ledger
 from lorafleet_controller.registry import (
@@ -24,6 +26,7 @@ from lorafleet_controller.registry import (
     sample_limit,
 )
 from lorafleet_controller.store import RegState
+from lorafleet_controller.store.placement import HomesRepo
 
 
 @dataclass
@@ -49,6 +52,8 @@ class ReplicaView:
     replica: Replica
     slots: list[RegRecord]  # a trainer's bound registrations, by slot
     adapters: list[str]  # a rollout's resident adapter ids (empty when it did not answer)
+    loaded: int = 0  # how many of them are in its engine now
+    homes: int = 0  # registrations placed on it (placement.py)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class Fleet:
         self.registry = registry
         self.ledger = ledger
         self.pool = pool
+        self.homes = HomesRepo(registry.store)
 
     async def capabilities(self) -> list[BaseModelView]:
         models: dict[str, BaseModelView] = {}
@@ -120,19 +126,27 @@ class Fleet:
         records = await self.registry.get_many(slot_ids + queued_ids)
         by_id = {rec.registration_id: rec for rec in records if rec is not None}
         resident = await asyncio.gather(*(self._resident(r.address) for r in rollouts))
-        adapters = {r.replica_id: ids for r, ids in zip(rollouts, resident, strict=True)}
-        views = [
-            ReplicaView(
-                rep,
-                [
-                    by_id[rid]
-                    for _, rid in sorted(tables.get(rep.replica_id, {}).items())
-                    if rid in by_id
-                ],
-                adapters.get(rep.replica_id, []),
+        adapters = {r.replica_id: held for r, held in zip(rollouts, resident, strict=True)}
+        homes: Counter[str] = Counter()
+        for base in dict.fromkeys(r.base_model for r in rollouts):
+            homes.update((await self.homes.all(base)).values())
+        views = []
+        for rep in replicas:
+            held = adapters.get(rep.replica_id, [])
+            slots = [
+                by_id[rid]
+                for _, rid in sorted(tables.get(rep.replica_id, {}).items())
+                if rid in by_id
+            ]
+            views.append(
+                ReplicaView(
+                    rep,
+                    slots,
+                    [a.adapter_id for a in held],
+                    loaded=sum(1 for a in held if a.loaded),
+                    homes=homes[rep.replica_id] if rep.kind != TRAINER else 0,
+                )
             )
-            for rep in replicas
-        ]
         queued = [by_id[rid] for rid in queued_ids if rid in by_id]
         others = [rid for rid in await self.registry.all_ids() if rid not in by_id]
         rest = [r for r in await self.registry.get_many(others) if r is not None]
@@ -142,10 +156,8 @@ class Fleet:
             await self.ledger.depth(), views, queued, attention[:ATTENTION_SHOWN], len(attention)
         )
 
-    async def _resident(self, address: str) -> list[str]:
+    async def _resident(self, address: str) -> list[rollout_pb2.ResidentAdapter]:
         try:
-            return [
-                a.adapter_id for a in await self.pool.rollout(address).list_adapters(retry=False)
-            ]
+            return await self.pool.rollout(address).list_adapters(retry=False)
         except errors.LorafleetError:
             return []

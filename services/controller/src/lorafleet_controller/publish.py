@@ -1,15 +1,26 @@
-"""The publish barrier: save_weights_for_sampler completes only when every rollout has it.
+"""The publish barrier: save_weights_for_sampler completes when the version is durable and
+its registration's home rollout serves it.
 
 Steps of one publish (each idempotent, so a re-dispatch after a controller crash is safe):
 the version number is allocated once and stored on the operation; the trainer streams the
 slot's PEFT adapter (ExportAdapter); the files are written once under the storage root
-(they are the durable sampler checkpoint and the source for reconciling rollouts); every
-healthy rollout replica serving the base model receives them (LoadAdapter, verified by
-SHA-256) under `<registration>@<version>`; only when all acknowledged does the operation
-succeed and the registration's published_version move. A replica that is restarting is waited
-for (`push_all`); one that refuses the version fails the operation with its name. Rollouts
-that (re)start are reconciled: they receive the newest live versions of every registration
-of their base model.
+(they are the durable sampler checkpoint, and the source any rollout loads the version from
+later) and recorded live; the registration's home rollout (placement.py: one replica per
+registration, balanced by capacity) receives them (LoadAdapter, verified by SHA-256) under
+`<registration>@<version>`; only when it acknowledged does the operation succeed and the
+registration's published_version move. A home that is restarting is waited for; one lost
+meanwhile is replaced by another home; one that refuses the version fails the operation
+with its name.
+
+What a user sees: the first sample after a publish runs on the home, which holds the
+version. Any other rollout (a hot adapter spreading, a home that moved) loads the version on
+its first sample there from the checkpoint store: that sample pays one load's latency, never
+an error, and no sample issued after the publish runs on an older version (samplers pin
+versions by id, and inflight samplers resolve the newest published version at dispatch).
+Capacity grows with rollouts: each holds the registrations homed on it, not all of them.
+Rollouts that (re)start or join are reconciled: they receive the newest live versions of
+the registrations homed on them, and a joining one takes its share of homes from the others
+(`rebalance`).
 
 Where every replica mounts the same storage (`shared_adapter_root`, lorafleet.shared_storage)
 the adapter travels by reference instead: the trainer writes the version's folder there
@@ -36,8 +47,9 @@ from lorafleet_controller import metrics
 from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
 from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.ledger import Claim
+from lorafleet_controller.placement import rebalance
 from lorafleet_controller.registry import ROLLOUT, Registry, RegRecord, Replica
-from lorafleet_controller.residency import Payload, Pusher, payload_of
+from lorafleet_controller.residency import Homes, Payload, Pusher, payload_of
 from lorafleet_controller.samplers import SamplerRecord, Samplers
 from lorafleet_controller.store import RegState, Store
 from lorafleet_controller.store.adapters import AdaptersRepo, LiveVersion
@@ -63,6 +75,7 @@ class Publisher:
     ) -> None:
         self.repo = AdaptersRepo(store)
         self.pusher = Pusher(self.repo, pool)
+        self.homes = Homes(store)
         self.storage_root = storage_root
         self.registry = registry
         self.catalog = catalog
@@ -111,10 +124,10 @@ class Publisher:
             await self._still_bound(reg, claim)
             folder = await asyncio.to_thread(self._write, claim.registration_id, version, files)
             payload = Payload(files=files)
+        record = LiveVersion(ref, reg.base_model, reg.lora, folder, payload.refs, reg.tenant)
         if live is None:
-            record = LiveVersion(ref, reg.base_model, reg.lora, folder, payload.refs)
             await self.repo.record_live(record, fenced=True)
-        await self.push_all(ref, reg.base_model, reg.lora, payload)
+        await self.push_home(record, payload)
         path = ""
         if sw.name:
             kind = CheckpointKind.SAMPLER_WEIGHTS
@@ -193,7 +206,7 @@ class Publisher:
         self, ckpt: CheckpointRecord, sampler_id: str, tenant: str, model_path: str
     ) -> SamplerRecord:
         """A sampler on a training checkpoint: its adapter becomes a new live version of the
-        run (written once, pushed to every rollout) and the sampler pins that version. On
+        run (written once, pushed to the run's home rollout) and the sampler pins that version. On
         shared storage the controller writes it there once and rollouts read it by reference
         (its bytes pass through here once, not once per rollout)."""
         files = await self.catalog.read_files(ckpt)
@@ -206,9 +219,9 @@ class Publisher:
         else:
             folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, files)
             payload = Payload(files=files)
-        record = LiveVersion(ref, ckpt.base_model, ckpt.lora, folder, payload.refs)
+        record = LiveVersion(ref, ckpt.base_model, ckpt.lora, folder, payload.refs, tenant)
         await self.repo.record_live(record, fenced=False)
-        await self.push_all(ref, ckpt.base_model, ckpt.lora, payload)
+        await self.push_home(record, payload)
         return await self.samplers.record(
             sampler_id=sampler_id,
             tenant=tenant,
@@ -218,90 +231,100 @@ class Publisher:
             inflight=False,
         )
 
-    async def push_all(
-        self,
-        ref: common_pb2.AdapterRef,
-        base_model: str,
-        lora: common_pb2.LoraConfig,
-        payload: Payload,
-    ) -> None:
-        """Load the version on every healthy rollout of the base model; all must ack.
+    async def push_home(self, live: LiveVersion, payload: Payload) -> None:
+        """Load the version on its registration's home rollout; the home must ack.
 
-        The barrier is over the rollouts as the replica table stands, read again on every
-        pass, because a rollout restarting under the supervisor (or rescheduled at another
-        address) is the normal case, not a failure the SDK could retry: the publish's seq_id
-        is spent once it fails (CAMPAIGN_FAULTS=500 failed save_weights_for_sampler on a
-        rollout's refused connection). So a push refused as Unavailable is tried again, with
-        backoff, for `rollout_wait_seconds` from the first refusal, at the address the
-        replica announces now. A rollout the controller has meanwhile lost (silent past its
-        heartbeat, or failed for good) leaves the barrier: the version was recorded live
-        before this push, so `reconcile` gives it to the rollout when it returns, and a
-        sample that meets it without the version puts it back. An ack counts for the
-        incarnation that gave it; a restarted rollout is pushed again. Any other refusal
-        (a checksum, a rank the rollout cannot serve) fails the publish at once, naming the
-        replica."""
+        The home is read again on every pass, because a rollout restarting under the
+        supervisor (or rescheduled at another address) is the normal case, not a failure the
+        SDK could retry: the publish's seq_id is spent once it fails (CAMPAIGN_FAULTS=500
+        failed save_weights_for_sampler on a rollout's refused connection). So a push refused
+        as Unavailable is tried again, with backoff, for `rollout_wait_seconds` from the
+        first refusal, at the address the replica announces now; a home the controller has
+        meanwhile lost (silent past its heartbeat, or failed for good) is replaced by another
+        healthy rollout, which is pushed instead. With no healthy rollout the version stays
+        recorded live: `reconcile` gives it to its home when one comes up, and a sample loads
+        it wherever it runs. An ack counts for the incarnation that gave it; a restarted home
+        is pushed again. Any other refusal (a checksum, a rank the rollout cannot serve)
+        fails the publish at once, naming the replica."""
+        ref, base_model = live.ref, live.base_model
         loop = asyncio.get_running_loop()
         acked: set[tuple[str, str]] = set()
         deadline: float | None = None
         delay = 0.05
         while True:
-            rollouts = [
-                r
-                for r in await self.registry.replicas(ROLLOUT, base_model)
-                if r.healthy and (r.replica_id, r.incarnation) not in acked
-            ]
+            rollouts = [r for r in await self.registry.replicas(ROLLOUT, base_model) if r.healthy]
             if not rollouts:
                 return
-            outcomes = await asyncio.gather(
-                *(self.pusher.load(r.address, ref, lora, payload, retry=False) for r in rollouts),
-                return_exceptions=True,
-            )
-            waiting: list[str] = []
-            refused: list[str] = []
-            for rep, out in zip(rollouts, outcomes, strict=True):
-                if not isinstance(out, BaseException):
-                    acked.add((rep.replica_id, rep.incarnation))
-                elif isinstance(out, errors.Unavailable):
-                    waiting.append(f"{rep.replica_id} ({out})")
-                else:
-                    refused.append(f"{rep.replica_id} ({out})")
-            if not refused and not waiting:
-                continue  # every one acked: read the table again for any that came up since
-            now = loop.time()
-            deadline = now + self.rollout_wait_seconds if deadline is None else deadline
-            if refused or now >= deadline:
+            home = await self.homes.home(ref.registration_id, base_model, rollouts)
+            if (home.replica_id, home.incarnation) in acked:
+                return
+            try:
+                await self.pusher.load(home.address, live, payload, retry=False)
+            except errors.Unavailable as exc:
+                waiting = f"{home.replica_id} ({exc})"
+            except errors.LorafleetError as exc:
                 raise errors.Unavailable(
                     f"rollout replicas did not acknowledge {ref.registration_id}@{ref.version}: "
-                    + "; ".join(refused + waiting),
+                    f"{home.replica_id} ({exc})",
+                    reason="PUBLISH_INCOMPLETE",
+                ) from None
+            else:
+                acked.add((home.replica_id, home.incarnation))
+                continue  # read the home again: it may have restarted or moved since
+            now = loop.time()
+            deadline = now + self.rollout_wait_seconds if deadline is None else deadline
+            if now >= deadline:
+                raise errors.Unavailable(
+                    f"rollout replicas did not acknowledge {ref.registration_id}@{ref.version}: "
+                    + waiting,
                     reason="PUBLISH_INCOMPLETE",
                 )
-            log.info(
-                "%s@%s waits for rollouts: %s", ref.registration_id, ref.version, "; ".join(waiting)
-            )
+            log.info("%s@%s waits for its home: %s", ref.registration_id, ref.version, waiting)
             await asyncio.sleep(min(delay, deadline - now))
             delay = min(delay * 2, 1.0)
 
     async def reconcile(self, rollout: Replica) -> None:
-        """Give a (re)started rollout the newest live versions of every registration."""
+        """Give a (re)started or joining rollout the newest live versions of the
+        registrations homed on it, then move its share of homes to it from the others (each
+        moved registration's versions are pushed before its home changes, so its samples
+        never meet a home without them)."""
         newest: dict[str, list[str]] = {}
         for parsed in await self.repo.live_ids(rollout.base_model):
             versions = newest.setdefault(parsed.registration_id, [])
             if len(versions) < self.resident_versions:
                 versions.append(str(parsed))
+        homes = await self.homes.repo.all(rollout.base_model)
         for rid, aids in newest.items():
-            reg = await self.registry.get_any(rid)
-            if reg is not None and reg.state == RegState.RETIRED:
+            if homes.get(rid) == rollout.replica_id:
+                await self._give(rollout, rid, aids)
+        healthy = [
+            r for r in await self.registry.replicas(ROLLOUT, rollout.base_model) if r.healthy
+        ]
+        homes = await self.homes.repo.all(rollout.base_model)
+        moves = rebalance(homes, healthy)
+        for rid, target in moves.items():
+            if target != rollout.replica_id:
                 continue
-            for aid in reversed(aids):
-                live = await self.repo.live(aid)
-                if live is None:
-                    continue
-                payload = await payload_of(live)
-                ref = common_pb2.AdapterRef(registration_id=rid, version=live.ref.version)
-                try:
-                    await self.pusher.load(rollout.address, ref, live.lora, payload)
-                except errors.LorafleetError as exc:
-                    log.warning("reconciling %s on %s failed: %s", aid, rollout.replica_id, exc)
+            if await self._give(rollout, rid, newest.get(rid, [])):
+                await self.homes.repo.set(rollout.base_model, {rid: target})
+
+    async def _give(self, rollout: Replica, rid: str, aids: list[str]) -> bool:
+        """Push a registration's live versions (newest first in `aids`) to `rollout`; False
+        when one failed (logged: the rollout's samples load what they need)."""
+        reg = await self.registry.get_any(rid)
+        if reg is not None and reg.state == RegState.RETIRED:
+            return False
+        ok = True
+        for aid in reversed(aids):
+            live = await self.repo.live(aid)
+            if live is None:
+                continue
+            try:
+                await self.pusher.load(rollout.address, live, await payload_of(live))
+            except errors.LorafleetError as exc:
+                log.warning("reconciling %s on %s failed: %s", aid, rollout.replica_id, exc)
+                ok = False
+        return ok
 
     async def _live(self, aid: str) -> tuple[str, Payload] | None:
         """The folder and files of a version recorded live, if it is."""
@@ -312,6 +335,7 @@ class Publisher:
         """A retired registration's versions are no longer pushed to new rollouts."""
         live = await self.repo.live_ids(base_model)
         await self.repo.unlist(base_model, [a for a in live if a.registration_id == rid])
+        await self.homes.repo.forget(base_model, rid)
 
 
 def _require_bound(reg: RegRecord, claim: Claim) -> None:

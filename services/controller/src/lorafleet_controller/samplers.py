@@ -2,8 +2,9 @@
 
 A sampler (`<session>:sample:<n>`) is bound to a published adapter version or to the base
 model. SubmitSample stores a SAMPLE operation (idempotent on sampler, seq_id and payload
-digest; not seq-ordered) and runs it on the least-loaded healthy rollout replica serving the
-base model. Inflight samplers resolve their registration's newest published version when
+digest; not seq-ordered) and runs it on its registration's home rollout (placement.py), or
+on the least loaded healthy rollout when the home is hot or the sampler is on the base
+model. Inflight samplers resolve their registration's newest published version when
 the sample is dispatched; snapshot samplers keep the version they were created with.
 """
 
@@ -20,8 +21,9 @@ from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
 from lorafleet_controller.clients import Pool
 from lorafleet_controller.ledger import Claim, Ledger, backpressure
+from lorafleet_controller.placement import route
 from lorafleet_controller.registry import ROLLOUT, Registry, Replica
-from lorafleet_controller.residency import Pusher
+from lorafleet_controller.residency import Homes, Pusher
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, Store
 from lorafleet_controller.store.adapters import AdaptersRepo
@@ -83,6 +85,7 @@ class Samplers:
     ) -> None:
         self.repo = SamplersRepo(store)
         self.pusher = Pusher(AdaptersRepo(store), pool)
+        self.homes = Homes(store)
         self.ledger = ledger
         self.registry = registry
         self.pool = pool
@@ -229,7 +232,11 @@ class Samplers:
         rollouts = [r for r in known if r.healthy]
         if not rollouts:
             raise _no_healthy_rollout(sampler.base_model, known)
-        chosen = min(rollouts, key=lambda r: (self._load[r.replica_id], r.replica_id))
+        if ref.registration_id:
+            home = await self.homes.home(ref.registration_id, sampler.base_model, rollouts)
+            chosen = route(home, rollouts, self._load, self.settings.sample_spread_inflight)
+        else:
+            chosen = min(rollouts, key=lambda r: (self._load[r.replica_id], r.replica_id))
         self._load[chosen.replica_id] += 1
         try:
             client = self.pool.rollout(chosen.address)
@@ -238,8 +245,9 @@ class Samplers:
             except errors.NotFound as exc:
                 if exc.reason != "VERSION_NOT_RESIDENT" or not ref.registration_id:
                     raise
-                # The replica lost or never got a live version (restarted, its reconcile
-                # still running or lost with a controller): give it back, then serve.
+                # The replica does not hold a live version (its home moved here, a hot
+                # adapter spread here, it restarted and its reconcile is still running or
+                # was lost with a controller): give it the version, then serve.
                 try:
                     restored = await self.pusher.restore(chosen.address, ref)
                 except errors.LorafleetError as push_error:

@@ -211,6 +211,14 @@ class ControllerSettings:
         min=0.0,
         max=3600.0,
     )
+    sample_spread_inflight: int = setting(
+        32,
+        doc="Samples in flight on a registration's home rollout (from one controller) past "
+        "which its next sample goes to a less loaded rollout, which loads the version once: a "
+        "hot adapter spreads over replicas.",
+        min=1,
+        max=1_000_000,
+    )
     resident_versions: int = setting(
         3, doc="Published adapter versions kept resident per registration.", min=1, max=64
     )

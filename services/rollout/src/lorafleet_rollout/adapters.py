@@ -91,6 +91,8 @@ class Resident:
     lora: LoraSpec
     digests: dict[str, str]
     folder: Path | None = None
+    #: The registration's owner, for the fair share of the engine's slots ('' when unknown).
+    tenant: str = ""
     #: Requests pinning it: running on it, or waiting for it to load.
     in_flight: int = 0
     retiring: bool = False
@@ -122,7 +124,8 @@ class AdapterRegistry:
     Every version published here stays on this replica's disk (up to `max_stored`) and is
     selectable; at most `max_loaded` are in the engine at once. A request for one that is not
     loaded waits for it to be loaded, evicting the least recently used loaded version that no
-    request pins: other tenants' publishes never make a sample fail. Past `max_stored`, idle
+    request pins (of the tenant holding the most, `victim`): other tenants' publishes never
+    make a sample fail, nor take a tenant's hot set. Past `max_stored`, idle
     versions leave the replica altogether (least recently used first); a request for one gets
     VERSION_NOT_RESIDENT, and the controller pushes it again from the checkpoint store.
     """
@@ -179,10 +182,19 @@ class AdapterRegistry:
     def loaded_count(self) -> int:
         return sum(1 for r in self.resident.values() if r.loaded)
 
-    def victim(self) -> Resident | None:
-        """The loaded version to evict for room: the least recently used one no request pins."""
+    def victim(self, tenant: str) -> Resident | None:
+        """The loaded version to evict for room for one of `tenant`'s: a retiring one if any
+        is idle; otherwise the least recently used idle one of the tenant that would hold the
+        most loaded versions (counting the one to load for `tenant`). So the slots are shared
+        fairly: a tenant cycling through a thousand adapters evicts its own, never a smaller
+        tenant's hot set, while a lone tenant gets plain LRU over every slot."""
         idle = [r for r in self.resident.values() if r.loaded and r.in_flight == 0]
-        return min(idle, key=lambda r: (not r.retiring, r.last_used), default=None)
+        retiring = [r for r in idle if r.retiring]
+        if retiring or not idle:
+            return min(retiring, key=lambda r: r.last_used, default=None)
+        held = collections.Counter(r.tenant for r in self.resident.values() if r.loaded)
+        held[tenant] += 1
+        return min(idle, key=lambda r: (-held[r.tenant], r.last_used))
 
     def over_stored(self) -> list[Resident]:
         """Idle versions to drop from this replica to get back within `max_stored`, least

@@ -155,6 +155,8 @@ class RolloutCore:
         staged: Path,
         digests: dict[str, str],
         measured: dict[str, str] | None = None,
+        *,
+        tenant: str = "",
     ) -> tuple[str, bool]:
         """Verify a staged PEFT folder and make it serve; returns (adapter_id, already_loaded).
 
@@ -162,7 +164,9 @@ class RolloutCore:
         version if the engine is full, waiting for one to go idle if none is), so the engine
         checks its files before the publish is acknowledged and the first sample pays no load.
         `digests` are the announced SHA-256s; `measured` those the upload computed while
-        staging (None: hash the folder's files here). Consumes `staged` (moved or deleted).
+        staging (None: hash the folder's files here). `tenant` owns the registration: the
+        engine's slots are shared fairly between tenants (`AdapterRegistry.victim`). Consumes
+        `staged` (moved or deleted).
         """
         try:
             check_ref(registration_id, version, "header.adapter")
@@ -183,7 +187,9 @@ class RolloutCore:
                     return engine_id, True
                 folder = self.adapter_dir / f"{engine_id}-{uuid.uuid4().hex[:8]}"
                 await asyncio.to_thread(staged.rename, folder)
-                entry = Resident(registration_id, version, lora, digests, folder, in_flight=1)
+                entry = Resident(
+                    registration_id, version, lora, digests, folder, tenant=tenant, in_flight=1
+                )
                 self.registry.add(entry)
                 self._count()
                 try:
@@ -234,7 +240,7 @@ class RolloutCore:
             if entry.retiring or self.registry.resident.get(entry.adapter_id) is not entry:
                 # Superseded or retired while this request waited: never loaded again.
                 raise self.registry.not_resident(entry.registration_id, entry.version)
-            if await self._make_room():
+            if await self._make_room(entry.tenant):
                 await self._load(entry, cause)
                 return
             self._waiting += 1
@@ -243,13 +249,13 @@ class RolloutCore:
             finally:
                 self._waiting -= 1
 
-    async def _make_room(self) -> bool:
-        """Free one engine slot if none is free; False when every loaded version is pinned.
-        Called with `_adapters` held."""
+    async def _make_room(self, tenant: str) -> bool:
+        """Free one engine slot if none is free, for a version of `tenant`; False when every
+        loaded version is pinned. Called with `_adapters` held."""
         for entry in self.registry.idle_retiring():
             await self._drop(entry)
         while self.registry.loaded_count() >= self.registry.max_loaded:
-            victim = self.registry.victim()
+            victim = self.registry.victim(tenant)
             if victim is None:
                 return False
             await self._evict(victim)

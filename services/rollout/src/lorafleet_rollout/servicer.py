@@ -94,6 +94,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 dict(header.file_sha256)
                 or {name: ref.sha256 for name, ref in header.file_refs.items()},
                 upload.digests(),
+                tenant=header.tenant,
             )
             metrics.ADAPTER_PUSHES.labels(via="shared" if header.file_refs else "stream").inc()
         finally:
@@ -133,6 +134,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     adapter_id=r.adapter_id,
                     rank=r.rank,
                     in_flight=r.in_flight,
+                    loaded=r.loaded,
+                    tenant=r.tenant,
                 )
                 for r in self.core.list_adapters()
                 if not r.retiring

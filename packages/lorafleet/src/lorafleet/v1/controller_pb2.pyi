@@ -2167,6 +2167,8 @@ class ReplicaStatus(_message.Message):
     NUM_SLOTS_FIELD_NUMBER: _builtins.int
     ADAPTERS_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
+    ADAPTERS_LOADED_FIELD_NUMBER: _builtins.int
+    HOMES_FIELD_NUMBER: _builtins.int
     kind: Global___ReplicaKind.ValueType
     replica_id: _builtins.str
     address: _builtins.str
@@ -2176,13 +2178,17 @@ class ReplicaStatus(_message.Message):
     num_slots: _builtins.int
     failed: _builtins.str
     """Why its process stays down (ReportReplicaFailed); empty unless it failed for good."""
+    adapters_loaded: _builtins.int
+    homes: _builtins.int
     @_builtins.property
     def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___Registration]:
         """Trainers: slot table (from the controller's registry)."""
 
     @_builtins.property
     def adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Rollouts: resident adapter ids."""
+        """Rollouts: the adapter ids it holds (on its disk; `adapters_loaded` of them in the engine,
+        at most `num_slots`), and how many registrations have it as their home (placement).
+        """
 
     def __init__(
         self,
@@ -2197,10 +2203,12 @@ class ReplicaStatus(_message.Message):
         num_slots: _builtins.int = ...,
         adapters: _abc.Iterable[_builtins.str] | None = ...,
         failed: _builtins.str = ...,
+        adapters_loaded: _builtins.int = ...,
+        homes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "address", b"address", "base_model", b"base_model", "failed", b"failed", "healthy", b"healthy", "kind", b"kind", "last_seen", b"last_seen", "num_slots", b"num_slots", "replica_id", b"replica_id", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "adapters_loaded", b"adapters_loaded", "address", b"address", "base_model", b"base_model", "failed", b"failed", "healthy", b"healthy", "homes", b"homes", "kind", b"kind", "last_seen", b"last_seen", "num_slots", b"num_slots", "replica_id", b"replica_id", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from lorafleet.v1 import common_pb2 as lorafleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alorafleet/v1/rollout.proto\x12\x0clorafleet.v1\x1a\x19lorafleet/v1/common.proto\"\x17\n\x15GetRolloutInfoRequest\"\x81\x02\n\x16GetRolloutInfoResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x1b\n\x13max_loaded_adapters\x18\x04 \x01(\x05\x12\x1b\n\x13max_queued_requests\x18\x05 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x06 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x07 \x01(\x05\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\x12\x17\n\x0fmax_num_samples\x18\t \x01(\x05\x12\x14\n\x0cquantization\x18\n \x01(\t\"\xe4\x02\n\rAdapterHeader\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.lorafleet.v1.AdapterRef\x12-\n\x0blora_config\x18\x02 \x01(\x0b\x32\x18.lorafleet.v1.LoraConfig\x12@\n\x0b\x66ile_sha256\x18\x03 \x03(\x0b\x32+.lorafleet.v1.AdapterHeader.FileSha256Entry\x12<\n\tfile_refs\x18\x04 \x03(\x0b\x32).lorafleet.v1.AdapterHeader.FileRefsEntry\x1a\x31\n\x0f\x46ileSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x46\n\rFileRefsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.lorafleet.v1.BlobRef:\x02\x38\x01\"s\n\x10LoadAdapterChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.lorafleet.v1.AdapterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.lorafleet.v1.FileChunkH\x00\x42\x06\n\x04part\"A\n\x13LoadAdapterResponse\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61lready_loaded\x18\x02 \x01(\x08\"A\n\x14UnloadAdapterRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.lorafleet.v1.AdapterRef\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListAdaptersRequest\"q\n\x0fResidentAdapter\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.lorafleet.v1.AdapterRef\x12\x12\n\nadapter_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x11\n\tin_flight\x18\x04 \x01(\x05\"G\n\x14ListAdaptersResponse\x12/\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1d.lorafleet.v1.ResidentAdapter\"\xdf\x01\n\rSampleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07\x61\x64\x61pter\x18\x02 \x01(\x0b\x32\x18.lorafleet.v1.AdapterRef\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.lorafleet.v1.SamplingParams\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x1c\n\x14topk_prompt_logprobs\x18\x07 \x01(\x05\"<\n\x0eSampleResponse\x12*\n\x06output\x18\x01 \x01(\x0b\x32\x1a.lorafleet.v1.SampleOutput2\xb7\x03\n\x0eRolloutService\x12[\n\x0eGetRolloutInfo\x12#.lorafleet.v1.GetRolloutInfoRequest\x1a$.lorafleet.v1.GetRolloutInfoResponse\x12R\n\x0bLoadAdapter\x12\x1e.lorafleet.v1.LoadAdapterChunk\x1a!.lorafleet.v1.LoadAdapterResponse(\x01\x12X\n\rUnloadAdapter\x12\".lorafleet.v1.UnloadAdapterRequest\x1a#.lorafleet.v1.UnloadAdapterResponse\x12U\n\x0cListAdapters\x12!.lorafleet.v1.ListAdaptersRequest\x1a\".lorafleet.v1.ListAdaptersResponse\x12\x43\n\x06Sample\x12\x1b.lorafleet.v1.SampleRequest\x1a\x1c.lorafleet.v1.SampleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1alorafleet/v1/rollout.proto\x12\x0clorafleet.v1\x1a\x19lorafleet/v1/common.proto\"\x17\n\x15GetRolloutInfoRequest\"\x81\x02\n\x16GetRolloutInfoResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\x1b\n\x13max_loaded_adapters\x18\x04 \x01(\x05\x12\x1b\n\x13max_queued_requests\x18\x05 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x06 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x07 \x01(\x05\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\x12\x17\n\x0fmax_num_samples\x18\t \x01(\x05\x12\x14\n\x0cquantization\x18\n \x01(\t\"\xf4\x02\n\rAdapterHeader\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.lorafleet.v1.AdapterRef\x12-\n\x0blora_config\x18\x02 \x01(\x0b\x32\x18.lorafleet.v1.LoraConfig\x12@\n\x0b\x66ile_sha256\x18\x03 \x03(\x0b\x32+.lorafleet.v1.AdapterHeader.FileSha256Entry\x12<\n\tfile_refs\x18\x04 \x03(\x0b\x32).lorafleet.v1.AdapterHeader.FileRefsEntry\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x1a\x31\n\x0f\x46ileSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x46\n\rFileRefsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12$\n\x05value\x18\x02 \x01(\x0b\x32\x15.lorafleet.v1.BlobRef:\x02\x38\x01\"s\n\x10LoadAdapterChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.lorafleet.v1.AdapterHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.lorafleet.v1.FileChunkH\x00\x42\x06\n\x04part\"A\n\x13LoadAdapterResponse\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61lready_loaded\x18\x02 \x01(\x08\"A\n\x14UnloadAdapterRequest\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.lorafleet.v1.AdapterRef\"\x17\n\x15UnloadAdapterResponse\"\x15\n\x13ListAdaptersRequest\"\x91\x01\n\x0fResidentAdapter\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.lorafleet.v1.AdapterRef\x12\x12\n\nadapter_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x11\n\tin_flight\x18\x04 \x01(\x05\x12\x0e\n\x06loaded\x18\x05 \x01(\x08\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"G\n\x14ListAdaptersResponse\x12/\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1d.lorafleet.v1.ResidentAdapter\"\xdf\x01\n\rSampleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07\x61\x64\x61pter\x18\x02 \x01(\x0b\x32\x18.lorafleet.v1.AdapterRef\x12\x15\n\rprompt_tokens\x18\x03 \x03(\x05\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.lorafleet.v1.SamplingParams\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\x12\x1c\n\x14topk_prompt_logprobs\x18\x07 \x01(\x05\"<\n\x0eSampleResponse\x12*\n\x06output\x18\x01 \x01(\x0b\x32\x1a.lorafleet.v1.SampleOutput2\xb7\x03\n\x0eRolloutService\x12[\n\x0eGetRolloutInfo\x12#.lorafleet.v1.GetRolloutInfoRequest\x1a$.lorafleet.v1.GetRolloutInfoResponse\x12R\n\x0bLoadAdapter\x12\x1e.lorafleet.v1.LoadAdapterChunk\x1a!.lorafleet.v1.LoadAdapterResponse(\x01\x12X\n\rUnloadAdapter\x12\".lorafleet.v1.UnloadAdapterRequest\x1a#.lorafleet.v1.UnloadAdapterResponse\x12U\n\x0cListAdapters\x12!.lorafleet.v1.ListAdaptersRequest\x1a\".lorafleet.v1.ListAdaptersResponse\x12\x43\n\x06Sample\x12\x1b.lorafleet.v1.SampleRequest\x1a\x1c.lorafleet.v1.SampleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,29 +41,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETROLLOUTINFORESPONSE']._serialized_start=97
   _globals['_GETROLLOUTINFORESPONSE']._serialized_end=354
   _globals['_ADAPTERHEADER']._serialized_start=357
-  _globals['_ADAPTERHEADER']._serialized_end=713
-  _globals['_ADAPTERHEADER_FILESHA256ENTRY']._serialized_start=592
-  _globals['_ADAPTERHEADER_FILESHA256ENTRY']._serialized_end=641
-  _globals['_ADAPTERHEADER_FILEREFSENTRY']._serialized_start=643
-  _globals['_ADAPTERHEADER_FILEREFSENTRY']._serialized_end=713
-  _globals['_LOADADAPTERCHUNK']._serialized_start=715
-  _globals['_LOADADAPTERCHUNK']._serialized_end=830
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=832
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=897
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=899
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=964
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=966
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=989
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=991
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1012
-  _globals['_RESIDENTADAPTER']._serialized_start=1014
-  _globals['_RESIDENTADAPTER']._serialized_end=1127
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1129
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1200
-  _globals['_SAMPLEREQUEST']._serialized_start=1203
-  _globals['_SAMPLEREQUEST']._serialized_end=1426
-  _globals['_SAMPLERESPONSE']._serialized_start=1428
-  _globals['_SAMPLERESPONSE']._serialized_end=1488
-  _globals['_ROLLOUTSERVICE']._serialized_start=1491
-  _globals['_ROLLOUTSERVICE']._serialized_end=1930
+  _globals['_ADAPTERHEADER']._serialized_end=729
+  _globals['_ADAPTERHEADER_FILESHA256ENTRY']._serialized_start=608
+  _globals['_ADAPTERHEADER_FILESHA256ENTRY']._serialized_end=657
+  _globals['_ADAPTERHEADER_FILEREFSENTRY']._serialized_start=659
+  _globals['_ADAPTERHEADER_FILEREFSENTRY']._serialized_end=729
+  _globals['_LOADADAPTERCHUNK']._serialized_start=731
+  _globals['_LOADADAPTERCHUNK']._serialized_end=846
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=848
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=913
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=915
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=980
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=982
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1005
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1007
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1028
+  _globals['_RESIDENTADAPTER']._serialized_start=1031
+  _globals['_RESIDENTADAPTER']._serialized_end=1176
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1178
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1249
+  _globals['_SAMPLEREQUEST']._serialized_start=1252
+  _globals['_SAMPLEREQUEST']._serialized_end=1475
+  _globals['_SAMPLERESPONSE']._serialized_start=1477
+  _globals['_SAMPLERESPONSE']._serialized_end=1537
+  _globals['_ROLLOUTSERVICE']._serialized_start=1540
+  _globals['_ROLLOUTSERVICE']._serialized_end=1979
 # @@protoc_insertion_point(module_scope)

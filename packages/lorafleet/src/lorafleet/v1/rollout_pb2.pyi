@@ -139,6 +139,11 @@ class AdapterHeader(_message.Message):
     LORA_CONFIG_FIELD_NUMBER: _builtins.int
     FILE_SHA256_FIELD_NUMBER: _builtins.int
     FILE_REFS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """The tenant that owns the registration: a replica's fair share of its loaded adapters
+    is per tenant, so one tenant's many adapters cannot evict everyone else's hot set.
+    """
     @_builtins.property
     def adapter(self) -> _common_pb2.AdapterRef: ...
     @_builtins.property
@@ -161,10 +166,11 @@ class AdapterHeader(_message.Message):
         lora_config: _common_pb2.LoraConfig | None = ...,
         file_sha256: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         file_refs: _abc.Mapping[_builtins.str, _common_pb2.BlobRef] | None = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "lora_config", b"lora_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "file_refs", b"file_refs", "file_sha256", b"file_sha256", "lora_config", b"lora_config"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "file_refs", b"file_refs", "file_sha256", b"file_sha256", "lora_config", b"lora_config", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -276,9 +282,14 @@ class ResidentAdapter(_message.Message):
     ADAPTER_ID_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    LOADED_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     adapter_id: _builtins.str
     rank: _builtins.int
     in_flight: _builtins.int
+    loaded: _builtins.bool
+    """In the engine now; otherwise held on the replica's disk and loaded on its next sample."""
+    tenant: _builtins.str
     @_builtins.property
     def adapter(self) -> _common_pb2.AdapterRef: ...
     def __init__(
@@ -288,10 +299,12 @@ class ResidentAdapter(_message.Message):
         adapter_id: _builtins.str = ...,
         rank: _builtins.int = ...,
         in_flight: _builtins.int = ...,
+        loaded: _builtins.bool = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_id", b"adapter_id", "in_flight", b"in_flight", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "adapter_id", b"adapter_id", "in_flight", b"in_flight", "loaded", b"loaded", "rank", b"rank", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

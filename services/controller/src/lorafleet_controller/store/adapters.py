@@ -28,6 +28,8 @@ class LiveVersion:
     lora: common_pb2.LoraConfig
     folder: str
     refs: dict[str, common_pb2.BlobRef]
+    #: Its run's tenant ('' for a version recorded before tenants were: shared fairly as one).
+    tenant: str = ""
 
 
 class AdaptersRepo:
@@ -69,6 +71,7 @@ class AdaptersRepo:
             live.folder,
             live.lora.SerializeToString(),
             shared,
+            live.tenant,
             epoch=self._epoch(fenced),
         )
 
@@ -86,6 +89,7 @@ class AdaptersRepo:
             lora=common_pb2.LoraConfig.FromString(blob(raw[b"lora"])),
             folder=text(raw[b"files_dir"]),
             refs=dict(refs.files),
+            tenant=text(raw.get(b"tenant")),
         )
 
     async def live_ids(self, base_model: str) -> list[AdapterId]:

@@ -83,6 +83,7 @@ KEY_FAMILIES: dict[str, tuple[str, str]] = {
     "session_samplers": ("fleet", "session_samplers:{id}"),  # set: a session's samplers
     "adapter": ("fleet", "adapter:{id}"),  # hash: a published `<registration>@<version>`
     "live": ("fleet", "live:{id}"),  # zset: a base model's published adapter ids by version
+    "homes": ("fleet", "homes:{id}"),  # hash: a base model's registration → its home rollout
     # checkpoints
     "ckpt": ("fleet", "ckpt:{id}"),  # hash: one checkpoint by tinker path
     "tenant_ckpts": ("fleet", "ckpts:{id}"),  # zset: a tenant's checkpoints by creation time
@@ -258,6 +259,9 @@ class Keys:
 
     def live(self, base_model: str) -> str:
         return self._key("live", base_model)
+
+    def homes(self, base_model: str) -> str:
+        return self._key("homes", base_model)
 
     def ckpt(self, tinker_path: str) -> str:
         return self._key("ckpt", tinker_path)
