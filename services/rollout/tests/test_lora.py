@@ -13,7 +13,7 @@ from rollout_helpers import load_base, make_adapter, reference_model
 from lorafleet.errors import InvalidArgument
 from lorafleet_rollout.decoder import Decoder, PrefillPart
 from lorafleet_rollout.kv_cache import Segment, SlotCache
-from lorafleet_rollout.lora import AdapterWeights, adapter_weights, make_route
+from lorafleet_rollout.lora import AdapterWeights, LoraStacks, adapter_weights, make_route
 from lorafleet_rollout.peft_io import WEIGHTS_FILE, check_fits, linear_shapes, read_peft_dir
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -44,6 +44,7 @@ def folders(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
             alpha_pattern={"v_proj": 7.0},
         ),
         "d": make_adapter(model_dir, tmp / "d", seed=4, rank=4, targets=("o_proj", "up_proj")),
+        "big": make_adapter(model_dir, tmp / "big", seed=5, rank=64, targets=ALL, scale=0.3),
     }
 
 
@@ -122,14 +123,49 @@ def test_mixed_ranks_targets_and_scalings_match_peft(
     check_rows(dec, model_dir, folders, ["a", "a", "c", None], shared=4)
 
     with torch.inference_mode():
-        dec.remove("b")  # the largest rank leaves: stacks shrink back to rank 4
-        assert dec.rank == 4
-        install(dec, linears, "d", folders["d"])  # reuses b's slot, which must now be clean
+        dec.remove("b")  # the only rank-8 adapter leaves: its class's stacks go
+        assert dec.capacity == {4: 2}
+        dec.remove("a")
+        install(dec, linears, "d", folders["d"])  # reuses a's slot, which must now be clean
+        install(dec, linears, "a", folders["a"])  # its class grows
+        assert dec.capacity == {4: 4}
     check_rows(dec, model_dir, folders, ["d", "a", "c", "d"])
     with torch.inference_mode():
         for name in ("a", "c", "d"):
             dec.remove(name)
     check_rows(dec, model_dir, folders, [None, None])
+
+
+def test_each_adapter_costs_its_own_rank_whatever_else_is_resident(
+    model_dir: Path, folders: dict[str, Path]
+) -> None:
+    """Beside a rank-64 adapter, rank-4 and rank-2 adapters keep rank-4 slots (their rank
+    class), not the largest resident rank: every stack holds exactly one rank-4 class of two
+    slots and one rank-64 slot. Their rows decode bit for bit as before the rank-64 adapter
+    came and after it left, and every row of a mixed batch matches PEFT."""
+    model = load_base(model_dir)
+    linears = linear_shapes(model)
+    dec = Decoder(model)
+    rows: list[str | None] = ["a", "c", None, "a"]
+    ids = torch.randint(3, 300, (len(rows), 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        install(dec, linears, "a", folders["a"])
+        install(dec, linears, "c", folders["c"])
+        before = mixed_logprobs(dec, rows, ids)
+        install(dec, linears, "big", folders["big"])
+        assert dec.capacity == {4: 2, 64: 1}
+        for stacks, _ in dec.targets.values():
+            assert isinstance(stacks, LoraStacks)
+            n, width = len(stacks.outs), stacks.in_features + stacks.out_features
+            assert stacks.a[4].shape == (2, stacks.in_features, n * 4)
+            held = sum(t.nbytes for t in (*stacks.a.values(), *stacks.b.values()))
+            assert held == 4 * n * width * (2 * 4 + 64)  # float32: own classes' ranks only
+        assert torch.equal(mixed_logprobs(dec, rows, ids), before)
+    check_rows(dec, model_dir, folders, ["big", "a", None, "big", "c", "a"])
+    with torch.inference_mode():
+        dec.remove("big")
+        assert dec.capacity == {4: 2}
+        assert torch.equal(mixed_logprobs(dec, rows, ids), before)
 
 
 def test_weights_cached_per_route_follow_writes_to_its_slots(
@@ -138,8 +174,8 @@ def test_weights_cached_per_route_follow_writes_to_its_slots(
     model = load_base(model_dir)
     linears = linear_shapes(model)
     dec = Decoder(model)
-    x = torch.randn(2, dec.layers[0].qkv.lora.in_features, generator=torch.Generator())
-    stacks = dec.layers[0].qkv.lora
+    stacks = dec.layers[0].o.lora  # "a" and "d" target it, "c" does not
+    x = torch.randn(2, stacks.in_features, generator=torch.Generator())
 
     def run(route) -> torch.Tensor:
         out = torch.zeros(2, stacks.out_features)
@@ -151,13 +187,13 @@ def test_weights_cached_per_route_follow_writes_to_its_slots(
         install(dec, linears, "c", folders["c"])
         route = make_route([dec.slot("a"), dec.slot("c")])
         first = run(route)
-        install(dec, linears, "d", folders["d"])  # another slot: the cached weights stay right
+        install(dec, linears, "b", folders["b"])  # another class: the cached weights stay right
         assert torch.equal(run(route), first)
         dec.remove("c")
-        install(dec, linears, "b", folders["b"])  # lands in c's slot, which `route` names
+        install(dec, linears, "d", folders["d"])  # lands in c's slot, which `route` names
         changed = run(route)
         alone = torch.zeros(1, stacks.out_features)
-        stacks.add_one(alone, x[1:], dec.slot("b"))
+        stacks.add_one(alone, x[1:], dec.slot("d"))
     assert (changed[0] - first[0]).abs().max() <= 1e-6
     assert (changed[1] - alone[0]).abs().max() <= 1e-6 and alone.abs().max() > 1e-3
 

@@ -1,7 +1,9 @@
 """Which resident adapter lives in which slot of a model's LoRA stacks (`AdapterSlots`): every
-stack holds every adapter's slot (slot 0 is the base model: no LoRA), so a decode step routes
-each row through its own adapter whatever the mix. Adapters are laid out as whole slots off the
-decoding thread (`lay_out`) and copied in on it (`install`)."""
+stack holds every adapter's slot (slot number 0 is the base model: no LoRA), so a decode step
+routes each row through its own adapter whatever the mix. Slots are grouped by rank class
+(`lora.rank_class`), each class at its own rank, so an adapter costs its own rank whatever
+else is resident. Adapters are laid out as whole slots off the decoding thread (`lay_out`)
+and copied in on it (`install`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from lorafleet.errors import InvalidArgument
-from lorafleet_rollout.lora import AdapterWeights, ExpertStacks, LoraStacks, SlotWeights
+from lorafleet_rollout.lora import (
+    AdapterWeights,
+    ExpertStacks,
+    LoraStacks,
+    SlotWeights,
+    rank_class,
+    slot_number,
+    slot_place,
+)
 
 #: The LoRA stacks of one projection or expert bank.
 Stacks = LoraStacks | ExpertStacks
@@ -18,7 +28,7 @@ Stacks = LoraStacks | ExpertStacks
 
 @dataclass(frozen=True)
 class LaidOut:
-    """An adapter ready to install (`AdapterSlots.lay_out`): its largest rank, and its weights
+    """An adapter ready to install (`AdapterSlots.lay_out`): its rank class, and its weights
     per targeted stack."""
 
     rank: int
@@ -27,16 +37,15 @@ class LaidOut:
 
 class AdapterSlots:
     """The slots of the LoRA stacks `targets` names (PEFT target: module path, or
-    "<experts module>.<bank>" -> its stacks, index within the fused projection). Stacks grow
-    by doubling their slots; their rank is the largest resident adapter's."""
+    "<experts module>.<bank>" -> its stacks, index within the fused projection). Each rank
+    class's slots grow by doubling (a resize copies the class's stacks: rare next to decode
+    steps) and go with the class's last adapter."""
 
     def __init__(self, targets: dict[str, tuple[Stacks, int]]) -> None:
         self.targets = targets
         self._stacks = list(dict.fromkeys(stacks for stacks, _ in targets.values()))
-        self.capacity = 1  # slots, slot 0 (the base model) included
-        self.rank = 0
-        self._slots: dict[str, int] = {}
-        self._ranks: dict[str, int] = {}
+        self.capacity: dict[int, int] = {}  # rank class -> its slots
+        self._slots: dict[str, int] = {}  # adapter -> slot number
 
     def check_targets(self, adapter: AdapterWeights) -> None:
         for module in adapter.modules:
@@ -54,39 +63,45 @@ class AdapterSlots:
         return name is None or name in self._slots
 
     def lay_out(self, adapter: AdapterWeights) -> LaidOut:
-        """The adapter's weights as whole slots of the stacks it targets, laid out at the
-        rank the stacks will have once it is in. Reads only what is fixed after start-up
-        (and the current rank, re-checked by `install`), so it runs off the decoding thread."""
+        """The adapter's weights as whole slots of the stacks it targets, at its rank class.
+        Reads only what is fixed after start-up, so it runs off the decoding thread."""
         self.check_targets(adapter)
         parts: dict[Stacks, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, weights in adapter.modules.items():
             stacks, j = self.targets[module]
             parts.setdefault(stacks, {})[j] = weights
-        rank = max(self.rank, adapter.rank)
-        return LaidOut(adapter.rank, {s: s.lay_out(p, rank) for s, p in parts.items()})
+        rank = rank_class(adapter.rank)
+        return LaidOut(rank, {s: s.lay_out(p, rank) for s, p in parts.items()})
 
     def install(self, name: str, adapter: LaidOut) -> None:
-        """Put a laid-out adapter in a free slot: one copy per targeted stack, zeros only
-        where the slot's previous tenant targeted a projection this one does not."""
-        free = sorted(set(range(1, self.capacity + 1)) - set(self._slots.values()))
-        slot = free[0]
-        capacity = self.capacity if slot < self.capacity else max(4, 2 * self.capacity)
-        self._reshape(capacity, max(self.rank, adapter.rank))
+        """Put a laid-out adapter in a free slot of its class: one copy per targeted stack,
+        zeros only where the slot's previous tenant targeted a projection this one does not."""
+        rank, capacity = adapter.rank, self.capacity.get(adapter.rank, 0)
+        taken = {i for r, i in map(slot_place, self._slots.values()) if r == rank}
+        index = min(set(range(capacity + 1)) - taken)
+        if index == capacity:
+            self._resize(rank, max(1, 2 * capacity))
+        slot = slot_number(rank, index)
         for stacks in self._stacks:
             stacks.put(slot, adapter.stacks.get(stacks))
         self._slots[name] = slot
-        self._ranks[name] = adapter.rank
+
+    def stack_bytes(self) -> int:
+        """Memory of every stack's A and B, all classes: what the resident adapters cost."""
+        return sum(t.nbytes for s in self._stacks for t in (*s.a.values(), *s.b.values()))
 
     def remove(self, name: str) -> None:
         slot = self._slots.pop(name)
-        del self._ranks[name]
         for stacks in self._stacks:
             stacks.release(slot)
-        self._reshape(self.capacity, max(self._ranks.values(), default=0))
+        rank = slot_place(slot)[0]
+        if all(slot_place(s)[0] != rank for s in self._slots.values()):
+            self._resize(rank, 0)
 
-    def _reshape(self, capacity: int, rank: int) -> None:
-        if (capacity, rank) == (self.capacity, self.rank):
-            return
-        self.capacity, self.rank = capacity, rank
+    def _resize(self, rank: int, capacity: int) -> None:
+        if capacity:
+            self.capacity[rank] = capacity
+        else:
+            del self.capacity[rank]
         for stacks in self._stacks:
-            stacks.resize(capacity, rank)
+            stacks.resize(rank, capacity)

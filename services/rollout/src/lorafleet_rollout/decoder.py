@@ -160,7 +160,6 @@ class Decoder(AdapterSlots):
                 )
             )
         self.cache = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
-        self._route_slots: tuple[Route, torch.Tensor] | None = None
         super().__init__(targets)
 
     def _qk_norm(self, attn: nn.Module) -> torch.Tensor | None:
@@ -216,16 +215,12 @@ class Decoder(AdapterSlots):
 
     def _row_slots(self, adapter: Route | Spans | None, rows: int) -> torch.Tensor | None:
         """Each row's adapter slot [rows] (0 = base), for the expert banks' per-pair LoRA;
-        None when the model has no experts or no row uses an adapter. A decode route's is
-        made once per route, not per step."""
+        None when the model has no experts or no row uses an adapter. A decode route carries
+        its own (`Route.row_slots`), made once per route, not per step."""
         if not self.moe or not adapter:
             return None
         if isinstance(adapter, Route):
-            if self._route_slots is None or self._route_slots[0] is not adapter:
-                slots = torch.zeros(rows, dtype=torch.long)
-                slots[adapter.order.long()] = adapter.order_slots.long()
-                self._route_slots = (adapter, slots)
-            return self._route_slots[1]
+            return adapter.row_slots
         slots = torch.zeros(rows, dtype=torch.long)
         for first, last, slot in adapter:
             slots[first:last] = slot
