@@ -2,9 +2,9 @@
 Prints JSON.
 
 Issue 35 item 3: "any mix of ranks at the cost of its own rank". Three decoders on the ~20 M
-bench model (bench/sampling.py's, built locally from a seed), 16 rows over 8 adapters (2 rows each, q/k/v/o/gate/up/down) at 100
-columns, timed in alternating blocks of decode steps so load drift on a shared host hits
-every side; each side's figure is the median block.
+bench model (bench/sampling.py's, built locally from a seed), 16 rows over 8 adapters (2 rows
+each, q/k/v/o/gate/up/down) at 100 columns, timed in alternating blocks of decode steps so
+load drift on a shared host hits every side; each side's figure is the median block.
 
   a           8 adapters of rank 4
   b           7 of rank 4 and 1 of rank 64, each in its rank class's stacks (`lora.rank_class`)

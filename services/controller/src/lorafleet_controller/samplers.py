@@ -11,7 +11,6 @@ the sample is dispatched; snapshot samplers keep the version they were created w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from collections import Counter
@@ -24,6 +23,7 @@ from lorafleet_controller.ledger import Claim, Ledger, backpressure
 from lorafleet_controller.placement import route
 from lorafleet_controller.registry import ROLLOUT, Registry, Replica
 from lorafleet_controller.residency import Homes, Pusher
+from lorafleet_controller.sample_queue import FairQueue
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, Store
 from lorafleet_controller.store.adapters import AdaptersRepo
@@ -91,7 +91,7 @@ class Samplers:
         self.pool = pool
         self.settings = settings
         self._load: Counter[str] = Counter()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.queue = FairQueue(settings.sample_workers, self._run)
 
     async def record(
         self,
@@ -148,25 +148,18 @@ class Samplers:
         assert out.state is not None  # created and duplicate answer the operation's state
         seq_ids = [f"{opid}:{i}" for i in range(sub.num_samples)]
         if out.code == "created":
-            self.spawn(opid)
+            await self.queue.put(sub.tenant, opid)
         return opid, out.state, out.code == "duplicate", seq_ids
 
-    def spawn(self, opid: str) -> None:
-        task = asyncio.create_task(self._run(opid))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def recover(self) -> None:
-        """Re-run samples that were open when the previous controller stopped."""
+        """Re-run samples that were open when the previous controller stopped (their tenant
+        is not in the stub's id: they share one turn of the fair queue)."""
         for opid in await self.repo.open_samples():
-            self.spawn(opid)
+            await self.queue.put("", opid)
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        """Stop running and forget what waits: it stays open in the store for `recover`."""
+        await self.queue.stop()
 
     async def _run(self, opid: str) -> None:
         """Claim and run one sample. Samples run on whichever controller admitted them (no
@@ -199,13 +192,19 @@ class Samplers:
         comes back in seconds under the supervisor. Unavailable (no healthy replica, or the
         chosen one still unreachable after its transport retries) is retried with backoff
         for `rollout_wait_seconds` from the first refusal; a replica that failed for
-        good (its restart budget spent) fails the sample at once, naming it. Running a
-        sample again changes nothing: it writes no state and is seeded."""
+        good (its restart budget spent) fails the sample at once, naming it. A replica whose
+        queue is full (ResourceExhausted: other controllers' samples, or this one's past its
+        bound) is asked again after the `retry_after` it names, for as long as it takes:
+        full is transient, and failing would spend the SDK's seq_id. Running a sample again
+        changes nothing: it writes no state and is seeded."""
         loop = asyncio.get_running_loop()
         deadline, delay = None, 0.05
         while True:
             try:
                 return await self._sample(opid, claim)
+            except errors.ResourceExhausted as exc:
+                log.info("sample %s waits for room on a rollout: %s", opid, exc)
+                await asyncio.sleep(min(max(exc.retry_after, 0.01), 5.0))
             except errors.Unavailable as exc:
                 now = loop.time()
                 deadline = deadline or now + self.settings.rollout_wait_seconds

@@ -211,6 +211,13 @@ class ControllerSettings:
         min=0.0,
         max=3600.0,
     )
+    sample_workers: int = setting(
+        64,
+        doc="Samples one controller runs at once; the rest wait, taken round robin by tenant "
+        "(sample_queue.py), so one tenant's flood delays others by a turn, never fails them.",
+        min=1,
+        max=100_000,
+    )
     sample_spread_inflight: int = setting(
         32,
         doc="Samples in flight on a registration's home rollout (from one controller) past "
