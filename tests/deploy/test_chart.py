@@ -316,6 +316,7 @@ def test_service_env_vars(render):
     assert rollout["LORAFLEET_ROLLOUT_PORT"] == "50053"
     gateway = env_of(rendered.container("gateway"))
     assert gateway["LORAFLEET_GATEWAY_PORT"] == "8000"
+    assert gateway["LORAFLEET_GATEWAY_METRICS_PORT"] == "9100"
     assert gateway["LORAFLEET_GATEWAY_CONTROLLER_ADDRESS"] == f"{FULL}-controller:50051"
     for component in ("controller", "trainer", "rollout", "gateway"):
         prefix = f"LORAFLEET_{component.upper()}_"
@@ -402,7 +403,6 @@ LEFT_TO_DEFAULTS = {
         "ACK_RESULTS",
         "COMPRESS_FWDBWD",
         "DOWNLOAD_SECRET_FILE",
-        "METRICS_PORT",
         "PROTO_FLAGS",
     },
 }
@@ -1006,6 +1006,8 @@ def test_network_policies(render):
     assert sources(f"{FULL}-redis", 6379) == ["controller"]
     assert sources(f"{FULL}-trainer", 9100) == ["prometheus"]
     assert sources(f"{FULL}-controller", 9100) == ["prometheus"]
+    assert sources(f"{FULL}-gateway", 9100) == ["prometheus"]
+    assert "prometheus" not in sources(f"{FULL}-gateway", 8000)  # it serves no /metrics
     # Trainers and rollouts register themselves with the controller; the test pod checks it.
     assert sources(f"{FULL}-controller", 50051) == ["gateway", "rollout", "test", "trainer"]
     for policy in policies.values():
@@ -1040,10 +1042,32 @@ def test_service_monitors_select_metrics_ports(render):
         ]
         assert len(matched) == 1, monitor["metadata"]["name"]
         (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["port"] == "metrics"
         assert endpoint["port"] in {p["name"] for p in matched[0]["spec"]["ports"]}
         assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
         assert endpoint["metricRelabelings"][0]["action"] == "drop"
     assert not render().of_kind("ServiceMonitor")
+
+
+def test_gateway_metrics_stay_off_the_public_service(render):
+    """The gateway's metrics port is its own container port, on a headless Service for
+    Prometheus; the public Service (a LoadBalancer, say) carries HTTP only."""
+    rendered = render(
+        deep_merge(load_values("full"), {"gateway": {"service": {"type": "LoadBalancer"}}})
+    )
+    ports = {p["name"]: p["containerPort"] for p in rendered.container("gateway")["ports"]}
+    assert ports == {"http": 8000, "metrics": 9100}
+    public = rendered.get("Service", f"{FULL}-gateway")
+    assert [p["name"] for p in public["spec"]["ports"]] == ["http"]
+    assert "lorafleet.io/scrape" not in public["metadata"]["labels"]
+    scraped = rendered.get("Service", f"{FULL}-gateway-metrics")
+    assert scraped["spec"]["clusterIP"] == "None"
+    assert (
+        scraped["spec"]["selector"]
+        == rendered.workload("gateway")["spec"]["selector"]["matchLabels"]
+    )
+    (port,) = scraped["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("metrics", 9100, "metrics")
 
 
 def test_dashboard_config_maps(render):
@@ -1350,10 +1374,13 @@ def test_tls_via_cert_manager_with_the_charts_own_ca(render):
             "group": "cert-manager.io",
         }
         names = spec["dnsNames"]
-        # The name peers check (pods are dialled by IP), and the kind's Services.
+        # The name peers check (pods are dialled by IP), and the kind's Services (not the
+        # gateway's metrics Service: Prometheus scrapes plaintext HTTP).
         assert names[0] == f"{FULL}-internal"
         assert {n for n in names if n in services} == {
-            s for s in services if s.startswith(f"{FULL}-{kind}") and "redis" not in s
+            s
+            for s in services
+            if s.startswith(f"{FULL}-{kind}") and "redis" not in s and not s.endswith("-metrics")
         }, kind
     assert (
         f"*.{FULL}-trainer-headless.{NAMESPACE}.svc"

@@ -109,8 +109,7 @@ def test_every_dashboard_query_returns_data(tmp_path, tiny_model_dir, prometheus
         model_path=tiny_model_dir, run_dir=tmp_path / "fleet", trainers=1, rollouts=1, slots=2
     )
     with Fleet(config) as fleet:
-        gateway = fleet.base_url.removeprefix("http://")  # the gateway serves /metrics on HTTP
-        targets = sorted({*fleet.metrics_targets, gateway})
+        targets = sorted(fleet.metrics_targets)  # the gateway's metrics port among them
         prom, log, url = _start_prometheus(prometheus_binary, targets, tmp_path / "prometheus")
         try:
             env = child_env(

@@ -191,18 +191,18 @@ def fleet_from_images(
     from lorafleet_cli.ca import ADMIN_NAME, make_run_ca
 
     ports = {s: free_port() for s in SERVICES}
-    metrics = {s: free_port() for s in SERVICES if s != "gateway"}
-    health = {s: free_port() for s in SERVICES if s != "gateway"}
+    metrics = {s: free_port() for s in SERVICES}
+    health = {s: free_port() for s in SERVICES if s != "gateway"}  # it probes over HTTP
     ci = yaml.safe_load((CHART / "ci" / "minimal-cpu-values.yaml").read_text())
     values = _merge(
         ci,
         {
             "tls": {"enabled": True},
             "redis": {"port": redis_server.port},
-            "gateway": {"port": ports["gateway"]},
+            "gateway": {"port": ports["gateway"], "metricsPort": metrics["gateway"]},
             **{
                 s: {"port": ports[s], "metricsPort": metrics[s], "healthPort": health[s]}
-                for s in metrics
+                for s in health
             },
         },
     )

@@ -297,7 +297,9 @@ def test_finished_session_heartbeat_is_410(client: Client) -> None:
 
 def test_metrics_use_route_templates(fleet: object, client: Client) -> None:
     client.http.get("/training_runs/some-id-that-does-not-exist")
-    text = httpx.get(f"{fleet.base_url}/metrics").text  # type: ignore[attr-defined]
+    assert httpx.get(f"{fleet.base_url}/metrics").status_code == 404  # type: ignore[attr-defined]
+    metrics_port = fleet.member("gateway").metrics_port  # type: ignore[attr-defined]
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
     assert 'route="/api/v1/training_runs/{run_id}"' in text
     assert "some-id-that-does-not-exist" not in text
     assert "lorafleet_http_request_seconds_bucket" in text

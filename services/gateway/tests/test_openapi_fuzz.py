@@ -47,7 +47,8 @@ def test_no_server_errors(fleet: object) -> None:
 
         fuzz()
     # The fuzzing really reached the gateway: count what it served, by status class.
-    served = _served(httpx.get(f"{base_url}/metrics", timeout=10).text)
+    metrics_port = fleet.member("gateway").metrics_port  # type: ignore[attr-defined]
+    served = _served(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text)
     assert served.get("5", 0) == 0 and sum(served.values()) > 10 * len(operations), served
 
 

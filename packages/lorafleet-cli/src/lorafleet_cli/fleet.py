@@ -407,11 +407,8 @@ class Fleet:
         env = {f"{prefix}{k}": v for k, v in settings.items()}
         env.update(self.client_env(service))
         env[f"{prefix}PORT"] = str(port)
-        if service == "gateway":
-            metrics_port = port  # the gateway serves /metrics on its HTTP port
-        else:
-            metrics_port = free_port()
-            env[f"{prefix}METRICS_PORT"] = str(metrics_port)
+        metrics_port = free_port()
+        env[f"{prefix}METRICS_PORT"] = str(metrics_port)
         env.update(self.config.extra_env.get(service, {}))
         env.update(self.config.extra_env.get(name, {}))
         log = self.config.run_dir / "logs" / f"{name}.log"

@@ -3,8 +3,9 @@ Tinker's REST API.
 
 Stateless by design: the lifespan opens one gRPC channel to the controller and builds the
 serving layer around it; that is all the state there is (plus a one-second auth cache), so
-any number of replicas can run behind a load balancer. Prometheus metrics are served at
-/metrics on the same port; unknown routes answer 404 JSON.
+any number of replicas can run behind a load balancer. Unknown routes answer 404 JSON, and
+so does /metrics: the public port serves no metrics (what they tell about tenants' traffic is
+for operators), `__main__` serves them on the separate metrics port.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Response
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lorafleet_gateway import errors, protocol
 from lorafleet_gateway.auth import AuthCache
@@ -92,10 +92,6 @@ def build_app(settings: GatewaySettings, download_secret: bytes) -> FastAPI:
         app.include_router(module.router)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented hook
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(
         GatewayMiddleware,

@@ -5,7 +5,8 @@ Every route has a body limit: `max_body_bytes` for the data routes (training dat
 before reading, before authentication) and on the bytes actually received (chunked uploads),
 so an oversized upload never fills memory. The
 metrics label each request with its route template, resolved by the router into
-scope["route"], so ids in paths never become label values.
+scope["route"] (UNMATCHED when no route matched), and its method through method_label, so
+neither ids in paths nor made-up methods become label values.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lorafleet_gateway.errors import PayloadTooLarge
-from lorafleet_gateway.metrics import HTTP_REQUESTS, HTTP_SECONDS, UNMATCHED
+from lorafleet_gateway.metrics import HTTP_REQUESTS, HTTP_SECONDS, UNMATCHED, method_label
 
 
 class GatewayMiddleware:
@@ -65,7 +66,7 @@ class GatewayMiddleware:
                 await self.app(scope, counted_receive, recording_send)
         finally:
             route = getattr(scope.get("route"), "path", UNMATCHED)
-            HTTP_REQUESTS.labels(route, scope["method"], str(status)).inc()
+            HTTP_REQUESTS.labels(route, method_label(scope["method"]), str(status)).inc()
             HTTP_SECONDS.labels(route).observe(time.perf_counter() - start)
 
 

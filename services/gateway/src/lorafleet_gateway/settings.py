@@ -22,11 +22,11 @@ ENV_PREFIX = "LORAFLEET_GATEWAY_"
 class GatewaySettings:
     host: str = setting("127.0.0.1", doc="Interface to listen on (0.0.0.0 in a cluster).")
     port: int = setting(
-        8000, doc="HTTP port (the Tinker base URL; /metrics is served here too).", min=0, max=65535
+        8000, doc="HTTP port (the Tinker base URL; it serves no /metrics).", min=0, max=65535
     )
     metrics_port: int = setting(
         0,
-        doc="Also serve /metrics on this separate port (0 = only /metrics on the HTTP port).",
+        doc="Prometheus /metrics port, for operators only; 0 disables the endpoint.",
         min=0,
         max=65535,
     )

@@ -38,8 +38,9 @@ class LaidOut:
 class AdapterSlots:
     """The slots of the LoRA stacks `targets` names (PEFT target: module path, or
     "<experts module>.<bank>" -> its stacks, index within the fused projection). Each rank
-    class's slots grow by doubling (a resize copies the class's stacks: rare next to decode
-    steps) and go with the class's last adapter."""
+    class's slots grow by a quarter (a resize copies the class's stacks: rare next to decode
+    steps; doubling left up to half of a class's memory unused) and go with the class's last
+    adapter."""
 
     def __init__(self, targets: dict[str, tuple[Stacks, int]]) -> None:
         self.targets = targets
@@ -80,7 +81,7 @@ class AdapterSlots:
         taken = {i for r, i in map(slot_place, self._slots.values()) if r == rank}
         index = min(set(range(capacity + 1)) - taken)
         if index == capacity:
-            self._resize(rank, max(1, 2 * capacity))
+            self._resize(rank, capacity + max(1, capacity // 4))
         slot = slot_number(rank, index)
         for stacks in self._stacks:
             stacks.put(slot, adapter.stacks.get(stacks))
