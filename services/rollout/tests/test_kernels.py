@@ -157,10 +157,28 @@ def test_each_variant_equals_torch(variant: str) -> None:
         torch.full((rank,), outputs, dtype=torch.int32),
     )
     out = base.clone()
-    native.lora.bind(a, b, order, row_slots, everywhere)(out, x)
+    native.lora.bind(a, b, order, row_slots, everywhere, outputs)(out, x)
     want = base.clone()
     for r, s in zip(order.tolist(), row_slots.tolist(), strict=True):
         want[r] += x[r] @ a[s] @ b[s]
+    assert (out - want).abs().max() <= 1e-4
+    assert torch.equal(out[3], base[3])
+
+    # A fused projection of two sub-projections (outputs 40 and 24): each's rank columns
+    # reach only its own outputs, their B rows holding them from column 0 (width 40).
+    fused_a = torch.randn(slots, inputs, 2 * rank, generator=gen)
+    fused_b = torch.randn(slots, 2 * rank, outputs, generator=gen)
+    fused_b[:, rank:, 24:] = float("nan")  # past the second's 24 outputs: never read
+    lo = torch.tensor([0] * rank + [40] * rank, dtype=torch.int32)
+    hi = torch.tensor([40] * rank + [64] * rank, dtype=torch.int32)
+    base = torch.randn(6, 64, generator=gen)
+    out = base.clone()
+    native.lora.bind(fused_a, fused_b, order, row_slots, (lo, hi), 64)(out, x)
+    want = base.clone()
+    for r, s in zip(order.tolist(), row_slots.tolist(), strict=True):
+        h = x[r] @ fused_a[s]
+        want[r, :40] += h[:rank] @ fused_b[s, :rank, :40]
+        want[r, 40:] += h[rank:] @ fused_b[s, rank:, :24]
     assert (out - want).abs().max() <= 1e-4
     assert torch.equal(out[3], base[3])
 

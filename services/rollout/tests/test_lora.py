@@ -156,7 +156,8 @@ def test_each_adapter_costs_its_own_rank_whatever_else_is_resident(
         assert dec.capacity == {4: 2, 64: 1}
         for stacks, _ in dec.targets.values():
             assert isinstance(stacks, LoraStacks)
-            n, width = len(stacks.outs), stacks.in_features + stacks.out_features
+            # A fused projection's B rows hold their own sub-projection's outputs only.
+            n, width = len(stacks.outs), stacks.in_features + max(stacks.outs)
             assert stacks.a[4].shape == (2, stacks.in_features, n * 4)
             held = sum(t.nbytes for t in (*stacks.a.values(), *stacks.b.values()))
             assert held == 4 * n * width * (2 * 4 + 64)  # float32: own classes' ranks only

@@ -227,14 +227,16 @@ class DecodeLora:
         order: torch.Tensor,
         slots: torch.Tensor,
         columns: tuple[torch.Tensor, torch.Tensor],
+        out_features: int,
     ) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """A call `run(out, x)` doing out [B, out] += x[r] @ a[slot] @ b[slot] for each row
-        r = order[e] of slot slots[e] (int32 [n], rows grouped by slot), with the stacks
-        a [S, in, nr] and b [S, nr, out] of `lora.LoraStacks`, rank column k reaching output
-        columns [columns[0][k], columns[1][k]). Everything but x and out is checked here,
-        once per batch composition, so a decode step pays only for x and out."""
+        """A call `run(out, x)` doing out [B, out_features] += x[r] @ a[slot] @ b[slot] for
+        each row r = order[e] of slot slots[e] (int32 [n], rows grouped by slot), with the
+        stacks a [S, in, nr] and b [S, nr, width] of `lora.LoraStacks`: rank column k reaches
+        output columns [columns[0][k], columns[1][k]), its B row holding them from column 0.
+        Everything but x and out is checked here, once per batch composition, so a decode
+        step pays only for x and out."""
         slot_count, _, nr = a.shape
-        out_features = b.shape[2]
+        width = b.shape[2]
         lo, hi = columns
         if not (
             a.dtype == b.dtype == torch.float32
@@ -249,19 +251,19 @@ class DecodeLora:
             and lo.shape == hi.shape == (nr,)
             and bool(((slots >= 0) & (slots < slot_count)).all())
             and bool((order >= 0).all())
-            and bool(((lo >= 0) & (lo <= hi) & (hi <= out_features)).all())
+            and bool(((lo >= 0) & (lo <= hi) & (hi <= out_features) & (hi - lo <= width)).all())
         ):
             raise ValueError("decode_lora: unsupported stacks, rows or columns")
-        return _BoundLora(self._fn, a, b, order, slots, lo, hi)
+        return _BoundLora(self._fn, out_features, a, b, order, slots, lo, hi)
 
 
 class _BoundLora:
     """`DecodeLora.bind`'s call: holds the checked tensors (alive) and their pointers."""
 
-    def __init__(self, fn: Any, *tensors: torch.Tensor) -> None:
+    def __init__(self, fn: Any, out_features: int, *tensors: torch.Tensor) -> None:
         a, b, order, slots, lo, hi = tensors
         self._fn, self._tensors = fn, tensors
-        self._in, self._out = a.shape[1], b.shape[2]
+        self._in, self._out = a.shape[1], out_features
         self._rows = int(order.max()) + 1 if order.numel() else 0
         self._head = (a.data_ptr(), b.data_ptr(), a.shape[1], a.shape[2], b.shape[2])
         self._tail = (

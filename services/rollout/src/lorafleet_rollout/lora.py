@@ -5,21 +5,24 @@ Why not PEFT's `adapter_names=[...]`: in every LoRA layer it loops over the adap
 16 rows over 8 adapters on the 20 M bench model the engine ran ~1.5x slower through it than
 through grouped matmuls (bench/sampling.py). Here every projection of the decoder
 (`projection.Projection`, q/k/v and gate/up fused) holds the resident adapters' weights as two
-stacks per rank class, A^T [slots, in, n*R] and (scale * B)^T [slots, n*R, out], n the fused
-sub-projections and R the class's rank (`rank_class`: a power of two, at least 4);
-sub-projection j owns rank columns [j*R, j*R + r) and its own output columns, everything else
-is zero (the padding adds exact zeros). Why classes: with one stack at the largest resident
+stacks per rank class, A^T [slots, in, n*R] and (scale * B)^T [slots, n*R, W], n the fused
+sub-projections, R the class's rank (`rank_class`: a power of two, at least 4) and W the
+widest sub-projection's outputs; sub-projection j owns rank columns [j*R, j*R + r), whose B
+rows hold its own out_j output columns from column 0 (not a zero block for the others'
+outputs: that tripled q/k/v's B), everything else is zero (the padding adds exact zeros).
+Why classes: with one stack at the largest resident
 rank, one rank-64 adapter made every rank-4 one cost rank 64 in memory and in every decode
 step; per class an adapter costs its own rank, within 2x (bench/rank_mix.py). A slot number
 (`slot_number`) names the class and the index in it; 0 is the base model.
 
-A prefill runs one adapter: two matmuls on its slot's views, no copy. A decode step runs a
-`Route`, built once per batch composition (not per token), split by rank class. With the
-native kernels (`kernels.DecodeLora`) it is one call per projection and class over the rows
-grouped by slot, reading each slot's stacks in place. Without them, each class's rows are cut
-into equal chunks of one adapter each: one gather of the rows, two `bmm`s over the chunks and
-one `index_add_` back, whatever the number of adapters; the chunk-stacked weights are cached
-per route, so steady decode steps gather no weights at all.
+A prefill runs one adapter: matmuls on its slot's views (one per sub-projection), no copy.
+A decode step runs a `Route`, built once per batch composition (not per token), split by rank
+class. With the native kernels (`kernels.DecodeLora`) it is one call per projection and class
+over the rows grouped by slot, reading each slot's stacks in place. Without them, each class's
+rows are cut into equal chunks of one adapter each: one gather of the rows, `bmm`s over the
+chunks (one for A, one per sub-projection for B) and one `index_add_` back, whatever the
+number of adapters; the chunk-stacked weights are cached per route, so steady decode steps
+gather no weights at all.
 
 The result is PEFT's `base(x) + lora_B(lora_A(x)) * scaling` (same per-module rank, alpha and
 rsLoRA rules, `adapter_weights`), up to float rounding; tests hold it to 1e-4 in logprob.
@@ -227,6 +230,9 @@ class LoraStacks:
         self.outs = outs
         self.offsets = tuple(sum(outs[:j]) for j in range(len(outs)))
         self.out_features = sum(outs)
+        #: B's row length: sub-projection j's rank columns hold only its own out_j columns
+        #: (from 0), not a zero block for every other sub-projection's outputs.
+        self.width = max(outs)
         self.a: dict[int, torch.Tensor] = {}
         self.b: dict[int, torch.Tensor] = {}
         self.columns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -245,7 +251,7 @@ class LoraStacks:
         if not capacity:
             return
         a = torch.zeros(capacity, self.in_features, n * rank)
-        b = torch.zeros(capacity, n * rank, self.out_features)
+        b = torch.zeros(capacity, n * rank, self.width)
         if old_a is not None and old_b is not None:
             s = min(capacity, old_a.shape[0])
             a[:s], b[:s] = old_a[:s], old_b[:s]
@@ -261,16 +267,24 @@ class LoraStacks:
         self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], rank: int
     ) -> SlotWeights:
         """One adapter's weights for this projection as a whole slot of rank class `rank`:
-        sub-projection j -> (A^T [in, r], B^T [r, out_j]) placed, the rest zero. Pure, so it
-        runs on the adapter-prep thread; installing is then one copy per stack."""
+        sub-projection j -> (A^T [in, r], B^T [r, out_j]) placed at rank columns [j*rank, ...)
+        (B's from column 0), the rest zero. Pure, so it runs on the adapter-prep thread;
+        installing is then one copy per stack."""
         n = len(self.outs)
         a = torch.zeros(self.in_features, n * rank)
-        b = torch.zeros(n * rank, self.out_features)
+        b = torch.zeros(n * rank, self.width)
         for j, (pa, pb) in parts.items():
-            start, off = j * rank, self.offsets[j]
+            start = j * rank
             a[:, start : start + pa.shape[1]] = pa
-            b[start : start + pb.shape[0], off : off + self.outs[j]] = pb
+            b[start : start + pb.shape[0], : self.outs[j]] = pb
         return SlotWeights(rank, a, b)
+
+    def _expand(self, out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, rank: int) -> None:
+        """out [..., out] += each sub-projection's h [..., n*rank] columns times its B rows
+        (b [..., n*rank, width]); `out` and `h` 2-D, or `b` batched with `h` [chunks, w, nR]."""
+        for j, (off, size) in enumerate(zip(self.offsets, self.outs, strict=True)):
+            cols = slice(j * rank, (j + 1) * rank)
+            out[..., off : off + size] += h[..., cols] @ b[..., cols, :size]
 
     def put(self, slot: int, weights: SlotWeights | None) -> None:
         """Write slot's weights (None: the adapter does not target this projection)."""
@@ -299,7 +313,11 @@ class LoraStacks:
         """out [M, out] += LoRA of slot for rows x [M, in] (a prefill: one adapter)."""
         if slot in self.used:
             rank, index = slot_place(slot)
-            out.addmm_(x @ self.a[rank][index], self.b[rank][index])
+            b = self.b[rank][index]
+            if len(self.outs) == 1:
+                out.addmm_(x @ self.a[rank][index], b)
+            else:
+                self._expand(out, x @ self.a[rank][index], b, rank)
 
     def add_routed(self, out: torch.Tensor, x: torch.Tensor, route: Route) -> None:
         """out [B, out] += each row's LoRA for x [B, in] (a decode step: one token per row)."""
@@ -319,13 +337,18 @@ class LoraStacks:
             if chunks.keep is not None:
                 rows = rows * chunks.keep
             h = torch.bmm(rows.view(a.shape[0], chunks.width, self.in_features), a)
-            out.index_add_(0, chunks.rows, torch.bmm(h, b).view(-1, self.out_features))
+            if len(self.outs) == 1:
+                y = torch.bmm(h, b)
+            else:
+                y = h.new_zeros(a.shape[0], chunks.width, self.out_features)
+                self._expand(y, h, b, chunks.rank)
+            out.index_add_(0, chunks.rows, y.view(-1, self.out_features))
 
     def _prepare(self, chunks: Chunks) -> _Prepared:
         a, b = self.a[chunks.rank], self.b[chunks.rank]
         if self.native is not None:
             return self.native.bind(
-                a, b, chunks.order, chunks.order_slots, self.columns[chunks.rank]
+                a, b, chunks.order, chunks.order_slots, self.columns[chunks.rank], self.out_features
             )
         return a.index_select(0, chunks.slots), b.index_select(0, chunks.slots)
 

@@ -10,7 +10,9 @@
  *
  * Layout (float32, `lora.LoraStacks`):
  *   a       [slots, in, nr]: A^T of every slot, contiguous
- *   b       [slots, nr, out]: (scale * B)^T of every slot, contiguous
+ *   b       [slots, nr, width]: (scale * B)^T of every slot, contiguous; rank column k's row
+ *           holds its output columns [col_lo[k], col_hi[k]) from column 0 (a fused
+ *           projection's sub-projections own disjoint columns: no zero blocks stored)
  *   x       row r at x + r * x_stride, `in` floats
  *   out     row r at out + r * out_stride, `out` floats; the LoRA delta is added in place
  *   order   [n]: the rows to add to, grouped by slot (rows of other slots are left alone)
@@ -63,7 +65,7 @@ static void expand(float *y, const float *b, int64_t stride, const float *h, int
     for (; j < hi; j++) y[j] += (h0 * b0[j] + h1 * b1[j]) + (h2 * b2[j] + h3 * b3[j]);
 }
 
-void decode_lora(const float *a, const float *b, int32_t in, int32_t nr, int32_t out_features,
+void decode_lora(const float *a, const float *b, int32_t in, int32_t nr, int32_t width,
                  const float *x, int64_t x_stride, float *out, int64_t out_stride,
                  const int32_t *order, const int32_t *slots, int32_t n, const int32_t *col_lo,
                  const int32_t *col_hi) {
@@ -71,7 +73,7 @@ void decode_lora(const float *a, const float *b, int32_t in, int32_t nr, int32_t
     for (int32_t e = 0; e < n; e++) {
         const int64_t slot = slots[e];
         const float *as = a + slot * (int64_t)in * nr;
-        const float *bs = b + slot * (int64_t)nr * out_features;
+        const float *bs = b + slot * (int64_t)nr * width;
         const float *xr = x + (int64_t)order[e] * x_stride;
         float *yr = out + (int64_t)order[e] * out_stride;
         shrink(xr, as, in, nr, h);
@@ -84,7 +86,7 @@ void decode_lora(const float *a, const float *b, int32_t in, int32_t nr, int32_t
                 hs[m++] = h[k];
             if ((hs[0] != 0.0f) | (m > 1 && hs[1] != 0.0f) | (m > 2 && hs[2] != 0.0f) |
                 (m > 3 && hs[3] != 0.0f))
-                expand(yr, bs + (int64_t)first * out_features, out_features, hs, m, lo, hi);
+                expand(yr + lo, bs + (int64_t)first * width, width, hs, m, 0, hi - lo);
         }
     }
 }

@@ -35,7 +35,7 @@ LORAFLEET_EXPORT int64_t decode_shared_scratch(int64_t queries, int32_t n, int32
 
 /* decode_lora.c: one decode step's LoRA, each row through its own slot's weights. */
 LORAFLEET_EXPORT void decode_lora(const float *a, const float *b, int32_t in, int32_t nr,
-                                  int32_t out_features, const float *x, int64_t x_stride,
+                                  int32_t width, const float *x, int64_t x_stride,
                                   float *out, int64_t out_stride, const int32_t *order,
                                   const int32_t *slots, int32_t n, const int32_t *col_lo,
                                   const int32_t *col_hi);
