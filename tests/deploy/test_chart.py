@@ -386,6 +386,7 @@ LEFT_TO_DEFAULTS = {
         "ROLLOUT_WAIT_SECONDS",
         "SAMPLE_SPREAD_INFLIGHT",
         "SAMPLE_WORKERS",
+        "STORE_ROOM_CHECK_SECONDS",
         "SWEEP_INTERVAL_SECONDS",
         "TRANSPORT_RETRY_SECONDS",
     },
@@ -483,6 +484,42 @@ def test_rollout_adapters_live_where_sglang_reads_them(render):
     assert env["LORAFLEET_ROLLOUT_MAX_LOADED_ADAPTERS"] == "8"
     sglang = rendered.container("rollout", "sglang")
     assert "/checkpoints" in {m["mountPath"] for m in sglang["volumeMounts"]}
+
+
+# Each rollout engine's containers (a parametrized id "sglang" would skip without SGLANG_URL).
+SERVING_CONTAINERS = {
+    "sglang": ["rollout", "sglang"],
+    "vllm": ["rollout", "vllm"],
+    "torch": ["rollout"],
+}
+
+
+@pytest.mark.parametrize("engine", sorted(SERVING_CONTAINERS), ids=lambda e: f"{e}-engine")
+def test_serving_containers_mount_the_checkpoints_read_only(render, engine):
+    """Rollouts and their servers read every tenant's checkpoints; the one folder a rollout
+    writes there is its pushed adapters', mounted writable on its own (a subPath of the same
+    volume, at the path the server reads it from)."""
+    rendered = render({"rollout": {"engine": engine}})
+    for name in SERVING_CONTAINERS[engine]:
+        mounts = rendered.container("rollout", name)["volumeMounts"]
+        volume = [m for m in mounts if m["name"] == "checkpoints" and "subPath" not in m]
+        assert volume == [{"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True}]
+        writable = [m for m in mounts if m["name"] == "checkpoints" and "subPath" in m]
+        assert writable == (
+            [
+                {
+                    "name": "checkpoints",
+                    "mountPath": "/checkpoints/rollout-adapters",
+                    "subPath": "rollout-adapters",
+                }
+            ]
+            if name == "rollout"
+            else []
+        )
+    env = env_of(rendered.container("rollout"))
+    assert env["LORAFLEET_ROLLOUT_ADAPTER_DIR"] == "/checkpoints/rollout-adapters"
+    trainer = {m["name"]: m for m in rendered.container("trainer")["volumeMounts"]}
+    assert "readOnly" not in trainer["checkpoints"]  # the trainer writes the saved states
 
 
 def test_redis_cluster(render):

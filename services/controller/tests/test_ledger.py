@@ -178,8 +178,12 @@ async def test_ack_and_result_expiry_keep_the_seq_reserved(domain: Domain) -> No
     rec = await domain.ledger.get("t1", a.operation_id)
     assert rec.state == OpState.EXPIRED and rec.result == b""
     assert (await domain.ledger.tenant_load("t1"))["unacked"] == 0  # not released twice
-    dup = await submit(domain, rid, 1, b"a")
-    assert dup.duplicate and dup.state == OpState.EXPIRED
+    # Released below the head: the record is gone (compacted), the head answers for it. A
+    # retry is refused as released, never run again.
+    assert not await domain.client.exists(domain.store.keys.op(a.operation_id))
+    with pytest.raises(errors.Expired) as released:
+        await submit(domain, rid, 1, b"a")
+    assert released.value.reason == "RESULT_RELEASED"
     with pytest.raises(errors.NotFound):
         await domain.ledger.ack("t2", b.operation_id)
     await run_one(domain, (await pop_ready(domain))[-1])
@@ -254,23 +258,25 @@ async def test_retired_registrations_lose_their_records_after_the_result_ttl(
     ids = [acked.operation_id, done.operation_id, blocked.operation_id]
     domain.clock.now += domain.settings.result_ttl_seconds / 2
     await domain.ledger.sweep()
-    assert await count_existing(domain, [keys.op(i) for i in ids]) == 3  # not yet
+    # the acknowledged one is released after its grace and compacted; the others not yet
+    assert await count_existing(domain, [keys.op(i) for i in ids]) == 2
     domain.clock.now += domain.settings.result_ttl_seconds
     await domain.ledger.sweep()
     assert await count_existing(domain, [keys.op(i) for i in ids]) == 0
     group = keys.group(keys.group_of(rid))
     assert await domain.client.zcard(group.retired) == 0
     assert await domain.client.zscore(group.results, done.operation_id) is None
-    with pytest.raises(errors.NotFound):
-        await domain.ledger.get("t1", done.operation_id)
+    assert (await domain.ledger.get("t1", done.operation_id)).state == OpState.EXPIRED
     with pytest.raises(errors.FailedPrecondition):  # a late retry is refused, not re-admitted
         await submit(domain, rid, 2, b"b")
-    # the live registration's expired record stays: its seq_id remains reserved
+    # the live registration's released record went too: its head keeps the seq_id spent
+    assert not await domain.client.exists(keys.op(kept.operation_id))
     assert (await domain.ledger.get("t1", kept.operation_id)).state == OpState.EXPIRED
+    with pytest.raises(errors.Expired):
+        await submit(domain, live, 1, b"k")
     assert (await domain.ledger.fleet_load())["unacked"] == 0
     depth = await domain.ledger.depth()
-    assert depth.get("expired") == 1 and depth.get("failed", 0) == 0
-    assert depth.get("succeeded", 0) == 0
+    assert not any(depth.get(s, 0) for s in ("expired", "failed", "succeeded"))
 
 
 async def count_existing(d: Domain, keys: list[str]) -> int:
@@ -366,3 +372,60 @@ async def test_only_the_newest_claim_records_an_outcome(domain: Domain) -> None:
     assert await d.ledger.complete_many([current]) == [True]
     op = await d.ledger.get("t1", opid)
     assert op.state == OpState.SUCCEEDED and op.result == b"new binding"
+
+
+async def test_a_long_run_keeps_no_record_per_released_step(domain: Domain) -> None:
+    """Issue 36 item 4: acknowledged and released operations leave no stub each (an RL run
+    of a million steps, a sampler of millions of requests). What exactly-once needs stays:
+    a retry of any released seq_id is refused, never run again; the one released out of
+    order (past the head) keeps its stub until the head passes it."""
+    from lorafleet_controller.store.quota import Limits
+    from lorafleet_controller.store.samplers import SamplersRepo
+
+    keys = domain.store.keys
+    rid = await domain.ready_registration()
+    steps = 120
+    for seq in range(1, steps + 1):
+        adm = await submit(domain, rid, seq, b"s%d" % seq)
+        await run_one(domain, (await pop_ready(domain))[-1])
+        await domain.ledger.ack("t1", adm.operation_id)
+    samples = SamplersRepo(domain.store)
+    limits = Limits(10_000, 10_000, 10_000, 10_000)
+    for n in range(40):
+        opid = f"sess:sampler:0#s{n}"
+        out = await samples.submit(opid, "t1", f"d{n}", b"body", domain.clock.now, rid, limits)
+        assert out.code == "created"
+        assert await domain.ledger.claim(opid, fenced=False) is not None
+        assert await domain.ledger.complete(opid, OpState.SUCCEEDED, b"r", fenced=False)
+        await domain.ledger.ack("t1", opid)
+    domain.clock.now += domain.settings.acked_result_grace_seconds + 1
+    while (await domain.ledger.sweep()).results_expired:
+        pass
+    left = [k async for k in domain.client.scan_iter(match="*op:*")]
+    assert left == [], left[:5]
+    for seq in (1, steps // 2, steps):
+        rec = await domain.ledger.get("t1", L.operation_id(rid, seq))
+        assert rec.state == OpState.EXPIRED and rec.result == b""
+        with pytest.raises(errors.Expired):
+            await submit(domain, rid, seq, b"s%d" % seq)
+    with pytest.raises(errors.NotFound):  # another tenant learns nothing
+        await domain.ledger.get("t2", L.operation_id(rid, 1))
+    with pytest.raises(errors.NotFound):  # never submitted: not a released one
+        await domain.ledger.get("t1", L.operation_id(rid, steps + 1))
+    depth = await domain.ledger.depth()
+    assert not any(depth.get(s, 0) for s in ("expired", "succeeded", "queued"))
+    # Out of order: seq steps+2 finishes (born failed) and is released while steps+1 still
+    # waits; its stub stays until the head passes it, then goes.
+    head = await submit(domain, rid, steps + 1, b"head")
+    rejected = errors.InvalidArgument("bad", field="x")
+    late = await submit(domain, rid, steps + 2, b"late", rejection=rejected)
+    await domain.ledger.ack("t1", late.operation_id)
+    domain.clock.now += domain.settings.acked_result_grace_seconds + 1
+    await domain.ledger.sweep()
+    assert (await domain.ledger.get("t1", late.operation_id)).state == OpState.EXPIRED
+    assert await domain.client.exists(keys.op(late.operation_id))
+    assert (await submit(domain, rid, steps + 2, b"late")).duplicate
+    await run_one(domain, head.operation_id)
+    assert not await domain.client.exists(keys.op(late.operation_id))
+    assert (await domain.ledger.get("t1", late.operation_id)).state == OpState.EXPIRED
+    assert (await domain.ledger.depth()).get("expired", 0) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
 import math
@@ -80,18 +81,40 @@ def read_tar(raw: bytes) -> dict[str, bytes]:
         return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
 
 
+def file_chunks(name: str, data: bytes, block: int) -> list[pb.FileChunk]:
+    """A file as DownloadCheckpoint streams it: size on the first chunk, SHA-256 on the last."""
+    offsets = list(range(0, len(data), block)) or [0]
+    return [
+        pb.FileChunk(
+            path=name,
+            offset=off,
+            data=data[off : off + block],
+            size_bytes=len(data) if off == 0 else 0,
+            sha256=hashlib.sha256(data).hexdigest() if off == offsets[-1] else "",
+        )
+        for off in offsets
+    ]
+
+
 def test_tar_stream_holds_every_file_and_the_marker() -> None:
+    """Members start before their bytes are all there (the size comes from the first chunk)."""
+    weights = bytes(range(256)) * 4 + b"\x01" * 5
+    chunks = file_chunks("adapter_config.json", b"{}", 100) + file_chunks(
+        "adapter_model.safetensors", weights, 300
+    )
+
     async def rest():
-        yield ("adapter_model.safetensors", b"\x01" * 1000)
+        for chunk in chunks[1:]:
+            yield chunk
 
     async def collect() -> bytes:
-        parts = [c async for c in archive.tar_stream(("adapter_config.json", b"{}"), rest())]
+        parts = [c async for c in archive.tar_stream(chunks[0], rest())]
         return b"".join(parts)
 
     members = read_tar(asyncio.run(collect()))
     assert members == {
         "adapter_config.json": b"{}",
-        "adapter_model.safetensors": b"\x01" * 1000,
+        "adapter_model.safetensors": weights,
         archive.COMPLETE_MARKER: b"",
     }
 

@@ -296,6 +296,12 @@ value: {{ .Values.redis.external.url | quote }}
 {{- default (printf "%s-checkpoints" (include "lorafleet.fullname" .)) .Values.checkpoints.existingClaim -}}
 {{- end -}}
 
+{{/* The one folder of the checkpoint volume a rollout writes: the adapters pushed to it
+(the service adds its replica id), which its SGLang or vLLM server reads by path. */}}
+{{- define "lorafleet.rolloutAdapterDir" -}}
+{{- printf "%s/rollout-adapters" (trimSuffix "/" .Values.checkpoints.mountPath) -}}
+{{- end -}}
+
 {{/* Where published adapters travel by reference when every pod mounts one claim
 (checkpoints.mode shared): the trainer writes, the controller and rollouts read. */}}
 {{- define "lorafleet.sharedAdapterRoot" -}}
@@ -329,6 +335,9 @@ value: {{ .Values.redis.external.url | quote }}
   readOnly: true
 - name: checkpoints
   mountPath: {{ .ctx.Values.checkpoints.mountPath }}
+  {{- if .checkpointsReadOnly }}
+  readOnly: true
+  {{- end }}
 - name: tmp
   mountPath: /tmp
 {{- if .v.shm.enabled }}

@@ -121,6 +121,11 @@ class RedisServer:
         stop_process(self.proc, grace=5)
 
 
+# The private servers' maxmemory: far above what a test or a local fleet stores, far below
+# the machine's memory.
+REDIS_MAXMEMORY = "2gb"
+
+
 def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:
@@ -190,6 +195,9 @@ def _launch_redis(data_dir: Path, port: int, appendonly: bool, extra: list[str])
         args += ["--appendonly", "yes", "--appendfsync", "always"]
     else:
         args += ["--appendonly", "no"]
+    # As in the chart: bounded, and never evicting (an evicted key is a lost operation); the
+    # controller refuses new work before the bound (store/room.py). `extra` may override.
+    args += ["--maxmemory", REDIS_MAXMEMORY, "--maxmemory-policy", "noeviction"]
     args += extra
     # Own session: a Ctrl-C meant for `lorafleet up` must not kill Redis before the services.
     proc = subprocess.Popen(

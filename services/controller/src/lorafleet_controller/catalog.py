@@ -4,28 +4,40 @@ Training checkpoints (`weights/<name>`) point at a trainer's saved state by its 
 (file:// URI + SHA-256); sampler checkpoints (`sampler_weights/<name>`) are PEFT folders
 the controller received while publishing and keeps under its own storage root. Lookups are
 tenant-checked (another tenant's path is NotFound) unless the checkpoint is public.
+
+A checkpoint's files leave only as the bytes its record names (a training checkpoint's
+manifest.json, a sampler checkpoint's recorded digests): downloads and samplers made from a
+checkpoint read them in blocks, checked on the way (lorafleet.digests.verified_blocks), never
+through a symbolic link or from a folder that is a link elsewhere, so neither a 1.6 GB adapter
+nor a file swapped on disk passes through memory whole or unnoticed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import hashlib
+import os
 import shutil
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from lorafleet import errors
+from lorafleet import errors, manifests
+from lorafleet.digests import FileDigest, check_plain_file, open_plain_file, verified_blocks
+from lorafleet.manifests import MANIFEST
 from lorafleet.v1 import common_pb2
-from lorafleet_controller.clients import file_chunks
 from lorafleet_controller.store import Store
 from lorafleet_controller.store.catalog import SAMPLER, TRAINING, CatalogRepo, CheckpointRecord
 from lorafleet_controller.validate import parse_tinker_path
 
-__all__ = ["SAMPLER", "TRAINING", "Catalog", "CheckpointRecord"]
+__all__ = ["SAMPLER", "TRAINING", "Catalog", "CheckpointRecord", "StoredFile", "copy_files"]
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+FIELD = "tinker_path"  # what a refused checkpoint's errors name
 
 
 class Catalog:
@@ -49,9 +61,11 @@ class Catalog:
         user_metadata: dict[str, str] | None = None,
         size_bytes: int = 0,
         operation_id: str = "",
+        files: dict[str, FileDigest] | None = None,
     ) -> bool:
         """Record a checkpoint in one script. Idempotent: an existing entry is kept as it is
-        (False). `operation_id` names the save that made it, so a re-dispatch recognises it."""
+        (False). `operation_id` names the save that made it, so a re-dispatch recognises it.
+        `files`: a sampler checkpoint's digests (a training checkpoint's are its manifest)."""
         rid, _, name = parse_tinker_path(tinker_path, "path")
         now = self.clock()
         rec = CheckpointRecord(
@@ -71,6 +85,7 @@ class Catalog:
             has_optimizer=has_optimizer,
             files_dir=files_dir,
             version=version,
+            files=files or {},
         )
         return await self.repo.add(rec, operation_id)
 
@@ -144,30 +159,117 @@ class Catalog:
                 await self.repo.drop_expiry(path)
         return len(paths)
 
-    async def read_files(self, rec: CheckpointRecord) -> dict[str, bytes]:
-        """The checkpoint's PEFT adapter files (sampler folder, or the trainer's state), read
-        in a worker thread so the event loop keeps serving."""
-        return await asyncio.to_thread(_read_adapter_files, rec)
+    async def files(self, rec: CheckpointRecord) -> builtins.list[StoredFile]:
+        """The checkpoint's PEFT adapter files and what each must hash to, checked as far as
+        can be without reading them (stored_files), in a worker thread."""
+        return await asyncio.to_thread(stored_files, rec)
 
-    async def chunks(self, rec: CheckpointRecord) -> builtins.list[common_pb2.FileChunk]:
-        return file_chunks(await self.read_files(rec))
+    async def chunks(
+        self, rec: CheckpointRecord, *, names_only: bool = False
+    ) -> AsyncIterator[common_pb2.FileChunk]:
+        """The checkpoint's files as FileChunks streamed from disk (DownloadCheckpoint): the
+        first chunk of a file carries its size, the last its SHA-256, and the last is sent
+        only once the file's bytes matched it; a mismatch raises instead. `names_only`: one
+        chunk per file, no data."""
+        for stored in await self.files(rec):
+            if names_only:
+                yield common_pb2.FileChunk(
+                    path=stored.name, size_bytes=stored.digest.size, sha256=stored.digest.sha256
+                )
+                continue
+            async for chunk in _streamed(stored):
+                yield chunk
 
 
-def _read_adapter_files(rec: CheckpointRecord) -> dict[str, bytes]:
-    """Blocking: run in a worker thread (Catalog.read_files)."""
+@dataclass(frozen=True)
+class StoredFile:
+    """One adapter file of a checkpoint: where it lies and what its bytes must hash to."""
+
+    name: str
+    path: Path
+    digest: FileDigest
+
+
+def stored_files(rec: CheckpointRecord) -> list[StoredFile]:
+    """Blocking: the checkpoint's adapter files, refused unless they lie in the checkpoint's
+    own folder as plain files of the recorded sizes (the folder itself no symbolic link: its
+    files would lie elsewhere) and a digest is recorded for each: a training checkpoint's
+    in its manifest.json, itself matching the SHA-256 the catalog holds."""
     if rec.files_dir:
         folder = Path(rec.files_dir)
     else:
         parsed = urlparse(rec.manifest.uri)
         if parsed.scheme != "file":
             raise errors.FailedPrecondition(
-                "the checkpoint's files are not readable by the controller",
-                field="tinker_path",
+                "the checkpoint's files are not readable by the controller", field=FIELD
             )
         folder = Path(unquote(parsed.path))
-    files = {}
+    try:
+        mode = os.lstat(folder).st_mode
+    except FileNotFoundError:
+        raise errors.NotFound("the checkpoint's folder is missing", field=FIELD) from None
+    if stat.S_ISLNK(mode):
+        raise errors.FailedPrecondition(
+            f"the checkpoint's folder {folder} is a symbolic link (its files lie outside "
+            "it); refused",
+            field=FIELD,
+            reason="UNSAFE_PATH",
+        )
+    digests = rec.files if rec.type == SAMPLER else _manifest(folder, rec.manifest.sha256)
+    out = []
     for name in ADAPTER_FILES:
-        if not (folder / name).is_file():
-            raise errors.NotFound(f"checkpoint files are missing ({name})", field="tinker_path")
-        files[name] = (folder / name).read_bytes()
-    return files
+        if name not in digests:
+            raise errors.FailedPrecondition(
+                f"the checkpoint records no SHA-256 of {name}", field=FIELD, reason="NO_DIGEST"
+            )
+        stored = StoredFile(name, folder / name, digests[name])
+        check_plain_file(stored.path, stored.digest, FIELD)
+        out.append(stored)
+    return out
+
+
+def _manifest(folder: Path, sha256: str) -> dict[str, FileDigest]:
+    """Blocking: the files a training checkpoint's manifest.json lists, once its bytes match
+    the SHA-256 the catalog recorded for it."""
+    with os.fdopen(open_plain_file(folder / MANIFEST, FIELD), "rb") as f:
+        raw = f.read()
+    if not sha256 or hashlib.sha256(raw).hexdigest() != sha256:
+        raise errors.FailedPrecondition(
+            f"{MANIFEST} does not match the SHA-256 the catalog records",
+            field=FIELD,
+            reason="DIGEST_MISMATCH",
+        )
+    try:
+        return manifests.parse(raw).files
+    except ValueError as exc:
+        raise errors.FailedPrecondition(str(exc), field=FIELD, reason="DIGEST_MISMATCH") from None
+
+
+def copy_files(files: list[StoredFile], dest: Path) -> None:
+    """Blocking: each file streamed into the folder `dest` and checked on the way; a refused
+    file raises with `dest` half written (the caller drops it)."""
+    for stored in files:
+        with (dest / stored.name).open("wb") as out:
+            for block in verified_blocks(stored.path, stored.digest, FIELD):
+                out.write(block)
+
+
+async def _streamed(stored: StoredFile) -> AsyncIterator[common_pb2.FileChunk]:
+    """One file's chunks, read in a worker thread block by block; each block is held until
+    the next one is read, so the last goes out only after verified_blocks checked the
+    whole file (memory: two blocks, whatever the file's size)."""
+    blocks = verified_blocks(stored.path, stored.digest, FIELD)
+    offset, held = 0, None
+    while (block := await asyncio.to_thread(next, blocks, None)) is not None:
+        if held is not None:
+            yield _chunk(stored, offset, held)
+            offset += len(held)
+        held = block
+    yield _chunk(stored, offset, held or b"", sha256=stored.digest.sha256)
+
+
+def _chunk(stored: StoredFile, offset: int, data: bytes, sha256: str = "") -> common_pb2.FileChunk:
+    size = stored.digest.size if offset == 0 else 0
+    return common_pb2.FileChunk(
+        path=stored.name, offset=offset, data=data, sha256=sha256, size_bytes=size
+    )

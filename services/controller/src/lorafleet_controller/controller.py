@@ -70,6 +70,8 @@ class Controller:
             connect(settings.redis_url, cluster=settings.redis_cluster),
             settings.key_prefix,
             settings.ledger_groups,
+            full_fraction=settings.store_full_fraction,
+            room_check_seconds=settings.store_room_check_seconds,
         )
         # BLPOP holds a connection: the scheduler's intake gets a client of its own.
         self.blocking = connect(settings.redis_url, cluster=settings.redis_cluster)
@@ -175,11 +177,19 @@ class Controller:
         self._loops: list[asyncio.Task[None]] = []
         self._side: set[asyncio.Task[None]] = set()
         self._leading = asyncio.Lock()
+        self._room: asyncio.Task[None] | None = None  # Redis's memory, read (store/room.py)
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self, lead: bool = True) -> None:
         await self.store.ping()
         await self.store.check_layout()
+        room = await self.store.room.verify()
+        self._room = asyncio.create_task(self.store.room.run(), name="store-room")
+        if not room.limit:
+            log.warning(
+                "Redis has no maxmemory: at the machine's limit it fails writes, or is killed, "
+                "instead of the fleet refusing new work first; set maxmemory (noeviction)"
+            )
         await self.notifier.start()
         if lead:
             await self.start_leading()
@@ -230,6 +240,10 @@ class Controller:
 
     async def stop(self) -> None:
         await self.stop_leading()
+        if self._room is not None:
+            self._room.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._room
         await self.notifier.stop()
         await self.pool.close()
         await self.blocking.aclose()

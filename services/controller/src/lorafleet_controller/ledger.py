@@ -8,7 +8,9 @@ on its original record without any lookup table.
 
 States (`store.OpState`): QUEUED → CLAIMED → SUCCEEDED | FAILED(user|server) | CANCELLED, then
 EXPIRED once the result was acknowledged `acked_result_grace_seconds` ago (the sweep releases
-it) or outlives `result_ttl_seconds`; the seq_id stays reserved forever. Limits are per
+it) or outlives `result_ttl_seconds`. Its record then goes (compacted: the registration's
+head answers for every seq_id below it, store/lua/common.lua), so a run of a million steps
+keeps no stub per step; the seq_id stays spent forever. Limits are per
 registration, per tenant and for the fleet (see submit).
 Dispatch writes (claims, outcomes, sweeps) carry the leader's epoch (`store.Store`).
 """
@@ -199,6 +201,7 @@ class Ledger:
                 field="payload",
                 reason="PAYLOAD_TOO_LARGE",
             )
+        self.store.room.admit("operation")
         return await self._admit(tenant, registration_id, seq_id, kind, payload, digest, rejection)
 
     async def create_internal(
@@ -306,6 +309,13 @@ class Ledger:
                 field="registration_id",
                 reason="RETIRED",
             )
+        if code == "released":
+            raise errors.Expired(
+                f"seq_id {seq_id} of {registration_id} ran and its result was released "
+                f"(the head is at {int(out['head'])})",
+                field="seq_id",
+                reason="RESULT_RELEASED",
+            )
         if code == "window":
             head = int(out["head"])
             raise errors.InvalidArgument(
@@ -326,7 +336,7 @@ class Ledger:
 
     # --- reads ----------------------------------------------------------------------------
     async def get(self, tenant: str, opid: str) -> OpRecord:
-        op = await self.operations.load(opid)
+        op = await self.operations.load(opid) or await self.operations.released(opid)
         if op is None or op.tenant != tenant:
             raise errors.NotFound(f"no operation {opid!r}", field="operation_id")
         return await self._record(opid, op)

@@ -32,10 +32,12 @@ folder is then the durable sampler checkpoint. Without it, today's streamed push
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,7 @@ from lorafleet.contract import AdapterId, CheckpointKind, TinkerPath
 from lorafleet.shared_storage import FileRef, adapter_folder, common_folder, publish_folder
 from lorafleet.v1 import common_pb2, controller_pb2
 from lorafleet_controller import metrics
-from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord
+from lorafleet_controller.catalog import SAMPLER, Catalog, CheckpointRecord, copy_files
 from lorafleet_controller.clients import Pool, TrainerClient
 from lorafleet_controller.ledger import Claim
 from lorafleet_controller.placement import rebalance
@@ -122,7 +124,9 @@ class Publisher:
             trainer = await self._trainer(claim)
             files = await trainer.export_adapter(claim.slot, claim.registration_id)
             await self._still_bound(reg, claim)
-            folder = await asyncio.to_thread(self._write, claim.registration_id, version, files)
+            folder = await asyncio.to_thread(
+                self._write, claim.registration_id, version, _bytes_writer(files)
+            )
             payload = Payload(files=files)
         record = LiveVersion(ref, reg.base_model, reg.lora, folder, payload.refs, reg.tenant)
         if live is None:
@@ -143,6 +147,7 @@ class Publisher:
                 ttl_seconds=sw.ttl_seconds,
                 user_metadata=dict(sw.user_metadata),
                 size_bytes=payload.size_bytes,
+                files=payload.digests(),
             )
         sampler_id = ""
         if sw.sampler_session_id:
@@ -189,16 +194,20 @@ class Publisher:
                 reason="LEASE_MISMATCH",
             )
 
-    def _write(self, rid: str, version: int, files: dict[str, bytes]) -> str:
-        """Blocking: write a version's files once under the storage root (worker thread)."""
+    def _write(self, rid: str, version: int, fill: Callable[[Path], None]) -> str:
+        """Blocking: a version's folder under the storage root, written once by `fill`
+        (worker thread); a `fill` that fails leaves nothing."""
         folder = self.storage_root / "adapters" / rid / str(version)
         if folder.is_dir():
             return str(folder)
         tmp = folder.with_name(f"{version}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        for name, data in files.items():
-            (tmp / Path(name).name).write_bytes(data)
+        try:
+            fill(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         tmp.rename(folder)
         return str(folder)
 
@@ -208,20 +217,26 @@ class Publisher:
         """A sampler on a training checkpoint: its adapter becomes a new live version of the
         run (written once, pushed to the run's home rollout) and the sampler pins that version. On
         shared storage the controller writes it there once and rollouts read it by reference
-        (its bytes pass through here once, not once per rollout)."""
-        files = await self.catalog.read_files(ckpt)
+        (its bytes pass through here once, not once per rollout).
+
+        The checkpoint's files are copied in blocks, each checked against the checkpoint's
+        manifest on the way (catalog.copy_files): a link, a folder elsewhere or a size that
+        differs is refused before a version is taken; bytes that differ fail the copy,
+        which leaves no folder and records nothing."""
+        stored = await self.catalog.files(ckpt)
         version = await self.repo.allocate_version(ckpt.training_run_id, "", fenced=False)
         ref = common_pb2.AdapterRef(registration_id=ckpt.training_run_id, version=version)
+        copy = functools.partial(copy_files, stored)
+        refs: dict[str, common_pb2.BlobRef] = {}
         if self.shared_root is not None:
-            folder, payload = await asyncio.to_thread(
-                _write_shared, self.shared_root, ckpt.training_run_id, version, files
+            folder, refs = await asyncio.to_thread(
+                _write_shared, self.shared_root, ckpt.training_run_id, version, copy
             )
         else:
-            folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, files)
-            payload = Payload(files=files)
-        record = LiveVersion(ref, ckpt.base_model, ckpt.lora, folder, payload.refs, tenant)
+            folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, copy)
+        record = LiveVersion(ref, ckpt.base_model, ckpt.lora, folder, refs, tenant)
         await self.repo.record_live(record, fenced=False)
-        await self.push_home(record, payload)
+        await self.push_home(record, await payload_of(record))
         return await self.samplers.record(
             sampler_id=sampler_id,
             tenant=tenant,
@@ -360,17 +375,27 @@ def _shared_folder(root: Path, refs: dict[str, common_pb2.BlobRef]) -> str:
     return str(common_folder(root, described, "trainer adapter files"))
 
 
+def _bytes_writer(files: dict[str, bytes]) -> Callable[[Path], None]:
+    """A `fill` for _write: the trainer's exported files, as they are."""
+
+    def fill(folder: Path) -> None:
+        for name, data in files.items():
+            (folder / Path(name).name).write_bytes(data)
+
+    return fill
+
+
 def _write_shared(
-    root: Path, rid: str, version: int, files: dict[str, bytes]
-) -> tuple[str, Payload]:
-    """Blocking: a version's files written once on shared storage, as the trainer does."""
+    root: Path, rid: str, version: int, fill: Callable[[Path], None]
+) -> tuple[str, dict[str, common_pb2.BlobRef]]:
+    """Blocking: a version's files written once on shared storage by `fill`, as the trainer
+    does; its folder and the files' references."""
     final = adapter_folder(root, rid, version)
     final.parent.mkdir(parents=True, exist_ok=True)
     staged = final.with_name(f".tmp-{version}-{uuid.uuid4().hex}")
     try:
         staged.mkdir()
-        for name, data in files.items():
-            (staged / Path(name).name).write_bytes(data)
+        fill(staged)
         described = publish_folder(staged, final)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
@@ -378,4 +403,4 @@ def _write_shared(
         name: common_pb2.BlobRef(uri=r.uri, sha256=r.sha256, size_bytes=r.size_bytes)
         for name, r in described.items()
     }
-    return str(final), Payload(refs=refs)
+    return str(final), refs

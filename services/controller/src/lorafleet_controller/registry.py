@@ -105,6 +105,7 @@ class Registry:
         new = NewRegistration(
             rid, tenant, session_id, base_model, lora, user_metadata, optimizer, with_initial_load
         )
+        self.store.room.admit("training run")
         code = await self.regs.create(new, self.clock(), self.settings.max_registrations_per_tenant)
         if code == "limit":
             raise errors.ResourceExhausted(

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafleet.contract import AdapterId
+from lorafleet.digests import FileDigest
 from lorafleet.v1 import common_pb2
-from lorafleet_controller.clients import Pool
+from lorafleet_controller.clients import Pool, sha256
 from lorafleet_controller.placement import choose_home
 from lorafleet_controller.store import Store
 from lorafleet_controller.store.adapters import AdaptersRepo, LiveVersion
@@ -39,6 +40,12 @@ class Payload:
         if self.refs:
             return sum(r.size_bytes for r in self.refs.values())
         return sum(map(len, self.files.values()))
+
+    def digests(self) -> dict[str, FileDigest]:
+        """File name -> SHA-256 and size: what a download of the version checks it against."""
+        if self.refs:
+            return {n: FileDigest(r.sha256, r.size_bytes) for n, r in self.refs.items()}
+        return {Path(n).name: FileDigest(sha256(d), len(d)) for n, d in self.files.items()}
 
 
 async def payload_of(live: LiveVersion) -> Payload:

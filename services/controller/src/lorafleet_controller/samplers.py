@@ -84,6 +84,7 @@ class Samplers:
         settings: ControllerSettings,
     ) -> None:
         self.repo = SamplersRepo(store)
+        self.room = store.room
         self.pusher = Pusher(AdaptersRepo(store), pool)
         self.homes = Homes(store)
         self.ledger = ledger
@@ -124,6 +125,7 @@ class Samplers:
             raise errors.InvalidArgument("sample request too large", field="prompt_tokens")
         opid = f"{sub.sampler_id}#s{sub.seq_id}"
         digest = hashlib.sha256(sub.body).hexdigest()
+        self.room.admit("sample")
         s = self.settings
         limits = Limits(  # sampling spends no admission tokens
             s.max_pending_per_tenant,

@@ -225,8 +225,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def DownloadCheckpoint(
         self, request: pb.DownloadCheckpointRequest, context: ServerContext
     ) -> AsyncIterator[common_pb2.FileChunk]:
-        rec = await self.controller.catalog.get(request.tenant, request.tinker_path)
-        for chunk in await self.controller.catalog.chunks(rec):
+        catalog = self.controller.catalog
+        rec = await catalog.get(request.tenant, request.tinker_path)
+        async for chunk in catalog.chunks(rec, names_only=request.names_only):
             yield chunk
 
     async def ImportPeftAdapter(

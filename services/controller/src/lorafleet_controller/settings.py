@@ -48,6 +48,21 @@ class ControllerSettings:
         "the trainer to write the adapter there and hands rollouts its URIs and SHA-256s, so "
         "no adapter bytes pass through the controller. Unset = the streamed push.",
     )
+    store_full_fraction: float = setting(
+        0.9,
+        doc="New work (operations, samples, sessions, runs, jobs) is refused with a retryable "
+        "429 once Redis's used_memory reaches this fraction of its maxmemory, so the writes "
+        "that free room (acknowledgements, completions, deletes) never meet a full server "
+        "(store/room.py). Redis must run with maxmemory-policy noeviction.",
+        min=0.1,
+        max=1.0,
+    )
+    store_room_check_seconds: float = setting(
+        1.0,
+        doc="How old the reading of Redis's memory (INFO memory) may be when work is admitted.",
+        min=0.01,
+        max=60.0,
+    )
     gap_timeout_seconds: float = setting(
         600.0,
         doc="A missing seq_id is sealed after this long; operations behind it fail naming it.",

@@ -33,6 +33,7 @@ class Tenancy:
     def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
         self.api_keys = ApiKeysRepo(store)
         self.sessions = SessionsRepo(store)
+        self.room = store.room
         self.clock = clock
 
     # --- API keys -------------------------------------------------------------------------
@@ -82,6 +83,7 @@ class Tenancy:
         so revoking that key ends it; sessions the controller opens itself have none."""
         if not tenant:
             raise errors.InvalidArgument("tenant is required", field="tenant")
+        self.room.admit("session")
         session_id = f"session-{uuid.uuid4().hex}"
         created = await self.sessions.create(
             session_id,

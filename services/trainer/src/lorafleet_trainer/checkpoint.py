@@ -25,17 +25,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lorafleet import names
-from lorafleet.digests import sha256_file
+from lorafleet import manifests, names
+from lorafleet.digests import FileDigest, sha256_file
 from lorafleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
+from lorafleet.manifests import MANIFEST, STATE_FORMAT
 from lorafleet_trainer.domain import StateRef
 
-STATE_FORMAT = "lorafleet-trainer-state-v1"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
-MANIFEST = "manifest.json"
 
 
 def peft_key(module: str, which: str) -> str:
@@ -103,11 +102,8 @@ def save_state(
                 metadata={"format": "pt"},
             )
         _write_json(tmp / TRAINER_STATE, {"format": STATE_FORMAT, **trainer_state})
-        files = {
-            p.name: {"sha256": sha256_file(p), "size": p.stat().st_size}
-            for p in sorted(tmp.iterdir())
-        }
-        _write_json(tmp / MANIFEST, {"format": STATE_FORMAT, "files": files})
+        files = {p.name: FileDigest(sha256_file(p), p.stat().st_size) for p in tmp.iterdir()}
+        _write_json(tmp / MANIFEST, manifests.render(files))
         for p in tmp.iterdir():
             with p.open("rb") as f:
                 os.fsync(f.fileno())
@@ -217,19 +213,19 @@ def open_state(root: Path, ref: StateRef) -> LoadedState:
     if ref.sha256 and sha256_file(manifest_path) != ref.sha256:
         raise _torn("manifest.json does not match the expected SHA-256")
     try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError) as exc:
-        raise _torn(f"manifest.json is unreadable: {exc}") from None
-    if manifest.get("format") != STATE_FORMAT:
+        manifest = manifests.parse(manifest_path.read_bytes())
+    except ValueError as exc:
+        raise _torn(str(exc)) from None
+    if manifest.format != STATE_FORMAT:
         raise FailedPrecondition(
-            f"unknown state format {manifest.get('format')!r}",
+            f"unknown state format {manifest.format!r}",
             field="manifest",
             reason="STATE_FORMAT",
         )
+    files = manifest.files
     for name, meta in files.items():
         p = folder / name
-        if not p.is_file() or p.stat().st_size != meta["size"] or sha256_file(p) != meta["sha256"]:
+        if not p.is_file() or p.stat().st_size != meta.size or sha256_file(p) != meta.sha256:
             raise _torn(f"{name} is missing or does not match the manifest (torn save)")
     for required in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE):
         if required not in files:

@@ -136,7 +136,7 @@ containers:
       # Pushed adapters (the service adds its replica id): on the checkpoint volume, which the
       # SGLang or vLLM container (and, multi-node, every pod of the group) reads them from by path.
       - name: LORAFLEET_ROLLOUT_ADAPTER_DIR
-        value: {{ printf "%s/rollout-adapters" (trimSuffix "/" $.Values.checkpoints.mountPath) | quote }}
+        value: {{ include "lorafleet.rolloutAdapterDir" $ | quote }}
       {{- if eq $.Values.checkpoints.mode "shared" }}
       - name: LORAFLEET_ROLLOUT_SHARED_ADAPTER_ROOT
         value: {{ include "lorafleet.sharedAdapterRoot" $ | quote }}
@@ -162,8 +162,14 @@ containers:
       {{- end }}
     securityContext:
       {{- include "lorafleet.containerSecurityContext" $ | nindent 6 }}
+    # Every tenant's checkpoints and the shared adapter root read-only; writable only the
+    # folder of the adapters pushed to this rollout (a subPath of the same volume, so its
+    # server sees them at the same path).
     volumeMounts:
-      {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v) | nindent 6 }}
+      {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v "checkpointsReadOnly" true) | nindent 6 }}
+      - name: checkpoints
+        mountPath: {{ include "lorafleet.rolloutAdapterDir" $ }}
+        subPath: rollout-adapters
       {{- with include "lorafleet.tlsMount" $ }}{{ . | nindent 6 }}{{ end }}
       {{- with $v.extraVolumeMounts }}
       {{- toYaml . | nindent 6 }}
@@ -242,7 +248,7 @@ containers:
     securityContext:
       {{- include "lorafleet.containerSecurityContext" $ | nindent 6 }}
     volumeMounts:
-      {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v) | nindent 6 }}
+      {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v "checkpointsReadOnly" true) | nindent 6 }}
   {{- end }}
   {{- if $vllm }}
   # The vLLM server: loopback only (its /v1/load_lora_adapter is an admin route), reading
@@ -292,7 +298,7 @@ containers:
     securityContext:
       {{- include "lorafleet.containerSecurityContext" $ | nindent 6 }}
     volumeMounts:
-      {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v) | nindent 6 }}
+      {{- include "lorafleet.workerMounts" (dict "ctx" $ "v" $v "checkpointsReadOnly" true) | nindent 6 }}
   {{- end }}
 volumes:
   {{- include "lorafleet.workerVolumes" (dict "ctx" $ "v" $v) | nindent 2 }}

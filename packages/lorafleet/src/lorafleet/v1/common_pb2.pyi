@@ -558,11 +558,17 @@ class FileChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     offset: _builtins.int
     data: _builtins.bytes
     sha256: _builtins.str
     """Set on the last chunk of a file: SHA-256 of the whole file."""
+    size_bytes: _builtins.int
+    """Set on the first chunk of a file by streams that know it up front (DownloadCheckpoint):
+    the whole file's size, so a receiver can start a tar member or a Content-Length before
+    the bytes arrive.
+    """
     def __init__(
         self,
         *,
@@ -570,10 +576,11 @@ class FileChunk(_message.Message):
         offset: _builtins.int = ...,
         data: _builtins.bytes = ...,
         sha256: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "path", b"path", "sha256", b"sha256"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "offset", b"offset", "path", b"path", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1956,17 +1956,23 @@ class DownloadCheckpointRequest(_message.Message):
 
     TENANT_FIELD_NUMBER: _builtins.int
     TINKER_PATH_FIELD_NUMBER: _builtins.int
+    NAMES_ONLY_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     tinker_path: _builtins.str
+    names_only: _builtins.bool
+    """One chunk per file with its path, size_bytes and sha256 and no data: the file list
+    (external_weights_urls) without reading the files.
+    """
     def __init__(
         self,
         *,
         tenant: _builtins.str = ...,
         tinker_path: _builtins.str = ...,
+        names_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tenant", b"tenant", "tinker_path", b"tinker_path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["names_only", b"names_only", "tenant", b"tenant", "tinker_path", b"tinker_path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

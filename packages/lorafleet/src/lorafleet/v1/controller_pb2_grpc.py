@@ -369,7 +369,10 @@ class ControllerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DownloadCheckpoint(self, request, context):
-        """Stream a checkpoint's HF PEFT adapter files (download). Deadline 300 s. Idempotent.
+        """Stream a checkpoint's HF PEFT adapter files (download), read from disk in 1 MiB chunks and
+        checked against the checkpoint's recorded SHA-256s: a file's last chunk is sent only once
+        its bytes matched, and a mismatch ends the stream with FAILED_PRECONDITION instead.
+        Deadline 3600 s (it runs at the pace of the HTTP client it feeds). Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

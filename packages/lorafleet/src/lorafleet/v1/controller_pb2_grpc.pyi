@@ -106,7 +106,11 @@ class ControllerServiceStub:
     UpdateCheckpoint: _grpc.UnaryUnaryMultiCallable[_controller_pb2.UpdateCheckpointRequest, _controller_pb2.UpdateCheckpointResponse]
     """Publish/unpublish and TTL. Deadline 5 s. Idempotent."""
     DownloadCheckpoint: _grpc.UnaryStreamMultiCallable[_controller_pb2.DownloadCheckpointRequest, _common_pb2.FileChunk]
-    """Stream a checkpoint's HF PEFT adapter files (download). Deadline 300 s. Idempotent."""
+    """Stream a checkpoint's HF PEFT adapter files (download), read from disk in 1 MiB chunks and
+    checked against the checkpoint's recorded SHA-256s: a file's last chunk is sent only once
+    its bytes matched, and a mismatch ends the stream with FAILED_PRECONDITION instead.
+    Deadline 3600 s (it runs at the pace of the HTTP client it feeds). Idempotent.
+    """
     ImportPeftAdapter: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ImportPeftAdapterRequest, _controller_pb2.ImportPeftAdapterResponse]
     """Turn an HF PEFT LoRA adapter folder trained elsewhere into a saved training state of the
     tenant (tinker://<run>/weights/<name>). Everything checkable from the folder and the
@@ -208,7 +212,11 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     UpdateCheckpoint: _aio.UnaryUnaryMultiCallable[_controller_pb2.UpdateCheckpointRequest, _controller_pb2.UpdateCheckpointResponse]  # type: ignore[assignment]
     """Publish/unpublish and TTL. Deadline 5 s. Idempotent."""
     DownloadCheckpoint: _aio.UnaryStreamMultiCallable[_controller_pb2.DownloadCheckpointRequest, _common_pb2.FileChunk]  # type: ignore[assignment]
-    """Stream a checkpoint's HF PEFT adapter files (download). Deadline 300 s. Idempotent."""
+    """Stream a checkpoint's HF PEFT adapter files (download), read from disk in 1 MiB chunks and
+    checked against the checkpoint's recorded SHA-256s: a file's last chunk is sent only once
+    its bytes matched, and a mismatch ends the stream with FAILED_PRECONDITION instead.
+    Deadline 3600 s (it runs at the pace of the HTTP client it feeds). Idempotent.
+    """
     ImportPeftAdapter: _aio.UnaryUnaryMultiCallable[_controller_pb2.ImportPeftAdapterRequest, _controller_pb2.ImportPeftAdapterResponse]  # type: ignore[assignment]
     """Turn an HF PEFT LoRA adapter folder trained elsewhere into a saved training state of the
     tenant (tinker://<run>/weights/<name>). Everything checkable from the folder and the
@@ -451,7 +459,11 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_pb2.DownloadCheckpointRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_common_pb2.FileChunk], _abc.AsyncIterator[_common_pb2.FileChunk]]:
-        """Stream a checkpoint's HF PEFT adapter files (download). Deadline 300 s. Idempotent."""
+        """Stream a checkpoint's HF PEFT adapter files (download), read from disk in 1 MiB chunks and
+        checked against the checkpoint's recorded SHA-256s: a file's last chunk is sent only once
+        its bytes matched, and a mismatch ends the stream with FAILED_PRECONDITION instead.
+        Deadline 3600 s (it runs at the pace of the HTTP client it feeds). Idempotent.
+        """
 
     @_abc_1.abstractmethod
     def ImportPeftAdapter(

@@ -43,6 +43,7 @@ class Records:
         data: dict[str, Any],
         max_updates: int,
     ) -> JobRecord:
+        self.store.room.admit("job")
         await self.repo.create(
             job_id, tenant, kind, rid, base_model, params, data, max_updates, self.clock()
         )

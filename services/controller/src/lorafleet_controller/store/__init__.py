@@ -34,6 +34,7 @@ from lorafleet import errors
 from lorafleet_controller.store.cluster import cluster_client
 from lorafleet_controller.store.keys import Keys
 from lorafleet_controller.store.notify import done_ids as subscribe_done
+from lorafleet_controller.store.room import Room
 from lorafleet_controller.store.scripts import Client, Scripts, StaleEpoch, blob, named, text
 from lorafleet_controller.store.states import DATA_KINDS, OPEN, TERMINAL, OpState, RegState
 
@@ -62,6 +63,10 @@ __all__ = [
 # group at once (a sweep, a batch's outcomes, a new epoch), one BLPOP per group, and its
 # gRPC handlers' submits, which pass 100 on a master holding many groups.
 MAX_NODE_CONNECTIONS = 4096
+# One redis-server's pool (the same calls, on one server): its size, and how long a command
+# waits for a connection when all are in use before it fails.
+MAX_CONNECTIONS = 1024
+POOL_WAIT_SECONDS = 30.0
 
 
 def connect(url: str, *, cluster: bool = False) -> Client:
@@ -87,13 +92,22 @@ def connect(url: str, *, cluster: bool = False) -> Client:
             # throughput (test_cluster_client). Failover and resharding answer MOVED too.
             reinitialize_steps=0,
         )
-    return aioredis.from_url(
+    # A blocking pool: past its size a command waits for a free connection. redis-py's
+    # default pool fails it at once past 100 (MaxConnectionsError), which a loaded controller
+    # reached (64 sample workers, the gRPC handlers' submits, the scheduler's claims): a
+    # sample flood failed samples with INTERNAL on a busy 2-core machine.
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=POOL_WAIT_SECONDS,
         retry=retry,
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=5,
         socket_connect_timeout=2,
     )
+    client = aioredis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # as from_url's: aclose() closes the pool
+    return client
 
 
 def unreachable(url: str, *, cluster: bool = False) -> str | None:
@@ -114,11 +128,21 @@ def unreachable(url: str, *, cluster: bool = False) -> str | None:
 class Store:
     """One fleet's view of Redis: its client, key names, scripts and fencing epoch."""
 
-    def __init__(self, client: Client, prefix: str, groups: int) -> None:
+    def __init__(
+        self,
+        client: Client,
+        prefix: str,
+        groups: int,
+        *,
+        full_fraction: float = 0.9,
+        room_check_seconds: float = 1.0,
+    ) -> None:
         self.redis = client
         self.keys = Keys(prefix, groups)
         self.scripts = Scripts(client, self.keys)
         self.epoch: int | None = None  # set while this controller dispatches
+        # admission refuses new work before Redis reaches maxmemory (store/room.py)
+        self.room = Room(client, full_fraction, room_check_seconds)
 
     async def ping(self) -> None:
         """Raise (StoreError) unless Redis answers now: a controller checks it as it starts."""

@@ -12,9 +12,10 @@ and updating serve a request or a dispatch any replica may make, and are not fen
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lorafleet import contract
+from lorafleet.digests import FileDigest
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.store import Store, blob, named, text
 
@@ -39,6 +40,9 @@ class CheckpointRecord:
     has_optimizer: bool
     files_dir: str
     version: int
+    # A sampler checkpoint's files (name -> SHA-256 and size), what a download checks them
+    # against; a training checkpoint's are in its manifest.json.
+    files: dict[str, FileDigest] = field(default_factory=dict)
 
     @property
     def checkpoint_id(self) -> str:
@@ -89,6 +93,11 @@ class CatalogRepo:
                 rec.files_dir,
                 "version",
                 rec.version,
+                "files",
+                json.dumps(
+                    {n: {"sha256": d.sha256, "size": d.size} for n, d in rec.files.items()},
+                    sort_keys=True,
+                ),
                 "op",
                 operation_id,
             )
@@ -121,6 +130,10 @@ class CatalogRepo:
             has_optimizer=raw.get(b"has_optimizer") == b"1",
             files_dir=text(raw.get(b"files_dir")),
             version=int(raw.get(b"version", b"0")),
+            files={
+                n: FileDigest(d["sha256"], d["size"])
+                for n, d in json.loads(raw.get(b"files", b"{}")).items()
+            },
         )
 
     async def paths(self, tenant: str, training_run_id: str = "") -> list[str]:

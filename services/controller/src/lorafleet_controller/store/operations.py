@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet_controller.store import OpState, Store, blob, text
+from lorafleet_controller.store import OpState, RegState, Store, blob, text
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,27 @@ class OperationsRepo:
             ordered=raw.get(b"ordered") == b"1",
             version=int(raw.get(b"version", b"0")),
         )
+
+    async def released(self, opid: str) -> StoredOp | None:
+        """The EXPIRED record of an ordered operation whose record was compacted
+        (store/lua/common.lua's `compactable`): a seq_id below its registration's head, or
+        up to the last one of a retired registration, with no record. None for any other id
+        (a sample's record leaves nothing behind)."""
+        rid, sep, seq_text = opid.rpartition("#")
+        if not sep or not seq_text.isdigit():
+            return None
+        seq = int(seq_text)
+        tenant, state, head, max_seq = await self.store.redis.hmget(
+            self.keys.reg(rid), "tenant", "state", "head", "max_seq"
+        )
+        if tenant is None:
+            return None
+        below = seq < int(head or 0) or (
+            text(state) == RegState.RETIRED and seq <= int(max_seq or -1)
+        )
+        if not below or await self.exists(opid):
+            return None
+        return StoredOp(rid, text(tenant), seq, 0, OpState.EXPIRED, b"", b"", "", 0, 0, True, 0)
 
     async def exists(self, opid: str) -> bool:
         return bool(await self.store.redis.exists(self.keys.op(opid)))

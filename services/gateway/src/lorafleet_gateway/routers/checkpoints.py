@@ -7,7 +7,7 @@ any other id (say the SDK's "checkpoint-123") matches no route at all: 404, neve
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.convertors import Convertor, register_url_convertor
 
@@ -142,9 +142,12 @@ async def download_archive(token: str, serving: Areas) -> StreamingResponse:
 
 @router.get(
     "/downloads/{token}/files/{file_path:path}",
-    response_class=Response,
+    response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": _BINARY}}},
 )
-async def download_file(token: str, file_path: str, serving: Areas) -> Response:
-    data = await serving.checkpoints.file(token, file_path)
-    return Response(data, media_type="application/octet-stream")
+async def download_file(token: str, file_path: str, serving: Areas) -> StreamingResponse:
+    """With its Content-Length, so a response cut off by a damaged file is seen as short."""
+    size, body = await serving.checkpoints.file(token, file_path)
+    return StreamingResponse(
+        body, media_type="application/octet-stream", headers={"Content-Length": str(size)}
+    )

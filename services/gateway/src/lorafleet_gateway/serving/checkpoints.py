@@ -109,25 +109,30 @@ class CheckpointServing:
     ) -> ExternalWeightsUrlsResponse:
         stored = views.controller_path(path)
         base, expires = await self._signed(tenant, stored, base_url)
-        urls = {}
-        async for file_name, _ in archive.files(self._controller, tenant, stored):
-            urls[file_name] = f"{base}/files/{urllib.parse.quote(file_name)}"
+        urls = {
+            file_name: f"{base}/files/{urllib.parse.quote(file_name)}"
+            for file_name in await archive.names(self._controller, tenant, stored)
+        }
         return ExternalWeightsUrlsResponse(urls=urls, expires=expires)
 
     async def archive(self, token: str) -> tuple[str, AsyncIterator[bytes]]:
-        """(file name, tar stream) of a signed token's checkpoint; errors surface before the
-        first byte, as a status code."""
+        """(file name, tar stream) of a signed token's checkpoint; errors found before the
+        first byte (a missing or refused checkpoint) surface as a status code, later ones
+        cut the response off."""
         tenant, path = self._signer.verify(token)
-        stream = archive.files(self._controller, tenant, path)
+        stream = archive.chunks(self._controller, tenant, path)
         first = await anext(stream, None)
         if first is None:
             raise errors.NotFound("checkpoint has no files", field="token")
         name = path.rsplit("/", 1)[-1]
         return f"{name}.tar", archive.tar_stream(first, stream)
 
-    async def file(self, token: str, file_path: str) -> bytes:
+    async def file(self, token: str, file_path: str) -> tuple[int, AsyncIterator[bytes]]:
+        """(size, bytes) of one file of a signed token's checkpoint, streamed; errors found
+        before its first byte surface as a status code."""
         tenant, path = self._signer.verify(token)
-        async for file_name, data in archive.files(self._controller, tenant, path):
-            if file_name == file_path:
-                return data
+        stream = archive.chunks(self._controller, tenant, path)
+        async for chunk in stream:
+            if chunk.path == file_path and chunk.offset == 0:
+                return chunk.size_bytes, archive.file_body(chunk, stream)
         raise errors.NotFound(f"no file {file_path!r} in the checkpoint", field="file_path")

@@ -82,8 +82,13 @@ local function advance(rid, now)
   local rk = keys.reg(rid)
   local head = tonumber(redis.call('HGET', rk, 'head'))
   while true do
-    local st = op_state(opid_of(rid, head))
+    local id = opid_of(rid, head)
+    local st = op_state(id)
     if st == 0 or st == OP.QUEUED or st == OP.CLAIMED then break end
+    if st == OP.EXPIRED then  -- released before the head passed it: compacted now
+      redis.call('DEL', keys.op(id))
+      depth(OP.EXPIRED, -1)
+    end
     head = head + 1
   end
   redis.call('HSET', rk, 'head', head)
@@ -125,19 +130,36 @@ local function finish(opid, state, result_body, err, now)
   return true
 end
 
--- Release a terminal result: payload and result go, the seq_id stays reserved. An
--- acknowledged one (ack.lua) no longer counts as unacked.
+-- Whether a released operation's record can go: what exactly-once needs of it is kept
+-- elsewhere. A sample is not seq-ordered (running one again writes nothing and is seeded).
+-- An ordered one below its registration's head is answered by the head itself (submit.lua:
+-- a seq_id below the head with no record ran and was released), as is every one of a
+-- retired registration (it admits nothing). One at or past the head stays an EXPIRED stub
+-- until the head passes it (advance), which the ordering needs.
+local function compactable(ordered, rid, seq)
+  if ordered ~= '1' then return true end
+  local r = redis.call('HMGET', keys.reg(rid), 'state', 'head')
+  return r[1] == REG.RETIRED or tonumber(seq) < tonumber(r[2] or '0')
+end
+
+-- Release a terminal result: payload and result go, and the record with them where
+-- `compactable`; else an EXPIRED stub keeps the seq_id reserved. An acknowledged one
+-- (ack.lua) no longer counts as unacked.
 local function expire(opid)
   local ok = keys.op(opid)
-  local f = redis.call('HMGET', ok, 'state', 'tenant', 'acked')
+  local f = redis.call('HMGET', ok, 'state', 'tenant', 'acked', 'ordered', 'rid', 'seq')
   local st = tonumber(f[1] or '0')
   if st ~= OP.SUCCEEDED and st ~= OP.FAILED and st ~= OP.CANCELLED then return false end
-  redis.call('HSET', ok, 'state', OP.EXPIRED)
-  redis.call('HDEL', ok, 'result', 'error', 'payload', 'acked')
   redis.call('ZREM', keys.results, opid)
   if f[3] ~= '1' then count(f[2], 'unacked', -1) end
   depth(st, -1)
-  depth(OP.EXPIRED, 1)
+  if compactable(f[4], f[5], f[6]) then
+    redis.call('DEL', ok)
+  else
+    redis.call('HSET', ok, 'state', OP.EXPIRED)
+    redis.call('HDEL', ok, 'result', 'error', 'payload', 'acked')
+    depth(OP.EXPIRED, 1)
+  end
   return true
 end
 
@@ -169,8 +191,13 @@ local function claim_op(id, now)
   local f = redis.call('HMGET', ok, 'state', 'rid', 'seq', 'kind', 'payload', 'ordered',
     'tenant', 'submitted_at')
   if tonumber(f[1] or '0') ~= OP.QUEUED then return false end
-  local r = redis.call('HMGET', keys.reg(f[2] or ''), 'state', 'head', 'replica', 'slot', 'dirty',
-    'base_model')
+  -- Only an ordered operation reads its registration: a sample lives in its sampler's group,
+  -- which need not be its registration's (on a Cluster the record is out of reach).
+  local r = {}
+  if f[6] == '1' then
+    r = redis.call('HMGET', keys.reg(f[2] or ''), 'state', 'head', 'replica', 'slot', 'dirty',
+      'base_model')
+  end
   if f[6] == '1' and (r[1] ~= REG.READY or tonumber(r[2]) ~= tonumber(f[3])) then
     redis.call('HDEL', ok, 'pushed')
     return false

@@ -25,12 +25,11 @@ while i <= #ARGS do
     recorded = 1
     local ok = keys.op(id)
     local rid = redis.call('HGET', ok, 'rid')
-    local rk = keys.reg(rid)
     for e = effects, i - 1, 3 do
-      if ARGS[e] == 'set' then
-        redis.call('HSET', rk, ARGS[e + 1], ARGS[e + 2])
+      if ARGS[e] == 'set' then  -- only an ordered operation's, in its registration's group
+        redis.call('HSET', keys.reg(rid), ARGS[e + 1], ARGS[e + 2])
       elseif ARGS[e] == 'incr' then
-        redis.call('HINCRBY', rk, ARGS[e + 1], tonumber(ARGS[e + 2]))
+        redis.call('HINCRBY', keys.reg(rid), ARGS[e + 1], tonumber(ARGS[e + 2]))
       elseif ARGS[e] == 'usage' then
         local tenant = redis.call('HGET', ok, 'tenant')
         redis.call('HINCRBY', keys.usage(tenant), ARGS[e + 1], tonumber(ARGS[e + 2]))

@@ -11,7 +11,8 @@
 -- refused with that scope) and submits again. Every new seq_id spends a token; a hole-filling
 -- one too (the balance may go negative) but is never refused, so a gap cannot wait on the
 -- bucket and a tenant cannot dodge it by submitting ahead and filling behind.
--- Result: code = created | duplicate | conflict | not_found | retired | window | unavailable
+-- Result: code = created | duplicate | conflict | not_found | retired | released | window
+-- | unavailable
 -- | backpressure (scope registration) | need_lease (need: scopes; tokens: the group's
 -- balance, below 1, negative after hole-filling admissions), with operation_id, state,
 -- head, reason, corrupted, failed as they apply; page_in (its base model) when a PAGED
@@ -35,7 +36,9 @@ if reg[2] == REG.RETIRED then
     'failed', redis.call('HGET', rk, 'failed') or '')
 end
 local head, max_seq = tonumber(reg[3]), tonumber(reg[4])
-if seq < head or seq >= head + window then return result('code', 'window', 'head', head) end
+-- Below the head with no record: it ran and was released (common.lua's compactable).
+if seq < head then return result('code', 'released', 'head', head) end
+if seq >= head + window then return result('code', 'window', 'head', head) end
 if reg[2] == REG.UNAVAILABLE then return result('code', 'unavailable', 'reason', reg[6] or '') end
 if seq > max_seq then
   if born_error == '' and tonumber(reg[5]) >= max_reg then

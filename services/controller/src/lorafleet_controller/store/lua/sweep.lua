@@ -22,20 +22,30 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', keys.results, '-inf', result_cut
     'LIMIT', 0, limit)) do
   if expire(id) then expired = expired + 1 else redis.call('ZREM', keys.results, id) end
 end
-local deleted = 0
+-- A retired registration's records go (compactable) once its results are past the TTL; at
+-- most `limit` * 256 seq_ids are probed per call, resuming at `purged` (a long run's seq_ids
+-- are mostly compacted already, and one call must not hold the server for seconds).
+local deleted, budget = 0, limit * 256
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', keys.retired, '-inf', result_cutoff,
     'LIMIT', 0, limit)) do
-  local max_seq = tonumber(redis.call('HGET', keys.reg(rid), 'max_seq') or '-1')
-  for seq = 0, max_seq do
+  local rk = keys.reg(rid)
+  local max_seq = tonumber(redis.call('HGET', rk, 'max_seq') or '-1')
+  local seq = tonumber(redis.call('HGET', rk, 'purged') or '0')
+  while seq <= max_seq and budget > 0 do
     local id = opid_of(rid, seq)
     local st = op_state(id)
     if st ~= 0 and st ~= OP.QUEUED and st ~= OP.CLAIMED then
       expire(id)
-      redis.call('DEL', keys.op(id))
-      depth(OP.EXPIRED, -1)
+      if redis.call('DEL', keys.op(id)) == 1 then depth(OP.EXPIRED, -1) end
       deleted = deleted + 1
     end
+    seq, budget = seq + 1, budget - 1
   end
-  redis.call('ZREM', keys.retired, rid)
+  if seq > max_seq then
+    redis.call('ZREM', keys.retired, rid)
+    redis.call('HDEL', rk, 'purged')
+  else
+    redis.call('HSET', rk, 'purged', seq)
+  end
 end
 return result('claims_failed', failed, 'results_expired', expired, 'records_deleted', deleted)
