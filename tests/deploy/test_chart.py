@@ -210,6 +210,7 @@ def test_values_files_match_schema(name):
     ("override", "path"),
     [
         ({"redis": {"appendfsync": "no"}}, "appendfsync"),
+        ({"redis": {"maxmemory": "0"}}, "maxmemory"),
         ({"trainer": {"replicaCnt": 2}}, "replicaCnt"),
         ({"rollout": {"engine": "tensorrt"}}, "engine"),
         ({"rollout": {"vllm": {"maxLoraRank": 48}}}, "maxLoraRank"),
@@ -271,7 +272,7 @@ def test_grpc_services_use_native_grpc_probes(render, name):
     """On the gRPC port, or with internal TLS on the plaintext health port (the kubelet
     cannot present a client certificate), which the service is told to open."""
     values = load_values(name)
-    tls = values.get("tls", {}).get("enabled", False)
+    tls = values.get("tls", {}).get("enabled", True)  # on by default
     rendered = render(values)
     for component, service in GRPC_SERVICES.items():
         c = rendered.container(component)
@@ -300,7 +301,13 @@ def test_service_env_vars(render):
     controller = env_of(rendered.container("controller"))
     assert controller["LORAFLEET_CONTROLLER_PORT"] == "50051"
     assert controller["LORAFLEET_CONTROLLER_METRICS_PORT"] == "9100"
-    assert controller["LORAFLEET_CONTROLLER_REDIS_URL"] == f"redis://{FULL}-redis:6379/0"
+    # The bundled Redis's generated password, from its Secret, expanded by the kubelet.
+    assert controller["LORAFLEET_CONTROLLER_REDIS_URL"] == (
+        f"redis://:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
+    )
+    assert controller["REDIS_PASSWORD"] == {
+        "secretKeyRef": {"name": f"{FULL}-redis", "key": "redis-password"}
+    }
     assert controller["LORAFLEET_CONTROLLER_TRAINER_SERVICE"] == f"{FULL}-trainer-headless"
     trainer = env_of(rendered.container("trainer"))
     assert trainer["LORAFLEET_TRAINER_PORT"] == "50052"
@@ -978,9 +985,26 @@ def test_only_the_controller_mounts_an_api_token(render):
 def test_bundled_redis(render, fsync):
     rendered = render({"redis": {"appendfsync": fsync}})
     redis = rendered.workload("redis")
-    cmd = redis["spec"]["template"]["spec"]["containers"][0]["command"]
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    cmd = container["command"]
     assert cmd[cmd.index("--appendonly") + 1] == "yes"
     assert cmd[cmd.index("--appendfsync") + 1] == fsync
+    assert cmd[cmd.index("--maxmemory") + 1] == "2gb"
+    assert cmd[cmd.index("--maxmemory-policy") + 1] == "noeviction"
+    # A generated password (kept across upgrades), from a Secret; Redis's protected mode is
+    # left on, which the password satisfies.
+    assert cmd[cmd.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert "--protected-mode" not in cmd
+    ref = {"secretKeyRef": {"name": f"{FULL}-redis", "key": "redis-password"}}
+    assert env_of(container)["REDIS_PASSWORD"] == ref
+    assert env_of(container)["REDISCLI_AUTH"] == ref  # the probes' redis-cli
+    password = rendered.get("Secret", f"{FULL}-redis")["data"]["redis-password"]
+    assert len(password) >= 40  # 32 random characters, base64
+    existing = render({"redis": {"auth": {"existingSecret": "corp-redis", "secretKey": "pw"}}})
+    assert f"{FULL}-redis" not in {s["metadata"]["name"] for s in existing.of_kind("Secret")}
+    assert env_of(existing.container("controller"))["REDIS_PASSWORD"] == {
+        "secretKeyRef": {"name": "corp-redis", "key": "pw"}
+    }
     (claim,) = redis["spec"]["volumeClaimTemplates"]
     assert claim["spec"]["resources"]["requests"]["storage"] == "8Gi"
     assert rendered.get("Service", redis["spec"]["serviceName"])["spec"]["clusterIP"] == "None"
@@ -1011,45 +1035,116 @@ def test_gateway_service_ingress_and_secret(render):
     assert env["LORAFLEET_GATEWAY_DOWNLOAD_SECRET"]["secretKeyRef"]["name"] == (
         "lorafleet-download"
     )
-    assert not rendered.of_kind("Secret")
+    assert f"{FULL}-gateway" not in {s["metadata"]["name"] for s in rendered.of_kind("Secret")}
     default = render()
     secret = default.get("Secret", f"{FULL}-gateway")
     assert len(secret["data"]["download-secret"]) > 40
     assert not default.of_kind("Ingress")
 
 
-def test_network_policies(render):
-    rendered = render(load_values("full"))
-    policies = {p["metadata"]["name"]: p for p in rendered.of_kind("NetworkPolicy")}
-    assert set(policies) == {
-        f"{FULL}-{c}" for c in ("controller", "trainer", "rollout", "gateway", "redis")
-    }
+def _policies(rendered: Rendered) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p for p in rendered.of_kind("NetworkPolicy")}
 
-    def sources(policy_name: str, port: int) -> list[str]:
-        out = []
-        for rule in policies[policy_name]["spec"]["ingress"]:
-            if any(p["port"] == port for p in rule["ports"]):
-                for peer in rule.get("from", [{"anyone": True}]):
-                    labels = peer.get("podSelector", {}).get("matchLabels", {})
-                    out.append(
-                        labels.get(
-                            "app.kubernetes.io/component", labels.get("app.kubernetes.io/name", "?")
-                        )
-                    )
-        return sorted(out)
 
-    assert sources(f"{FULL}-trainer", 50052) == ["controller"]
-    assert sources(f"{FULL}-rollout", 50053) == ["controller"]
-    assert sources(f"{FULL}-redis", 6379) == ["controller"]
-    assert sources(f"{FULL}-trainer", 9100) == ["prometheus"]
-    assert sources(f"{FULL}-controller", 9100) == ["prometheus"]
-    assert sources(f"{FULL}-gateway", 9100) == ["prometheus"]
-    assert "prometheus" not in sources(f"{FULL}-gateway", 8000)  # it serves no /metrics
-    # Trainers and rollouts register themselves with the controller; the test pod checks it.
-    assert sources(f"{FULL}-controller", 50051) == ["gateway", "rollout", "test", "trainer"]
+def _peer_name(peer: dict[str, Any]) -> str:
+    labels = peer.get("podSelector", {}).get("matchLabels", {})
+    return labels.get("app.kubernetes.io/component", labels.get("app.kubernetes.io/name", "?"))
+
+
+def _sources(policy: dict[str, Any], port: int) -> list[str]:
+    """Who may reach `port` ("anyone" for a rule without `from`, "*" for a rule of every port)."""
+    out = []
+    for rule in policy["spec"]["ingress"]:
+        if "ports" not in rule or any(p["port"] == port for p in rule["ports"]):
+            for peer in rule.get("from", [{"anyone": True}]):
+                out.append("anyone" if "anyone" in peer else _peer_name(peer))
+    return sorted(out)
+
+
+def _destinations(policy: dict[str, Any]) -> set[tuple[str, int | None]]:
+    """(peer, port) of each egress rule: "dns", a component, or "any address"; None = every port."""
+    out = set()
+    for rule in policy["spec"]["egress"]:
+        peers = rule.get("to") or [{"any address": True}]
+        for peer in peers:
+            name = "any address" if "any address" in peer else _peer_name(peer)
+            if peer.get("podSelector", {}).get("matchLabels", {}).get("k8s-app") == "kube-dns":
+                name = "dns"
+            for port in rule.get("ports") or [{"port": None}]:
+                out.add((name, port["port"]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["default", "full"])
+def test_network_policies(render, name):
+    """On by default, ingress and egress, for every pod of the release: each component reaches
+    only what it calls, and a pod without the release's labels only the gateway's HTTP port."""
+    rendered = render(load_values(name))
+    policies = _policies(rendered)
+    components = ("controller", "trainer", "rollout", "gateway", "redis", "test")
+    assert set(policies) == {f"{FULL}-{c}" for c in components}
     for policy in policies.values():
-        assert policy["spec"]["policyTypes"] == ["Ingress"]
-    assert not render().of_kind("NetworkPolicy")
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    # Every pod of the release is selected by its component's policy.
+    for pod_name, _ in rendered.pod_specs():
+        selected = [
+            p
+            for p in policies.values()
+            if pod_name.removeprefix(f"{FULL}-").split("-")[0]
+            == p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        ]
+        assert len(selected) == 1, pod_name
+    pol = {c: policies[f"{FULL}-{c}"] for c in components}
+    assert _sources(pol["trainer"], 50052) == ["controller"]
+    assert _sources(pol["rollout"], 50053) == ["controller"]
+    assert _sources(pol["redis"], 6379) == ["controller"]
+    assert _sources(pol["trainer"], 9100) == ["prometheus"]
+    assert _sources(pol["controller"], 9100) == ["prometheus"]
+    assert _sources(pol["gateway"], 9100) == ["prometheus"]
+    assert "prometheus" not in _sources(pol["gateway"], 8000)  # it serves no /metrics
+    # Trainers and rollouts register themselves with the controller; the test pod checks it.
+    assert _sources(pol["controller"], 50051) == ["gateway", "rollout", "test", "trainer"]
+    assert _sources(pol["test"], 8000) == []
+    # Strangers reach the gateway's HTTP port (API keys guard it; full-values names who) only.
+    for component, policy in pol.items():
+        for rule in policy["spec"]["ingress"]:
+            anyone = "from" not in rule
+            assert not anyone or (component == "gateway" and rule["ports"][0]["port"] == 8000)
+    if name == "full":
+        assert "anyone" not in _sources(pol["gateway"], 8000)
+    dns = {("dns", 53)}
+    assert _destinations(pol["gateway"]) == dns | {("controller", 50051)}
+    assert _destinations(pol["trainer"]) == dns | {("controller", 50051)}
+    assert _destinations(pol["rollout"]) == dns | {("controller", 50051)}
+    assert _destinations(pol["redis"]) == set()
+    assert _destinations(pol["test"]) == dns | {("controller", 50051), ("gateway", 8000)}
+    assert _destinations(pol["controller"]) == dns | {
+        ("trainer", 50052),
+        ("rollout", 50053),
+        ("redis", 6379),
+        ("any address", 443),  # the Kubernetes API (discovery, the Lease)
+        ("any address", 6443),
+    }
+    assert not render({"networkPolicy": {"enabled": False}}).of_kind("NetworkPolicy")
+
+
+def test_network_policies_open_multi_node_groups_and_external_redis(render):
+    """The pods of trainer and rollout groups reach each other on every port (rendezvous,
+    NCCL); an external Redis is reached on its URL's port, anywhere."""
+    pol = _policies(render(load_values("multinode")))
+    for component in ("trainer", "rollout"):
+        policy = pol[f"{FULL}-{component}"]
+        assert (component, None) in _destinations(policy)
+        assert component in _sources(policy, 12345)  # any port
+        assert _sources(policy, 50052 if component == "trainer" else 50053) == sorted(
+            ["controller", component]
+        )
+    external = {"redis": {"enabled": False, "external": {"url": "rediss://r.example.com:6380/1"}}}
+    pol = _policies(render(external))
+    assert f"{FULL}-redis" not in pol
+    assert ("any address", 6380) in _destinations(pol[f"{FULL}-controller"])
+    extra = {"networkPolicy": {"controllerEgress": [{"ports": [{"port": 9000}]}]}}
+    assert ("any address", 9000) in _destinations(_policies(render(extra))[f"{FULL}-controller"])
 
 
 def test_pod_disruption_budgets(render):
@@ -1330,8 +1425,10 @@ def test_group_guards(chart, override, message):
 
 TLS_KINDS = ("controller", "trainer", "rollout", "gateway")
 EXISTING = {kind: f"corp-{kind}-tls" for kind in TLS_KINDS}
-# Each render with TLS on: cert-manager with the chart's CA, existing Secrets, multi-node.
+# Each render with TLS on: Helm's certificates, cert-manager with the chart's CA, existing
+# Secrets, multi-node.
 TLS_RENDERS = {
+    "helm-generated (the default)": {},
     "cert-manager": load_values("tls"),
     "existing-secrets": {"tls": {"enabled": True, "existingSecret": EXISTING}},
     "multinode": deep_merge(load_values("multinode"), {"tls": {"enabled": True}}),
@@ -1459,10 +1556,53 @@ def test_tls_with_an_issuer_and_existing_secrets(render):
     assert "mutual TLS" in notes and f"{FULL}-admin-tls" not in notes
 
 
+def test_tls_by_default_with_certificates_helm_generates(render):
+    """Without cert-manager the chart makes the CA and every certificate itself: one CA signs
+    them all, each kind's common name is its role and its DNS names are those cert-manager
+    would put in, the admin certificate is client-only; no Certificate objects."""
+    import base64
+
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    rendered = render()
+    assert not rendered.of_kind("Certificate") and not rendered.of_kind("Issuer")
+    cert_manager = render(load_values("tls"))
+
+    def pem(secret: str, key: str) -> x509.Certificate:
+        data = rendered.get("Secret", secret)["data"][key]
+        return x509.load_pem_x509_certificate(base64.b64decode(data))
+
+    ca = pem(f"{FULL}-ca", "tls.crt")
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    for kind in (*TLS_KINDS, "admin"):
+        secret = f"{FULL}-{kind}-tls"
+        assert rendered.get("Secret", secret)["type"] == "kubernetes.io/tls"
+        assert pem(secret, "ca.crt") == ca
+        leaf = pem(secret, "tls.crt")
+        leaf.verify_directly_issued_by(ca)
+        (cn,) = leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        usages = set(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+        assert ExtendedKeyUsageOID.CLIENT_AUTH in usages
+        if kind == "admin":
+            assert cn.value == "lorafleet-admin"
+            continue
+        assert cn.value == kind
+        spec = cert_manager.get("Certificate", secret)["spec"]
+        names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert names.get_values_for_type(x509.DNSName) == spec["dnsNames"]
+    # The CA's key is in its own Secret, which no pod mounts.
+    for pod_name, pod in rendered.pod_specs():
+        assert f"{FULL}-ca" not in _secret_volumes(pod).values(), pod_name
+
+
 def test_tls_guards(chart):
-    partial = {"tls": {"enabled": True, "existingSecret": {"trainer": "t"}}}
+    partial = {"tls": {"provider": "certManager", "existingSecret": {"trainer": "t"}}}
     with pytest.raises(helm_python.HelmRenderError, match="issuerRef"):
         chart.render(values=partial, name=RELEASE, namespace=NAMESPACE)
+    generated = {"tls": {"existingSecret": {"trainer": "t"}}}
+    with pytest.raises(helm_python.HelmRenderError, match="did not sign the existing Secrets"):
+        chart.render(values=generated, name=RELEASE, namespace=NAMESPACE)
     with pytest.raises(helm_python.HelmValuesError, match="adminNames"):
         chart.render(values={"tls": {"adminNames": []}}, name=RELEASE, namespace=NAMESPACE)
 
@@ -1543,6 +1683,150 @@ async def test_rendered_tls_wiring_authenticates_real_grpc_peers(render, tmp_pat
         assert await check(probe) == serving
     finally:
         await trainer.stop()
+
+
+def _pod_env(rendered: Rendered, component: str, pod: str) -> dict[str, str]:
+    """A container's env as the kubelet gives it on one host: fieldRefs of pod `pod`,
+    secretKeyRefs read from the rendered Secrets, $(VAR) expanded, Service names -> loopback."""
+    import base64
+
+    secrets = {o["metadata"]["name"]: o.get("data", {}) for o in rendered.of_kind("Secret")}
+    fields = {"metadata.name": pod, "metadata.namespace": NAMESPACE}
+    out: dict[str, str] = {}
+    for name, value in env_of(rendered.container(component)).items():
+        if isinstance(value, dict) and "fieldRef" in value:
+            value = fields[value["fieldRef"]["fieldPath"]]
+        elif isinstance(value, dict):
+            ref = value["secretKeyRef"]
+            value = base64.b64decode(secrets[ref["name"]][ref["key"]]).decode()
+        value = re.sub(r"\$\((\w+)\)", lambda m: out[m.group(1)], value)
+        out[name] = re.sub(rf"{FULL}-[a-z-]+(\.{NAMESPACE}\.svc)?", "127.0.0.1", value)
+    return out
+
+
+def _secret_identity(rendered: Rendered, secret: str, folder: Path) -> Any:
+    """The TLS identity in a rendered certificate Secret, through files as a pod mounts them."""
+    import base64
+
+    from lorafleet.settings import TlsSettings
+    from lorafleet.tls import identity_from_settings
+
+    folder.mkdir()
+    data = rendered.get("Secret", secret)["data"]
+    for key in ("ca.crt", "tls.crt", "tls.key"):
+        (folder / key).write_bytes(base64.b64decode(data[key]))
+    settings = TlsSettings(
+        folder / "ca.crt", folder / "tls.crt", folder / "tls.key", server_name=f"{FULL}-internal"
+    )
+    return identity_from_settings(settings)
+
+
+def test_chart_defaults_admit_no_caller_without_a_certificate(render, tmp_path):
+    """The default install, started as rendered: the controller with the env, the Helm-made
+    certificate and the generated Redis password the chart gives it, Redis requiring that
+    password. A caller without a certificate reaches nothing (the handshake refuses it); the
+    gateway's certificate cannot mint a key; the trainer's cannot register a rollout or act
+    for a tenant; the admin certificate (which no pod mounts) can, and the refused calls
+    changed nothing."""
+    import grpc
+
+    from lorafleet.rpc.channel import make_blocking_channel
+    from lorafleet.testing import (
+        child_env,
+        free_port,
+        redis_server,
+        service_process,
+        wait_until,
+    )
+    from lorafleet.v1 import controller_pb2, controller_pb2_grpc
+
+    rendered = render()
+    env = _pod_env(rendered, "controller", f"{FULL}-controller-0")
+    tls = tmp_path / "tls"
+    identity = {
+        kind: _secret_identity(rendered, f"{FULL}-{kind}-tls", tmp_path / kind)
+        for kind in ("controller", "gateway", "trainer", "admin")
+    }
+    (tmp_path / "controller").rename(tls)
+    port, health = free_port(), free_port()
+    env = {k: v.replace("/etc/lorafleet/tls", str(tls)) for k, v in env.items()}
+    with redis_server(tmp_path / "redis", password=env["REDIS_PASSWORD"]) as redis:
+        assert env["LORAFLEET_CONTROLLER_REDIS_URL"].startswith("redis://:")
+        url = env["LORAFLEET_CONTROLLER_REDIS_URL"].replace(":6379/", f":{redis.port}/")
+        env.update(
+            LORAFLEET_CONTROLLER_REDIS_URL=url,
+            LORAFLEET_CONTROLLER_PORT=str(port),
+            LORAFLEET_CONTROLLER_HEALTH_PORT=str(health),
+            LORAFLEET_CONTROLLER_METRICS_PORT="0",
+            LORAFLEET_CONTROLLER_HOST="127.0.0.1",
+            LORAFLEET_CONTROLLER_STORAGE_ROOT=str(tmp_path / "checkpoints"),
+            LORAFLEET_CONTROLLER_SHARED_ADAPTER_ROOT=str(tmp_path / "checkpoints" / "shared"),
+            # No cluster to discover pods in: replicas announce themselves.
+            LORAFLEET_CONTROLLER_DISCOVERY="self",
+        )
+        address = f"127.0.0.1:{port}"
+        log = tmp_path / "controller.log"
+        with service_process("lorafleet_controller", port, child_env(**env), log):
+
+            def admin() -> controller_pb2_grpc.ControllerServiceStub:
+                channel = make_blocking_channel(address, tls=identity["admin"])
+                return controller_pb2_grpc.ControllerServiceStub(channel)
+
+            def serving() -> bool:
+                try:
+                    admin().GetCapabilities(controller_pb2.GetCapabilitiesRequest(), timeout=5)
+                except grpc.RpcError:
+                    return False
+                return True
+
+            wait_until(serving, "the controller serves on the rendered certificates")
+            create = controller_pb2.CreateApiKeyRequest(tenant="victim", label="stolen")
+            no_certificate = [
+                grpc.insecure_channel(address),
+                grpc.secure_channel(
+                    address,
+                    grpc.ssl_channel_credentials(root_certificates=identity["admin"].ca),
+                    options=[("grpc.ssl_target_name_override", f"{FULL}-internal")],
+                ),
+            ]
+            for channel in no_certificate:
+                with channel, pytest.raises(grpc.RpcError) as info:
+                    controller_pb2_grpc.ControllerServiceStub(channel).CreateApiKey(
+                        create, timeout=10
+                    )
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            register = controller_pb2.RegisterReplicaRequest(
+                kind=controller_pb2.REPLICA_KIND_ROLLOUT,
+                replica_id="rollout-9",
+                address="127.0.0.1:1",
+                base_model="fake",
+            )
+            refused = [
+                ("gateway", lambda s: s.CreateApiKey(create, timeout=10), "operator"),
+                ("trainer", lambda s: s.RegisterReplica(register, timeout=10), "kind"),
+                (
+                    "trainer",
+                    lambda s: s.CreateSession(
+                        controller_pb2.CreateSessionRequest(tenant="victim"), timeout=10
+                    ),
+                    "gateway or operator",
+                ),
+            ]
+            for kind, call, why in refused:
+                with (
+                    make_blocking_channel(address, tls=identity[kind]) as channel,
+                    pytest.raises(grpc.RpcError) as info,
+                ):
+                    call(controller_pb2_grpc.ControllerServiceStub(channel))
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, kind
+                assert why in str(info.value.details()), kind
+            stub = admin()
+            keys = stub.ListApiKeys(controller_pb2.ListApiKeysRequest(tenant="victim"), timeout=10)
+            assert list(keys.keys) == []
+            status = stub.GetFleetStatus(controller_pb2.GetFleetStatusRequest(), timeout=10)
+            assert list(status.replicas) == []
+            assert stub.CreateApiKey(create, timeout=10).api_key
+        assert env["REDIS_PASSWORD"] not in log.read_text()
 
 
 def test_model_quantization_reaches_trainer_rollout_and_model_server(chart, render):

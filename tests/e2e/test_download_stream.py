@@ -21,7 +21,7 @@ import pytest
 
 from lorafleet import manifests
 from lorafleet.digests import FileDigest, sha256_file
-from lorafleet.testing import wait_until
+from lorafleet.testing import peak_rss, reset_peak_rss, wait_until
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.catalog import TRAINING, Catalog
 from lorafleet_controller.settings import ControllerSettings
@@ -192,19 +192,6 @@ def test_a_file_that_fails_its_check_never_arrives_whole(fleet: Any, saved: dict
     assert httpx.get(urls[WEIGHTS], timeout=60).content == original  # served again
 
 
-def _status_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-def idle_rss(pid: int) -> int:
-    """Reset the process's peak RSS to what it holds now (clear_refs 5) and return that."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    return _status_kib(pid, "VmRSS") << 10
-
-
 @pytest.mark.slow
 def test_a_1_gib_download_keeps_controller_and_gateway_memory_flat(
     fleet: Any, saved: dict[str, Any]
@@ -215,7 +202,7 @@ def test_a_1_gib_download_keeps_controller_and_gateway_memory_flat(
         tar_url, urls = signed(saved["api"], saved["rid"], "big")
         pids = {name: fleet.member(name).proc.pid for name in ("controller", "gateway")}
         for url in (urls[WEIGHTS], tar_url):
-            idle = {name: idle_rss(pid) for name, pid in pids.items()}
+            idle = {name: reset_peak_rss(pid) for name, pid in pids.items()}
             digest, received = hashlib.sha256(), 0
             with httpx.stream("GET", url, timeout=120) as reply:
                 assert reply.status_code == 200
@@ -223,7 +210,7 @@ def test_a_1_gib_download_keeps_controller_and_gateway_memory_flat(
                     if url == urls[WEIGHTS]:
                         digest.update(part)
                     received += len(part)
-            grown = {n: (_status_kib(p, "VmHWM") << 10) - idle[n] for n, p in pids.items()}
+            grown = {n: peak_rss(p) - idle[n] for n, p in pids.items()}
             assert all(g < RSS_MARGIN for g in grown.values()), (url, grown)
             assert received >= BIG_BYTES
             if url == urls[WEIGHTS]:

@@ -86,7 +86,7 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_HOST = re.compile(rf"[^\s=,:/]*{RELEASE}-lorafleet-[^\s=,:/]*(?=:\d)")
+_HOST = re.compile(rf"[^\s=,:/@]*{RELEASE}-lorafleet-[^\s=,:/@]*(?=:\d)")
 
 
 def _container_env(
@@ -207,6 +207,14 @@ def fleet_from_images(
         },
     )
     objects = _render(values)
+    # The chart's generated Redis password, which the controller's URL now carries.
+    import redis
+
+    (secret,) = [
+        o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-redis")
+    ]
+    password = base64.b64decode(secret["data"]["redis-password"]).decode()
+    redis.Redis(port=redis_server.port).config_set("requirepass", password)
     server_name = f"{RELEASE}-lorafleet-internal"
     certs = make_run_ca(tmp_path / "ca", list(SERVICES), server_names=(server_name,))
     checkpoints = tmp_path / "checkpoints"

@@ -72,7 +72,7 @@ async def test_service_certificate_calls_plain_rpcs_but_not_admin_ones(
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _call(ch, ADMIN_METHOD)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "CreateApiKey needs an admin certificate (caller: gateway)" in info.value.details()
+    assert "CreateApiKey needs an operator certificate (caller: gateway)" in info.value.details()
 
 
 async def test_admin_certificate_calls_admin_rpcs(server: RunningServer, ca: trustme.CA) -> None:

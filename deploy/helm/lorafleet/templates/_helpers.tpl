@@ -261,13 +261,14 @@ print as integers (values arrive as float64: 268435456 must not become 2.6843545
 {{- join "," $out -}}
 {{- end -}}
 
-{{/* The Redis URL as an EnvVar body (value or secretKeyRef). */}}
+{{/* The Redis URL as an EnvVar body (value or secretKeyRef); the bundled Redis's carries
+$(REDIS_PASSWORD), which lorafleet.redisPasswordEnv sets just before it. */}}
 {{- define "lorafleet.redisUrlEnv" -}}
 {{- if .Values.redis.enabled -}}
 {{- if .Values.redis.external.cluster -}}
 {{- fail "redis.external.cluster needs an external Redis Cluster: the bundled Redis is one node" -}}
 {{- end -}}
-value: {{ printf "redis://%s:%d/0" (include "lorafleet.componentName" (dict "ctx" . "component" "redis")) (int .Values.redis.port) | quote }}
+value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "lorafleet.componentName" (dict "ctx" . "component" "redis")) (int .Values.redis.port) | quote }}
 {{- else if .Values.redis.external.existingSecret -}}
 valueFrom:
   secretKeyRef: {name: {{ .Values.redis.external.existingSecret }}, key: {{ .Values.redis.external.secretKey }}}

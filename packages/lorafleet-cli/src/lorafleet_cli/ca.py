@@ -1,8 +1,10 @@
 """A private certificate authority for one `lorafleet up` run (mutual TLS on loopback).
 
-The CA signs one certificate per service kind and one admin certificate for the CLI, then
-its key is dropped: nothing can issue further certificates for the run, and a restarted
-process reuses its kind's certificate. Private keys are written 0600 in a 0700 folder.
+The CA signs one certificate per process and one admin certificate for the CLI, then its
+key is dropped: nothing can issue further certificates for the run, and a restarted process
+reuses its certificate. A certificate's common name is its role (`lorafleet.rpc.roles`):
+`gateway`, or `trainer/trainer-0` for a replica that may register as itself only. Private
+keys are written 0600 in a 0700 folder.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from lorafleet.rpc.roles import NAME_SEP
 
 ADMIN_NAME = "lorafleet-admin"
 VALIDITY = datetime.timedelta(days=30)
@@ -65,7 +69,9 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 def make_run_ca(
     folder: Path, names: list[str], server_names: tuple[str, ...] = ()
 ) -> dict[str, CertFiles]:
-    """Certificates for each of `names` and for `ADMIN_NAME`, signed by a new CA.
+    """Certificates with each of `names` as common name and one for `ADMIN_NAME`, signed by
+    a new CA, keyed (and their files named) by the name's last part: `trainer/trainer-0` is
+    `trainer-0`.
 
     Every certificate is valid as a server (for 127.0.0.1, localhost and `server_names`: the
     chart's shared `tls.serverName`, when a test runs the chart's settings) and as a client:
@@ -133,8 +139,9 @@ def make_run_ca(
             )
             .sign(ca_key, hashes.SHA256())
         )
-        files = CertFiles(ca_file, folder / f"{name}.crt", folder / f"{name}.key")
+        stem = name.rsplit(NAME_SEP, 1)[-1]
+        files = CertFiles(ca_file, folder / f"{stem}.crt", folder / f"{stem}.key")
         files.cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         write_private(files.key_file, _key_pem(key))
-        issued[name] = files
+        issued[stem] = files
     return issued

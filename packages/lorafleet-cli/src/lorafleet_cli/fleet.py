@@ -1,13 +1,15 @@
 """Bring up the whole fleet on loopback as real processes, and take it down again.
 
 Used by `lorafleet up` and by every end-to-end test, so the tests exercise exactly what a
-user runs. Order: Redis (private, unless a URL is given) → controller → trainers →
-rollouts → gateway; each must report healthy before the next starts. Every process is
-recorded by PID in `<run_dir>/fleet.json` and stopped by that PID, never by name.
+user runs. Order: Redis (private, with a generated password, unless a URL is given) →
+controller → trainers → rollouts → gateway; each must report healthy before the next
+starts. Every process is recorded by PID in `<run_dir>/fleet.json` and stopped by that PID,
+never by name.
 
 Internal gRPC is mutual TLS: the fleet makes a private CA for the run (`ca.py`), gives each
-service kind its certificate through LORAFLEET_TLS_*, and keeps an admin certificate for
-itself and the CLI (minting keys, fleet status).
+process its own certificate through LORAFLEET_TLS_* (its role, and for trainers and
+rollouts its replica: `trainer/trainer-0` registers as trainer-0 only; `lorafleet.rpc.roles`),
+and keeps an admin certificate for itself and the CLI (minting keys, fleet status).
 
 `engine="sglang"` starts a real SGLang server beside each rollout (`sglang-<i>`, launched by
 `lorafleet_rollout.sglang_server`: its CPU backend with our shims here, CUDA where an NVIDIA
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -46,6 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet import quantize
 from lorafleet.rpc.channel import make_blocking_channel
+from lorafleet.rpc.roles import Role, common_name
 from lorafleet.settings import TlsSettings
 from lorafleet.testing import RedisServer, child_env, free_port, start_redis, stop_process
 from lorafleet.tls import TlsIdentity, identity_from_settings
@@ -56,7 +60,6 @@ if TYPE_CHECKING:
     from lorafleet_rollout.sglang_server import SGLangServer
 
 STATE_FILE = "fleet.json"
-SERVICES = ("controller", "trainer", "rollout", "gateway")
 
 
 class FleetError(RuntimeError):
@@ -149,13 +152,16 @@ class Fleet:
         cfg.run_dir.chmod(0o700)  # keys, certificates and tenants' checkpoints live here
         (cfg.run_dir / "logs").mkdir(exist_ok=True)
         try:
-            self.certs = make_run_ca(cfg.run_dir / "tls", list(SERVICES))
+            self.certs = make_run_ca(cfg.run_dir / "tls", self._common_names())
             admin = self.certs[ADMIN_NAME]
             self.admin = identity_from_settings(
                 TlsSettings(admin.ca_file, admin.cert_file, admin.key_file)
             )
             if not self.redis_url:
-                self.redis = start_redis(cfg.run_dir / "redis", appendonly=True)
+                # Loopback is every local user's: the private Redis wants a password too.
+                self.redis = start_redis(
+                    cfg.run_dir / "redis", appendonly=True, password=secrets.token_urlsafe(24)
+                )
                 self.redis_url = self.redis.url
                 self.redis_member = Member(
                     "redis",
@@ -252,10 +258,23 @@ class Fleet:
         with contextlib.suppress(FileNotFoundError):
             (self.config.run_dir / STATE_FILE).unlink()
 
-    def client_env(self, service: str) -> dict[str, str]:
-        """LORAFLEET_TLS_* for one more `service` process joining this fleet (a test's
-        second gateway, say)."""
-        return self.certs[service].env()
+    def _common_names(self) -> list[str]:
+        """One certificate per process: the controller's and gateway's by role, each
+        trainer's and rollout's bound to its replica id."""
+        replicas = [
+            common_name(Role(service), f"{service}-{i}")
+            for service, count in (
+                ("trainer", self.config.trainers),
+                ("rollout", self.config.rollouts),
+            )
+            for i in range(count)
+        ]
+        return [common_name(Role.CONTROLLER), common_name(Role.GATEWAY), *replicas]
+
+    def client_env(self, name: str) -> dict[str, str]:
+        """LORAFLEET_TLS_* of process `name`'s certificate, for it or for one more process
+        acting as it (a test's second gateway, say)."""
+        return self.certs[name].env()
 
     # -- supervision -----------------------------------------------------------------------
     def _note(self, message: str) -> None:
@@ -367,7 +386,12 @@ class Fleet:
     def _restart_redis(self, member: Member) -> None:
         """Same port and folder: the append-only file brings every acknowledged write back."""
         assert self.redis is not None
-        self.redis = start_redis(self.redis.data_dir, port=self.redis.port, appendonly=True)
+        self.redis = start_redis(
+            self.redis.data_dir,
+            port=self.redis.port,
+            appendonly=True,
+            password=self.redis.password,
+        )
         member.proc = self.redis.proc
         self._note(f"redis restarted as PID {member.proc.pid}")
 
@@ -405,7 +429,7 @@ class Fleet:
         prefix = f"LORAFLEET_{service.upper()}_"
         port = port or free_port()
         env = {f"{prefix}{k}": v for k, v in settings.items()}
-        env.update(self.client_env(service))
+        env.update(self.client_env(name))
         env[f"{prefix}PORT"] = str(port)
         metrics_port = free_port()
         env[f"{prefix}METRICS_PORT"] = str(metrics_port)

@@ -51,10 +51,13 @@ def _http_health(port: int, path: str = "/api/v1/healthz") -> str:
 
 
 def _redis_health(port: int) -> str:
+    """PING answered: PONG, or NOAUTH from the private Redis, which wants its password (the
+    server answers; whether the controller gets in is the controller's health)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
             conn.sendall(b"PING\r\n")
-            return "SERVING" if conn.recv(16).startswith(b"+PONG") else "NOT_SERVING"
+            reply = conn.recv(16)
+            return "SERVING" if reply.startswith((b"+PONG", b"-NOAUTH")) else "NOT_SERVING"
     except OSError as exc:
         return f"DOWN ({exc.__class__.__name__})"
 

@@ -93,6 +93,25 @@ def wait_for_port(port: int, timeout: float = WAIT_SECONDS, proc: Process | None
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout:.0f}s")
 
 
+def _status_bytes(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def reset_peak_rss(pid: int) -> int:
+    """Reset a process's peak RSS (VmHWM, via /proc/<pid>/clear_refs) to what it holds now,
+    and return that in bytes: `peak_rss(pid) - reset_peak_rss(pid)` is what happened between."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _status_bytes(pid, "VmRSS")
+
+
+def peak_rss(pid: int) -> int:
+    """A process's peak RSS in bytes since its last `reset_peak_rss`."""
+    return _status_bytes(pid, "VmHWM")
+
+
 def stop_process(proc: Process, grace: float = 10.0) -> int | None:
     """SIGTERM, wait up to `grace`, then SIGKILL. Returns the exit code."""
     if proc.poll() is None:
@@ -112,10 +131,12 @@ class RedisServer:
     port: int
     proc: subprocess.Popen[bytes]
     data_dir: Path
+    password: str = ""  # requirepass ("": none)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def stop(self) -> None:
         stop_process(self.proc, grace=5)
@@ -144,12 +165,13 @@ class PortTaken(RuntimeError):
     """The server exited because one of the ports chosen for it was taken before it bound."""
 
 
-def _redis_pid(port: int) -> int | None:
+def _redis_pid(port: int, password: str = "") -> int | None:
     """The PID of the redis-server answering on 127.0.0.1:port, or None when none answers
-    yet (an inline INFO command: no client library needed)."""
+    yet (inline AUTH and INFO commands: no client library needed)."""
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as sock:
         sock.settimeout(5)
-        sock.sendall(b"INFO server\r\n")
+        auth = f"AUTH {password}\r\n".encode() if password else b""
+        sock.sendall(auth + b"INFO server\r\n")
         reply = b""
         while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
             chunk = sock.recv(65536)
@@ -162,22 +184,31 @@ def _redis_pid(port: int) -> int | None:
     return None
 
 
-def _wait_for_own_redis(port: int, proc: subprocess.Popen[bytes]) -> None:
+def _wait_for_own_redis(port: int, proc: subprocess.Popen[bytes], password: str) -> None:
     """Until the server answering on `port` is `proc` itself: an open port alone may be
     another process's, which took it first (and `proc` is about to exit on EADDRINUSE)."""
     deadline = time.monotonic() + WAIT_SECONDS
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
-        if _redis_pid(port) == proc.pid:
+        if _redis_pid(port, password) == proc.pid:
             return
         time.sleep(_POLL_SECONDS)
     raise TimeoutError(f"redis-server {proc.pid} not answering on 127.0.0.1:{port}")
 
 
-def _launch_redis(data_dir: Path, port: int, appendonly: bool, extra: list[str]) -> RedisServer:
-    args = [
-        redis_server_binary(),
+def _launch_redis(
+    data_dir: Path, port: int, appendonly: bool, extra: list[str], password: str
+) -> RedisServer:
+    args = [redis_server_binary()]
+    if password:
+        # From a file of the owner's, not the command line: argv is every local user's to read.
+        conf = data_dir / "auth.conf"
+        conf.unlink(missing_ok=True)
+        with os.fdopen(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(f"requirepass {password}\n")
+        args.append(str(conf))
+    args += [
         "--port",
         str(port),
         "--bind",
@@ -204,14 +235,14 @@ def _launch_redis(data_dir: Path, port: int, appendonly: bool, extra: list[str])
         args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        _wait_for_own_redis(port, proc)
+        _wait_for_own_redis(port, proc, password)
     except RuntimeError as exc:
         log = data_dir / "redis.log"
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
         if "Address already in use" in tail:
             raise PortTaken(f"{exc}: a port was taken by another process first") from exc
         raise RuntimeError(f"{exc}; redis.log ends:\n{tail}") from exc
-    return RedisServer(port=port, proc=proc, data_dir=data_dir)
+    return RedisServer(port=port, proc=proc, data_dir=data_dir, password=password)
 
 
 def start_redis(
@@ -220,20 +251,22 @@ def start_redis(
     port: int | None = None,
     appendonly: bool = False,
     extra: list[str] | None = None,
+    password: str = "",
 ) -> RedisServer:
     """Start redis-server in the foreground of a child process (so its PID is ours).
 
     With `appendonly`, every write is fsynced before it is acknowledged, for the
-    durability-across-restart tests; `extra` adds server options. A port chosen here that
-    another process takes first is replaced by a fresh one; a port the caller gave is not.
+    durability-across-restart tests; `extra` adds server options; with `password` clients
+    must AUTH (`url` carries it). A port chosen here that another process takes first is
+    replaced by a fresh one; a port the caller gave is not.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     if port is not None:
-        return _launch_redis(data_dir, port, appendonly, extra or [])
+        return _launch_redis(data_dir, port, appendonly, extra or [], password)
     for _ in range(_PORT_ATTEMPTS - 1):
         with contextlib.suppress(PortTaken):
-            return _launch_redis(data_dir, free_port(), appendonly, extra or [])
-    return _launch_redis(data_dir, free_port(), appendonly, extra or [])
+            return _launch_redis(data_dir, free_port(), appendonly, extra or [], password)
+    return _launch_redis(data_dir, free_port(), appendonly, extra or [], password)
 
 
 @contextlib.contextmanager
@@ -243,8 +276,9 @@ def redis_server(
     port: int | None = None,
     appendonly: bool = False,
     extra: list[str] | None = None,
+    password: str = "",
 ) -> Iterator[RedisServer]:
-    server = start_redis(data_dir, port=port, appendonly=appendonly, extra=extra)
+    server = start_redis(data_dir, port=port, appendonly=appendonly, extra=extra, password=password)
     try:
         yield server
     finally:
@@ -284,7 +318,7 @@ def _start_cluster_node(folder: Path) -> RedisServer:
             "--cluster-port",
             str(free_port()),
         ]
-        return _launch_redis(folder, free_port(), False, extra)
+        return _launch_redis(folder, free_port(), False, extra, "")
 
     for _ in range(_PORT_ATTEMPTS - 1):
         with contextlib.suppress(PortTaken):

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import signal
 import sys
+import urllib.parse
 from typing import TYPE_CHECKING
 
 from lorafleet.settings import ServerSettings, SettingsError, load_or_exit
@@ -29,6 +30,16 @@ if TYPE_CHECKING:
 SERVICE = "lorafleet.v1.ControllerService"
 JOB_SERVICE = "lorafleet.v1.JobService"
 log = logging.getLogger("lorafleet_controller")
+
+
+def without_password(url: str) -> str:
+    """`url` with its password (the chart's generated one) replaced by ***: errors are read
+    in logs that more people see than the Secret."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def main() -> None:
@@ -47,7 +58,8 @@ def main() -> None:
     from lorafleet_controller import cluster, store
 
     if (why := store.unreachable(settings.redis_url, cluster=settings.redis_cluster)) is not None:
-        print(f"error: cannot reach Redis at {settings.redis_url}: {why}", file=sys.stderr)
+        where = without_password(settings.redis_url)
+        print(f"error: cannot reach Redis at {where}: {why}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
         discovery = cluster.build_discovery(settings)

@@ -98,5 +98,6 @@ def build_app(settings: GatewaySettings, download_secret: bytes) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         max_small_body_bytes=settings.max_small_body_bytes,
         data_routes=DATA_ROUTES,
+        routes=[route for module in ROUTERS for route in module.router.routes],
     )
     return app

@@ -5,6 +5,11 @@ Keys are never stored here; a successful lookup is remembered for `auth_cache_se
 without a revocation channel from the controller. Missing or unknown keys are 401 in
 Tinker's shape. Every router takes the tenant from `Tenant`; the key's id is left on
 `request.state.key_id` for `create_session`, so revoking the key ends the sessions it opened.
+
+A route needs a key when its handler takes the tenant (`needs_key`). The gateway's middleware
+checks that key from the headers alone, before any byte of the body is received: neither
+FastAPI's parsing of a typed body nor the app-wide text check ever runs for an anonymous
+caller, so what one costs is bounded by the headers, not by the 64 MiB a data route accepts.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import hashlib
 import time
 
 from fastapi import Request
+from fastapi.dependencies.models import Dependant
+from starlette.routing import BaseRoute
 
 from lorafleet import errors
 from lorafleet.v1 import controller_pb2 as cpb
@@ -41,8 +48,26 @@ class AuthCache:
         self.entries[digest] = (tenant, key_id, time.monotonic() + self.ttl)
 
 
+def needs_key(route: BaseRoute) -> bool:
+    """Whether the route's handler depends on `tenant_of`, directly or through another
+    dependency: the one mark of a route that answers only to a known API key."""
+    dependant: Dependant | None = getattr(route, "dependant", None)
+    pending = [dependant] if dependant is not None else []
+    while pending:
+        current = pending.pop()
+        if current.call is tenant_of:
+            return True
+        pending.extend(current.dependencies)
+    return False
+
+
 async def tenant_of(request: Request) -> str:
-    """The authenticated tenant, or PermissionDenied (401)."""
+    """The authenticated tenant, or PermissionDenied (401). The first call of a request (the
+    middleware's) asks; it leaves the answer on request.state, where the routes' dependency
+    finds it."""
+    known: str | None = getattr(request.state, "tenant", None)
+    if known is not None:
+        return known
     key = request.headers.get(HEADER, "")
     if not key:
         raise errors.PermissionDenied("missing API key", field=HEADER)
@@ -61,5 +86,5 @@ async def tenant_of(request: Request) -> str:
             raise errors.PermissionDenied("invalid API key", field=HEADER)
         hit = (reply.tenant, reply.key_id)
         cache.put(digest, *hit)
-    tenant, request.state.key_id = hit
-    return tenant
+    request.state.tenant, request.state.key_id = hit
+    return hit[0]

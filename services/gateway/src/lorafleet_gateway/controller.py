@@ -60,6 +60,8 @@ DELETE_DEADLINE = 30.0
 CREATE_SAMPLER_DEADLINE = 60.0
 # A download streams at its HTTP client's pace (nothing is buffered): 1.6 GB at 1 MB/s.
 DOWNLOAD_DEADLINE = 3600.0
+# What a download's stream may hold ahead of its HTTP client: gRPC's floor for a grown window.
+STREAM_WINDOW_BYTES = 4 << 20
 IMPORT_DEADLINE = 600.0
 CREATE_JOB_DEADLINE = 60.0
 RESET_RUN_DEADLINE = 30.0
@@ -121,7 +123,11 @@ class ControllerClient(_Client):
 
     def __init__(self, address: str, default_timeout: float) -> None:
         super().__init__(default_timeout)
-        self._channel = make_channel(address, idempotent_methods=IDEMPOTENT + JOBS_IDEMPOTENT)
+        self._channel = make_channel(
+            address,
+            idempotent_methods=IDEMPOTENT + JOBS_IDEMPOTENT,
+            stream_window_bytes=STREAM_WINDOW_BYTES,
+        )
         self._stub = controller_pb2_grpc.ControllerServiceStub(self._channel)
         self.jobs = JobsClient(self._channel, default_timeout)
         self._capabilities: tuple[list[cpb.BaseModelInfo], float] | None = None

@@ -9,6 +9,11 @@ Keepalive is set here for both ends: clients ping every `KEEPALIVE_TIME_MS`, and
 (`server_options`) accept pings twice as often, even between calls. A server that allows
 fewer pings than its clients send answers GOAWAY "too_many_pings" and drops the connection.
 
+A channel that reads server streams at a slow consumer's pace (the gateway passing a download
+on to its HTTP client) pins its receive window (`stream_window_bytes`): by default gRPC grows a
+stream's window to twice the bandwidth-delay product it measures, and on a loaded machine that
+let one 1 GiB download sit 160 MB deep in the gateway.
+
 With LORAFLEET_TLS_* set (`lorafleet.tls`), channels present the process's certificate.
 """
 
@@ -89,11 +94,19 @@ def make_channel(
     idempotent_methods: Sequence[str] = (),
     limit: int | None = None,
     tls: TlsIdentity | None = None,
+    stream_window_bytes: int | None = None,
 ) -> grpc.aio.Channel:
     """An aio channel to `address`: mutual TLS with `tls` or, by default, the identity in
-    LORAFLEET_TLS_*; plaintext when neither is set (development)."""
+    LORAFLEET_TLS_*; plaintext when neither is set (development). `stream_window_bytes`: a
+    fixed per-stream receive window, the most a server stream buffers ahead of its reader."""
     tls = tls or identity_or_exit()
+    window = (
+        [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", stream_window_bytes)]
+        if stream_window_bytes
+        else []
+    )
     options: list[tuple[str, int | str]] = [
+        *window,
         *message_options(limit),
         *keepalive_options(),
         *channel_options(tls),

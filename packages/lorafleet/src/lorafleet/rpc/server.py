@@ -7,7 +7,7 @@ NOT_SERVING, traffic drains) → `server.stop(grace)` lets in-flight RPCs finish
 startup and the first stop signal.
 
 Transport: mutual TLS when the process has a TLS identity (LORAFLEET_TLS_*, or `tls=` for
-in-process servers), with admin RPCs limited to admin certificates (`lorafleet.rpc.auth`);
+in-process servers), with each RPC limited to the roles it admits (`lorafleet.rpc.roles`);
 plaintext otherwise, with a warning, for development only.
 """
 
@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from lorafleet.logging import setup_logging
-from lorafleet.rpc.auth import AdminInterceptor, identity_or_exit, server_credentials
+from lorafleet.rpc.auth import RoleInterceptor, identity_or_exit, server_credentials
 from lorafleet.rpc.channel import server_options
 from lorafleet.rpc.interceptors import ErrorsAndMetricsInterceptor
 from lorafleet.settings import ServerSettings
@@ -93,7 +93,7 @@ async def start_server(
     tls = tls or identity_or_exit()
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorsAndMetricsInterceptor()]
     if tls is not None:
-        interceptors.append(AdminInterceptor(tls.admin_names))
+        interceptors.append(RoleInterceptor(tls.admin_names))
     server = grpc.aio.server(
         interceptors=interceptors, options=server_options(settings.max_message_bytes)
     )
