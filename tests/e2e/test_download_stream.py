@@ -1,7 +1,9 @@
-"""Checkpoint downloads through the real gateway and controller: the bytes stream from disk in
-chunks (a 1 GiB adapter moves neither process's peak memory by more than 64 MiB), each file is
-checked against the checkpoint's manifest, and a file that fails the check cuts the HTTP
-response off instead of finishing it (issue 36 item 5)."""
+"""Checkpoint files through the real gateway and controller. Downloads: the bytes stream from
+disk in chunks (a 1 GiB adapter moves neither process's peak memory by more than 64 MiB),
+each file is checked against the checkpoint's manifest, and a file that fails the check cuts
+the HTTP response off instead of finishing it (issue 36 item 5). Deletes: a deleted
+checkpoint's files leave the shared disk, a training state's and a sampler export's alike
+(issue 36 item 4; this fleet reclaims without a grace period)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import json
 import shutil
 import struct
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlparse
 
 import httpx
 import pytest
@@ -29,6 +32,7 @@ from lorafleet_controller.store import Store, connect
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
+T = TypeVar("T")
 BIG_BYTES = 1 << 30
 RSS_MARGIN = 64 << 20
 
@@ -36,7 +40,8 @@ RSS_MARGIN = 64 << 20
 @pytest.fixture(scope="module")
 def fleet(make_fleet: Any) -> Iterator[Any]:
     """A fleet of its own: these tests edit a checkpoint's files and watch processes' memory."""
-    with make_fleet(trainers=1, rollouts=0, slots=2) as running:
+    no_grace = {"LORAFLEET_CONTROLLER_CHECKPOINT_RECLAIM_GRACE_SECONDS": "0"}
+    with make_fleet(trainers=1, rollouts=0, slots=2, extra_env={"controller": no_grace}) as running:
         yield running
 
 
@@ -103,6 +108,48 @@ def test_download_streams_every_file_checked(saved: dict[str, Any]) -> None:
     assert one.headers["content-length"] == str((folder / WEIGHTS).stat().st_size)
 
 
+def test_a_deleted_checkpoint_leaves_the_disk(fleet: Any, saved: dict[str, Any]) -> None:
+    """Deleted through the REST API: the record at once, a saved state's folder by the
+    leader's next sweeps. A sampler export's folder is its published version's, which the
+    rollouts serve: it stays. The run's other checkpoint stays."""
+    api, rid = saved["api"], saved["rid"]
+    state = api.result(api.post("/save_weights", {"model_id": rid, "path": "gone", "seq_id": 2}))
+    export = api.result(
+        api.post("/save_weights_for_sampler", {"model_id": rid, "path": "gone", "seq_id": 3})
+    )
+    served, folder = _folder(fleet, export["path"]), _folder(fleet, state["path"])
+    assert served.is_dir() and folder.is_dir()
+    for path in (export["path"], state["path"]):
+        kind, name = path.split("/")[-2:]
+        reply = api.http.delete(f"/training_runs/{rid}/checkpoints/{kind}/{name}")
+        assert reply.status_code == 200, reply.text
+        assert api.http.get(f"/training_runs/{rid}/checkpoints/{kind}/{name}").status_code == 404
+    wait_until(lambda: not folder.exists(), "the saved state's folder reclaimed")
+    assert on_catalog(fleet, lambda catalog: catalog.repo.reclaiming()) == []
+    assert served.is_dir() and (saved["folder"] / WEIGHTS).is_file()
+
+
+def _folder(fleet: Any, tinker_path: str) -> Path:
+    """Where the catalog says a checkpoint's files lie."""
+
+    rec = on_catalog(fleet, lambda catalog: catalog.get(fleet.config.tenant, tinker_path))
+    return Path(rec.files_dir or unquote(urlparse(rec.manifest.uri).path))
+
+
+def on_catalog(fleet: Any, call: Callable[[Catalog], Awaitable[T]]) -> T:
+    """`call` on a Catalog over the fleet's Redis, as the controller reads and writes it."""
+
+    async def run() -> T:
+        defaults = ControllerSettings()
+        store = Store(connect(fleet.redis_url), defaults.key_prefix, defaults.ledger_groups)
+        try:
+            return await call(Catalog(store))
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
 def write_zeros_safetensors(path: Path, size: int) -> None:
     """A valid safetensors file of exactly `size` bytes: one float32 tensor of zeros, left
     sparse (no disk space, no writing time); its header padded with spaces to fit."""
@@ -128,27 +175,21 @@ def add_checkpoint(fleet: Any, saved: dict[str, Any], name: str, size: int) -> P
     }
     (big / manifests.MANIFEST).write_text(json.dumps(manifests.render(listed)))
 
-    async def record() -> None:
-        defaults = ControllerSettings()
-        store = Store(connect(fleet.redis_url), defaults.key_prefix, defaults.ledger_groups)
-        try:
-            catalog = Catalog(store)
-            real = await catalog.get(fleet.config.tenant, f"tinker://{saved['rid']}/weights/a")
-            await catalog.add(
-                tinker_path=f"tinker://{saved['rid']}/weights/{name}",
-                tenant=real.tenant,
-                type=TRAINING,
-                base_model=real.base_model,
-                lora=real.lora,
-                manifest=common_pb2.BlobRef(
-                    uri=big.resolve().as_uri(), sha256=sha256_file(big / manifests.MANIFEST)
-                ),
-                has_optimizer=True,
-            )
-        finally:
-            await store.close()
+    async def record(catalog: Catalog) -> None:
+        real = await catalog.get(fleet.config.tenant, f"tinker://{saved['rid']}/weights/a")
+        await catalog.add(
+            tinker_path=f"tinker://{saved['rid']}/weights/{name}",
+            tenant=real.tenant,
+            type=TRAINING,
+            base_model=real.base_model,
+            lora=real.lora,
+            manifest=common_pb2.BlobRef(
+                uri=big.resolve().as_uri(), sha256=sha256_file(big / manifests.MANIFEST)
+            ),
+            has_optimizer=True,
+        )
 
-    asyncio.run(record())
+    on_catalog(fleet, record)
     return big
 
 

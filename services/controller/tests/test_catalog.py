@@ -14,7 +14,9 @@ from lorafleet_controller.store import StaleEpoch, Store
 from .conftest import Domain
 
 
-async def add(catalog: Catalog, path: str, ttl: float) -> None:
+async def add(
+    catalog: Catalog, path: str, ttl: float, manifest: common_pb2.BlobRef | None = None
+) -> None:
     assert await catalog.add(
         tinker_path=path,
         tenant="t1",
@@ -22,6 +24,7 @@ async def add(catalog: Catalog, path: str, ttl: float) -> None:
         base_model="tiny",
         lora=common_pb2.LoraConfig(rank=4),
         ttl_seconds=ttl,
+        manifest=manifest,
     )
 
 

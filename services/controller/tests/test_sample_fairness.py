@@ -15,6 +15,10 @@ from .fleet import Client, controller_proc, rollout_proc, wait_done
 
 K = controller_pb2
 FLOOD, OTHERS = 2000, 5
+# Flood samples that must wait in the controller when the other tenant arrives: far more than
+# the dispatches a fair turn lets pass first (sample workers 32 + the rollout's queue 16, per
+# sample of the other tenant); at most MAX_FLOOD are admitted to get there.
+BACKLOG, MAX_FLOOD = 500, 4000
 
 
 def sample(tenant: str, sampler_id: str, seq: int) -> K.SubmitSampleRequest:
@@ -67,8 +71,19 @@ async def test_a_2000_sample_flood_fails_and_starves_no_other_tenant(
             )
             samplers[tenant] = made.sampler.sampler_id  # type: ignore[attr-defined]
 
-        flood = []
-        for start in range(0, FLOOD, 100):  # admitted in batches, all before the others'
+        async def state(op: object) -> int:
+            resp = await client(
+                "GetOperation",
+                K.GetOperationRequest(tenant="flood", operation_id=op.operation_id),  # type: ignore[attr-defined]
+            )
+            return int(resp.operation.state)  # type: ignore[attr-defined]
+
+        # The flood is admitted in batches until BACKLOG of it wait in the controller (a
+        # loaded machine may sample as fast as it admits): then the other tenant arrives.
+        flood: list[object] = []
+        while len(flood) < FLOOD or await state(flood[-BACKLOG]) != K.OPERATION_STATE_QUEUED:
+            assert len(flood) < MAX_FLOOD, "the rollout drained every batch as it came"
+            start = len(flood)
             flood += await asyncio.gather(
                 *(
                     client("SubmitSample", sample("flood", samplers["flood"], seq))
@@ -85,16 +100,11 @@ async def test_a_2000_sample_flood_fails_and_starves_no_other_tenant(
         ]
         for op in done_others:
             assert op.state == K.OPERATION_STATE_SUCCEEDED, op.error  # type: ignore[attr-defined]
-        # Fair turns: the other tenant's samples ran long before the flood drained.
-        pending = 0
-        for s in flood[-FLOOD // 2 :]:
-            resp = await client(
-                "GetOperation",
-                K.GetOperationRequest(tenant="flood", operation_id=s.operation_id),  # type: ignore[attr-defined]
-            )
-            done = resp.operation.state not in (K.OPERATION_STATE_QUEUED, K.OPERATION_STATE_CLAIMED)  # type: ignore[attr-defined]
-            pending += not done
-        assert pending > 0, "the flood had drained: nothing shows the other tenant went first"
+        # Fair turns: the other tenant's samples ran long before the backlog ahead of them
+        # drained (in FIFO it would all have gone first).
+        waiting = (K.OPERATION_STATE_QUEUED, K.OPERATION_STATE_CLAIMED)
+        pending = sum([await state(s) in waiting for s in flood[-BACKLOG:]])
+        assert pending > 0, "the backlog drained first: the other tenant waited behind it"
         # And the flood itself, past the rollout's queue bound, fails nothing: it waits.
         for s in flood:
             op = await wait_done(client, "flood", s.operation_id)  # type: ignore[attr-defined]

@@ -18,7 +18,6 @@ import asyncio
 import builtins
 import hashlib
 import os
-import shutil
 import stat
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +30,13 @@ from lorafleet.digests import FileDigest, check_plain_file, open_plain_file, ver
 from lorafleet.manifests import MANIFEST
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.store import Store
-from lorafleet_controller.store.catalog import SAMPLER, TRAINING, CatalogRepo, CheckpointRecord
+from lorafleet_controller.store.catalog import (
+    SAMPLER,
+    TRAINING,
+    CatalogRepo,
+    CheckpointRecord,
+    Reclaim,
+)
 from lorafleet_controller.validate import parse_tinker_path
 
 __all__ = ["SAMPLER", "TRAINING", "Catalog", "CheckpointRecord", "StoredFile", "copy_files"]
@@ -105,8 +110,13 @@ class Catalog:
         return rec
 
     async def manifest_for(self, tinker_path: str) -> common_pb2.BlobRef | None:
+        """A training checkpoint's manifest, for a replay's load_state: a removed one's while
+        its folder waits to be reclaimed (a replay holds it there)."""
         rec = await self.repo.load(tinker_path)
-        return rec.manifest if rec is not None and rec.type == TRAINING else None
+        if rec is not None:
+            return rec.manifest if rec.type == TRAINING else None
+        entry = await self.repo.reclaim_entry(tinker_path)
+        return entry.manifest if entry is not None and entry.type == TRAINING else None
 
     async def list(
         self, tenant: str, training_run_id: str, limit: int, offset: int
@@ -125,9 +135,25 @@ class Catalog:
         await self._remove(rec)
 
     async def _remove(self, rec: CheckpointRecord, *, fenced: bool = False) -> None:
-        await self.repo.remove(rec, fenced=fenced)
-        if rec.files_dir:
-            await asyncio.to_thread(shutil.rmtree, rec.files_dir, ignore_errors=True)
+        """The record goes now; a training checkpoint's folder, when the controller can reach
+        it, goes to the reclaim queue in the same step (reclaim.py removes it from disk). A
+        sampler checkpoint's folder is its published version's, which rollouts load the
+        version from and samplers made from it use: it stays with the version."""
+        folder = _folder(rec) if rec.type == TRAINING else None
+        reclaim = (
+            Reclaim(
+                tinker_path=rec.tinker_path,
+                folder=str(folder),
+                tenant=rec.tenant,
+                type=rec.type,
+                size_bytes=rec.size_bytes,
+                removed_at=self.clock(),
+                manifest=rec.manifest,
+            )
+            if folder is not None
+            else None
+        )
+        await self.repo.remove(rec, reclaim, fenced=fenced)
 
     async def update(
         self,
@@ -195,15 +221,11 @@ def stored_files(rec: CheckpointRecord) -> list[StoredFile]:
     own folder as plain files of the recorded sizes (the folder itself no symbolic link: its
     files would lie elsewhere) and a digest is recorded for each: a training checkpoint's
     in its manifest.json, itself matching the SHA-256 the catalog holds."""
-    if rec.files_dir:
-        folder = Path(rec.files_dir)
-    else:
-        parsed = urlparse(rec.manifest.uri)
-        if parsed.scheme != "file":
-            raise errors.FailedPrecondition(
-                "the checkpoint's files are not readable by the controller", field=FIELD
-            )
-        folder = Path(unquote(parsed.path))
+    folder = _folder(rec)
+    if folder is None:
+        raise errors.FailedPrecondition(
+            "the checkpoint's files are not readable by the controller", field=FIELD
+        )
     try:
         mode = os.lstat(folder).st_mode
     except FileNotFoundError:
@@ -226,6 +248,15 @@ def stored_files(rec: CheckpointRecord) -> list[StoredFile]:
         check_plain_file(stored.path, stored.digest, FIELD)
         out.append(stored)
     return out
+
+
+def _folder(rec: CheckpointRecord) -> Path | None:
+    """The checkpoint's folder: a sampler checkpoint's, or the one holding a training
+    checkpoint's manifest when it is a file:// URI (None otherwise)."""
+    if rec.files_dir:
+        return Path(rec.files_dir)
+    parsed = urlparse(rec.manifest.uri)
+    return Path(unquote(parsed.path)) if parsed.scheme == "file" and parsed.path else None
 
 
 def _manifest(folder: Path, sha256: str) -> dict[str, FileDigest]:

@@ -35,6 +35,7 @@ from lorafleet_controller.membership import Membership
 from lorafleet_controller.notify import Notifier
 from lorafleet_controller.paging import Pager
 from lorafleet_controller.publish import Publisher
+from lorafleet_controller.reclaim import Reclaimer
 from lorafleet_controller.recovery import Recovery
 from lorafleet_controller.registry import TRAINER, Placer, Registry
 from lorafleet_controller.samplers import Samplers
@@ -154,6 +155,7 @@ class Controller:
             is_leader,
             self.ledger,
             self.catalog,
+            Reclaimer(self.store, settings.checkpoint_reclaim_grace_seconds, clock),
             self.registry,
             self.placer,
             self.pager,

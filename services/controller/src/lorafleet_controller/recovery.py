@@ -18,6 +18,9 @@ between re-dispatches it under the same id, gets the first result, and logs it o
 entry names the one before it, and the registration keeps the newest one's seq_id, so a
 missing link (a payload expired or deleted, the log lost with Redis) is detected instead of
 silently replaying a shorter history; so is a snapshot or loaded checkpoint that is gone.
+A checkpoint a logged load_state read is named in the log (`load:<seq_id>`), so deleting it
+or its expiry removes its record but not its files while the entry lasts (reclaim.py), and
+the replay finds its manifest in the reclaim queue.
 Then the run is corrupted: its open operations fail, its slot is freed, every later call
 fails with an error that names what was lost, and the registration's `corrupted` field says
 it for `lorafleet status`. Never a silent rollback.
@@ -74,6 +77,13 @@ class Plan:
     """(seq_id, serialized OperationPayload) to replay, oldest first."""
 
 
+def loaded_path(body: bytes) -> str:
+    """The checkpoint a load_state payload reads ('' for any other kind)."""
+    if validate.wire_kind(body) != controller_pb2.OPERATION_KIND_LOAD_STATE:
+        return ""
+    return controller_pb2.OperationPayload.FromString(body).load_state.path
+
+
 def seq_of(registration_id: str, operation_id: str) -> int | None:
     """The seq_id of `<registration_id>#<seq>`; None for any other id."""
     rid, _, seq = operation_id.rpartition("#")
@@ -111,7 +121,7 @@ class Recovery:
     async def _log_run(self, rid: str, entries: list[tuple[int, bytes]]) -> None:
         """One run's entries in seq_id order: each names the one before it."""
         for seq, body in entries:
-            await self.replay_log.append(rid, seq, body)
+            await self.replay_log.append(rid, seq, body, loaded_path(body))
 
     async def record_snapshot(self, rid: str, snapshot: trainer_pb2.SlotSnapshot) -> None:
         """Record the trainer's newest complete snapshot of a run (from an OptimStep answer)."""

@@ -81,6 +81,14 @@ class ControllerSettings:
         min=0.05,
         max=30 * 86400.0,
     )
+    checkpoint_reclaim_grace_seconds: float = setting(
+        600.0,
+        doc="A deleted or expired checkpoint's files leave the disk this long after its record "
+        "(reclaim.py), so operations dispatched before the removal finish reading them; files "
+        "a run's replay may still load stay until its next snapshot.",
+        min=0.0,
+        max=30 * 86400.0,
+    )
     acked_result_grace_seconds: float = setting(
         300.0,
         doc="An acknowledged result stays readable this long (until the sweep after it), "

@@ -1,5 +1,5 @@
-"""The leader's periodic sweep: expiries, silent replicas and sessions, unfinished bindings,
-paging, stranded runs, gauges and usage."""
+"""The leader's periodic sweep: expiries, removed checkpoints' files, silent replicas and
+sessions, unfinished bindings, paging, stranded runs, gauges and usage."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from lorafleet_controller.flows.stranding import Stranding
 from lorafleet_controller.ledger import Ledger
 from lorafleet_controller.loops import raise_if_stopped
 from lorafleet_controller.paging import Pager
+from lorafleet_controller.reclaim import Reclaimer
 from lorafleet_controller.registry import TRAINER, Placer, Registry
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import StaleEpoch
@@ -32,6 +33,7 @@ class Sweeper:
         is_leader: Callable[[], bool],
         ledger: Ledger,
         catalog: Catalog,
+        reclaimer: Reclaimer,
         registry: Registry,
         placer: Placer,
         pager: Pager,
@@ -45,6 +47,7 @@ class Sweeper:
         self.is_leader = is_leader
         self.ledger = ledger
         self.catalog = catalog
+        self.reclaimer = reclaimer
         self.registry = registry
         self.placer = placer
         self.pager = pager
@@ -83,6 +86,7 @@ class Sweeper:
     async def sweep_once(self) -> None:
         await self.ledger.sweep()
         await self.catalog.sweep_expired()
+        await self.reclaimer.reclaim_due()
         now = time.monotonic()
         if now - self._swept_at > self.settings.heartbeat_interval_seconds:
             self._heard_since = self._sessions_heard_since = now

@@ -4,9 +4,11 @@ by run and (when it expires) by expiry time.
 Recording (`add_checkpoint`), removing (`catalog_remove`) and updating (`catalog_update`) a
 checkpoint each touch the record and its indexes together, so each is one script: a
 controller killed half-way never leaves an index naming a missing record or an expiring
-record out of the expiry index. Fencing: removing expired checkpoints is the leader's sweep
-(`fenced=True` carries its epoch, refused once a newer leader took over); recording, deleting
-and updating serve a request or a dispatch any replica may make, and are not fenced.
+record out of the expiry index. Removing also queues the checkpoint's folder in `reclaim`
+(a `Reclaim` entry per path), which reclaim.py empties. Fencing: removing expired
+checkpoints is the leader's sweep (`fenced=True` carries its epoch, refused once a newer
+leader took over); recording, deleting and updating serve a request or a dispatch any
+replica may make, and are not fenced.
 """
 
 from __future__ import annotations
@@ -47,6 +49,52 @@ class CheckpointRecord:
     @property
     def checkpoint_id(self) -> str:
         return f"{'weights' if self.type == TRAINING else 'sampler_weights'}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """A removed checkpoint's folder, waiting to be removed from disk (reclaim.py): whose it
+    was, when it was removed, and, for a training checkpoint, its manifest (what a replay of
+    a run that loaded it reads, and how the reclaimer knows the folder still holds it)."""
+
+    tinker_path: str
+    folder: str
+    tenant: str
+    type: int
+    size_bytes: int
+    removed_at: float
+    manifest: common_pb2.BlobRef
+
+    def encode(self) -> str:
+        return json.dumps(
+            {
+                "folder": self.folder,
+                "tenant": self.tenant,
+                "type": self.type,
+                "size": self.size_bytes,
+                "at": self.removed_at,
+                "manifest": {
+                    "uri": self.manifest.uri,
+                    "sha256": self.manifest.sha256,
+                    "size": self.manifest.size_bytes,
+                },
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def decode(cls, tinker_path: str, raw: bytes | str) -> Reclaim:
+        d = json.loads(raw)
+        m = d["manifest"]
+        return cls(
+            tinker_path=tinker_path,
+            folder=d["folder"],
+            tenant=d["tenant"],
+            type=int(d["type"]),
+            size_bytes=int(d["size"]),
+            removed_at=float(d["at"]),
+            manifest=common_pb2.BlobRef(uri=m["uri"], sha256=m["sha256"], size_bytes=m["size"]),
+        )
 
 
 class CatalogRepo:
@@ -145,8 +193,11 @@ class CatalogRepo:
         )
         return [text(p) for p in await self.store.redis.zrevrange(key, 0, -1)]
 
-    async def remove(self, rec: CheckpointRecord, *, fenced: bool = False) -> None:
-        """Drop the record and its index entries (`fenced`: the leader's expiry sweep)."""
+    async def remove(
+        self, rec: CheckpointRecord, reclaim: Reclaim | None, *, fenced: bool = False
+    ) -> None:
+        """Drop the record and its index entries and queue `reclaim` (`fenced`: the leader's
+        expiry sweep)."""
         own = [
             self.keys.ckpt(rec.tinker_path),
             self.keys.tenant_ckpts(rec.tenant),
@@ -158,8 +209,22 @@ class CatalogRepo:
             rec.tinker_path,
             rec.tenant,
             rec.training_run_id,
+            reclaim.encode() if reclaim else "",
             epoch=self.store.leader_epoch() if fenced else None,
         )
+
+    async def reclaiming(self) -> list[Reclaim]:
+        """Every folder waiting to be reclaimed."""
+        raw = await self.store.redis.hgetall(self.keys.reclaim)
+        return [Reclaim.decode(text(path), value) for path, value in raw.items()]
+
+    async def reclaim_entry(self, tinker_path: str) -> Reclaim | None:
+        raw = await self.store.redis.hget(self.keys.reclaim, tinker_path)
+        return None if raw is None else Reclaim.decode(tinker_path, raw)
+
+    async def reclaimed(self, entry: Reclaim) -> None:
+        """Forget `entry` once its folder is gone (kept when the path was removed again)."""
+        await self.store.scripts.run("reclaimed", [], entry.tinker_path, entry.encode())
 
     async def update(self, tinker_path: str, public: bool | None, expires_at: float | None) -> None:
         """Set `public` (None: unchanged) and the expiry: None unchanged, 0 never expires.

@@ -89,6 +89,8 @@ KEY_FAMILIES: dict[str, tuple[str, str]] = {
     "tenant_ckpts": ("fleet", "ckpts:{id}"),  # zset: a tenant's checkpoints by creation time
     "run_ckpts": ("fleet", "run_ckpts:{id}"),  # zset: a registration's checkpoints by creation time
     "ckpt_ttl": ("fleet", "ckpt_ttl"),  # zset: checkpoints by expiry time
+    # hash: a removed checkpoint's tinker path → the folder to reclaim from disk (reclaim.py)
+    "reclaim": ("fleet", "reclaim"),
     # tenancy
     "api_key": ("fleet", "key:{id}"),  # hash: one API key (by key id)
     "key_hash": ("fleet", "apikey:{id}"),  # string: key id of a key's SHA-256
@@ -207,6 +209,7 @@ class Keys:
     replicas: str
     base_models: str
     ckpt_ttl: str
+    reclaim: str
     sessions_live: str
     jobs_open: str
 

@@ -48,8 +48,9 @@ class RecoveryLog:
         self.store = store
         self.keys = store.keys
 
-    async def append(self, rid: str, seq: int, payload: bytes) -> bool:
-        """Log an applied operation (idempotent; ignored when a snapshot covers it)."""
+    async def append(self, rid: str, seq: int, payload: bytes, loaded: str = "") -> bool:
+        """Log an applied operation (idempotent; ignored when a snapshot covers it);
+        `loaded`: the checkpoint a load_state read, held on disk while the entry lasts."""
         out = named(
             await self.store.scripts.run(
                 "recovery_log",
@@ -57,6 +58,7 @@ class RecoveryLog:
                 rid,
                 seq,
                 payload,
+                loaded,
                 epoch=self.store.leader_epoch(),
                 group=self.keys.group_of(rid),
             )
@@ -101,6 +103,21 @@ class RecoveryLog:
             optim_steps=int(steps or 0),
             entries=entries,
         )
+
+    async def loaded(self, rid: str) -> set[str]:
+        """The checkpoints the run's log loaded since its snapshot: a replay reads them."""
+        return {
+            text(path)
+            async for _, path in self.store.redis.hscan_iter(self.keys.replay(rid), "load:*")
+        }
+
+    async def loaded_by_any(self) -> set[str]:
+        """The checkpoints any run's log loaded since its snapshot (one HSCAN per run: the
+        log's payloads stay on the server)."""
+        held: set[str] = set()
+        async for rid in self.store.redis.sscan_iter(self.keys.regs):
+            held |= await self.loaded(text(rid))
+        return held
 
     async def snapshot(self, rid: str) -> trainer_pb2.SlotSnapshot | None:
         """The snapshot the run's log points to, if any."""

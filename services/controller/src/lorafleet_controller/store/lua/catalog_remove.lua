@@ -1,9 +1,12 @@
--- keys: ckpt_ttl
--- Remove a checkpoint's record and its index entries together. ARGS: path, tenant, rid.
+-- keys: ckpt_ttl reclaim
+-- Remove a checkpoint's record and its index entries together, and queue its folder for
+-- reclaiming (reclaim.py) in the same step, so a controller killed between the two never
+-- leaves files that nothing names. ARGS: path, tenant, rid, reclaim entry ('' = none).
 -- Result: code = removed.
 local path, tenant, rid = ARGS[1], ARGS[2], ARGS[3]
 redis.call('DEL', keys.ckpt(path))
 redis.call('ZREM', keys.tenant_ckpts(tenant), path)
 redis.call('ZREM', keys.run_ckpts(rid), path)
 redis.call('ZREM', keys.ckpt_ttl, path)
+if ARGS[4] ~= '' then redis.call('HSET', keys.reclaim, path, ARGS[4]) end
 return result('code', 'removed')
