@@ -41,6 +41,7 @@ from lorafleet_controller.registry import TRAINER, Placer, Registry
 from lorafleet_controller.samplers import Samplers
 from lorafleet_controller.scheduler import Scheduler
 from lorafleet_controller.settings import ControllerSettings
+from lorafleet_controller.storage_quota import StorageQuota
 from lorafleet_controller.store import Store, connect
 from lorafleet_controller.tenancy import Tenancy
 from lorafleet_controller.usage import Usage
@@ -137,7 +138,12 @@ class Controller:
             self.runs,
             self.publisher,
         )
-        self.operations = Operations(self.ledger, self.placer, self._background)
+        self.operations = Operations(
+            self.ledger,
+            self.placer,
+            self._background,
+            StorageQuota(self.store, settings.max_stored_bytes_per_tenant),
+        )
         self.sampling = Sampling(
             self.tenancy, self.registry, self.catalog, self.samplers, self.publisher
         )

@@ -81,6 +81,13 @@ class ControllerSettings:
         min=0.05,
         max=30 * 86400.0,
     )
+    max_stored_bytes_per_tenant: int = setting(
+        256 << 30,
+        doc="A tenant whose checkpoints hold this many bytes has further named saves refused "
+        "(400 STORAGE_QUOTA, storage_quota.py) until it deletes some; 0 = no cap.",
+        min=0,
+        max=1 << 60,
+    )
     checkpoint_reclaim_grace_seconds: float = setting(
         600.0,
         doc="A deleted or expired checkpoint's files leave the disk this long after its record "

@@ -11,6 +11,7 @@ from lorafleet_controller import validate
 from lorafleet_controller.flows import Background
 from lorafleet_controller.ledger import Admission, Ledger
 from lorafleet_controller.registry import Placer
+from lorafleet_controller.storage_quota import StorageQuota
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,20 @@ class Submission:
 
 
 class Operations:
-    def __init__(self, ledger: Ledger, placer: Placer, background: Background):
+    def __init__(self, ledger: Ledger, placer: Placer, background: Background, quota: StorageQuota):
         self.ledger = ledger
         self.placer = placer
         self.background = background
+        self.quota = quota
 
     async def submit(self, sub: Submission) -> Admission:
-        """Admit an operation (refused as FAILED(user) when its payload is invalid). The
-        payload's bytes are stored and forwarded as they came (validate.admit)."""
+        """Admit an operation (refused as FAILED(user) when its payload is invalid, or a save
+        over the tenant's storage quota). The payload's bytes are stored and forwarded as
+        they came (validate.admit)."""
         checked = validate.admit(sub.payload)
+        rejection = checked.rejection or await self.quota.refusal(
+            sub.tenant, checked.kind, sub.payload
+        )
         admission = await self.ledger.submit(
             sub.tenant,
             sub.registration_id,
@@ -41,7 +47,7 @@ class Operations:
             checked.kind,
             sub.payload,
             checked.digest,
-            checked.rejection,
+            rejection,
         )
         if admission.page_in:  # a paged run has work again: give it a free slot if one is
             await self.placer.queue_page_in(sub.registration_id, admission.page_in)

@@ -184,6 +184,17 @@ class CatalogRepo:
             },
         )
 
+    async def stored_bytes(self, tenant: str) -> int:
+        """The sizes the tenant's checkpoint records hold, summed (one round trip each way)."""
+        paths = await self.store.redis.zrange(self.keys.tenant_ckpts(tenant), 0, -1)
+        if not paths:
+            return 0
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for path in paths:
+                pipe.hget(self.keys.ckpt(text(path)), "size")
+            sizes = await pipe.execute()
+        return sum(int(size or 0) for size in sizes)
+
     async def paths(self, tenant: str, training_run_id: str = "") -> list[str]:
         """The paths of a run's checkpoints (or, without a run, the tenant's), newest first."""
         key = (
