@@ -81,6 +81,13 @@ class ControllerSettings:
         min=0.05,
         max=30 * 86400.0,
     )
+    finished_session_retention_seconds: float = setting(
+        7 * 86400.0,
+        doc="A finished session's record (GetSession, ListSessions) is forgotten this long "
+        "after it finished; its runs, samplers and checkpoints stay. 0 = kept forever.",
+        min=0.0,
+        max=3650 * 86400.0,
+    )
     max_stored_bytes_per_tenant: int = setting(
         256 << 30,
         doc="A tenant whose checkpoints hold this many bytes has further named saves refused "

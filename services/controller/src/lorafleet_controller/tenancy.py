@@ -118,8 +118,18 @@ class Tenancy:
     async def finish(self, tenant: str, session_id: str, reason: str) -> None:
         """Finish the session; fenced while this controller leads (store/sessions.py), so
         the sweeper of a deposed leader gets StaleEpoch instead of finishing it."""
-        if not await self.sessions.finish(tenant, session_id, reason):
+        if not await self.sessions.finish(tenant, session_id, reason, self.clock()):
             raise _no_session(session_id)
+
+    async def expire_finished(self, retention_seconds: float, limit: int = 1000) -> int:
+        """Forget up to `limit` sessions finished `retention_seconds` ago or longer (the
+        leader's sweep); how many. Their runs, samplers and checkpoints stay."""
+        expired = 0
+        for session_id in await self.sessions.finished_before(
+            self.clock() - retention_seconds, limit
+        ):
+            expired += await self.sessions.expire(session_id)
+        return expired
 
     async def training_runs(self, session_id: str) -> list[str]:
         return await self.sessions.training_runs(session_id)

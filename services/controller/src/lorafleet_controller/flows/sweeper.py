@@ -1,5 +1,6 @@
-"""The leader's periodic sweep: expiries, removed checkpoints' files, silent replicas and
-sessions, unfinished bindings, paging, stranded runs, gauges and usage."""
+"""The leader's periodic sweep: expiries, removed checkpoints' files, finished sessions'
+records, silent replicas and sessions, unfinished bindings, paging, stranded runs, gauges
+and usage."""
 
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ class Sweeper:
         await self.ledger.sweep()
         await self.catalog.sweep_expired()
         await self.reclaimer.reclaim_due()
+        if self.settings.finished_session_retention_seconds:
+            await self.tenancy.expire_finished(self.settings.finished_session_retention_seconds)
         now = time.monotonic()
         if now - self._swept_at > self.settings.heartbeat_interval_seconds:
             self._heard_since = self._sessions_heard_since = now

@@ -100,6 +100,7 @@ KEY_FAMILIES: dict[str, tuple[str, str]] = {
     "session": ("fleet", "sess:{id}"),  # hash: one session
     "tenant_sessions": ("fleet", "sessions:{id}"),  # zset: a tenant's sessions by creation time
     "sessions_live": ("fleet", "sessions_live"),  # zset: unfinished sessions by last heartbeat
+    "sessions_finished": ("fleet", "sessions_finished"),  # zset: finished sessions by finish time
     # managed training jobs (store/jobs.py)
     "job": ("fleet", "job:{id}"),  # hash: one job (params, data, state, cursor, progress, result)
     "tenant_jobs": ("fleet", "jobs:{id}"),  # zset: a tenant's jobs by creation time
@@ -211,6 +212,7 @@ class Keys:
     ckpt_ttl: str
     reclaim: str
     sessions_live: str
+    sessions_finished: str
     jobs_open: str
 
     def op(self, opid: str) -> str:

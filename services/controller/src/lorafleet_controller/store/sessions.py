@@ -2,13 +2,15 @@
 
 A session is a hash (`session`) owned by one tenant; `tenant_sessions` lists a tenant's
 sessions by creation time, `sessions_live` the unfinished ones by last heartbeat (what the
-sweeper scans for silent ones), and `key_sessions` the sessions an API key opened (ended when
-it is revoked). The registry and the samplers add to a session's `session_runs` and
+sweeper scans for silent ones), `sessions_finished` the finished ones by finish time (what
+the sweeper expires), and `key_sessions` the unfinished sessions an API key opened (ended
+when it is revoked). The registry and the samplers add to a session's `session_runs` and
 `session_samplers`; they are read here.
 
 Every write that touches more than one key, or checks before it writes, is one script:
 `session_create` (refused when the opening key is revoked), `session_heartbeat` (only a live
-session of that tenant) and `session_finish` (only the tenant's own session). A session of
+session of that tenant), `session_finish` (only the tenant's own session) and
+`session_expire` (only a finished one; the leader's, fenced). A session of
 another tenant reads as absent, like every other id in the controller.
 
 Fencing: creating and heartbeating are requests any replica serves, never fenced. Finishing
@@ -100,7 +102,7 @@ class SessionsRepo:
         )
         return Heartbeat(text(out["code"]))
 
-    async def finish(self, tenant: str, session_id: str, reason: str) -> bool:
+    async def finish(self, tenant: str, session_id: str, reason: str, now: float) -> bool:
         """Mark the tenant's session finished (fenced while this controller leads, see the
         module's docstring); False when it has no such session."""
         out = named(
@@ -110,10 +112,30 @@ class SessionsRepo:
                 session_id,
                 tenant,
                 reason,
+                now,
                 epoch=self.store.epoch,
             )
         )
         return text(out["code"]) == "finished"
+
+    async def finished_before(self, cutoff: float, limit: int) -> list[str]:
+        """Up to `limit` sessions finished at or before `cutoff`, oldest first."""
+        raw = await self.store.redis.zrangebyscore(
+            self.keys.sessions_finished, "-inf", cutoff, start=0, num=limit
+        )
+        return [text(x) for x in raw]
+
+    async def expire(self, session_id: str) -> bool:
+        """Forget a finished session's records (the leader's sweep: fenced)."""
+        out = named(
+            await self.store.scripts.run(
+                "session_expire",
+                [self.keys.session(session_id)],
+                session_id,
+                epoch=self.store.leader_epoch(),
+            )
+        )
+        return text(out["code"]) == "expired"
 
     async def silent(self, cutoff: float) -> list[tuple[str, str]]:
         """(tenant, session_id) of live sessions whose last heartbeat is at or before
