@@ -20,7 +20,6 @@ removes, since the entry is forgotten only once the folder is gone.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from lorafleet.digests import sha256_file
 from lorafleet.manifests import MANIFEST
 from lorafleet_controller.store import Store
 from lorafleet_controller.store.catalog import TRAINING, CatalogRepo, Reclaim
@@ -98,6 +98,6 @@ def remove_folder(entry: Reclaim) -> None:
 
 def _manifest_sha(folder: Path) -> str:
     try:
-        return hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest()
+        return sha256_file(folder / MANIFEST)
     except OSError:
         return ""
