@@ -2,8 +2,8 @@
 disk in chunks (a 1 GiB adapter moves neither process's peak memory by more than 64 MiB),
 each file is checked against the checkpoint's manifest, and a file that fails the check cuts
 the HTTP response off instead of finishing it (issue 36 item 5). Deletes: a deleted
-checkpoint's files leave the shared disk, a training state's and a sampler export's alike
-(issue 36 item 4; this fleet reclaims without a grace period)."""
+checkpoint's files leave the shared disk, a training state's at once and a sampler export's
+with its published version (issue 36 item 4; this fleet reclaims without a grace period)."""
 
 from __future__ import annotations
 
@@ -110,8 +110,9 @@ def test_download_streams_every_file_checked(saved: dict[str, Any]) -> None:
 
 def test_a_deleted_checkpoint_leaves_the_disk(fleet: Any, saved: dict[str, Any]) -> None:
     """Deleted through the REST API: the record at once, a saved state's folder by the
-    leader's next sweeps. A sampler export's folder is its published version's, which the
-    rollouts serve: it stays. The run's other checkpoint stays."""
+    leader's next sweeps. A sampler export's folder is its published version's: it stays
+    while that is the run's newest (inflight samplers follow it), and goes once a newer
+    version supersedes it with nothing else holding it. The run's other checkpoint stays."""
     api, rid = saved["api"], saved["rid"]
     state = api.result(api.post("/save_weights", {"model_id": rid, "path": "gone", "seq_id": 2}))
     export = api.result(
@@ -127,6 +128,11 @@ def test_a_deleted_checkpoint_leaves_the_disk(fleet: Any, saved: dict[str, Any])
     wait_until(lambda: not folder.exists(), "the saved state's folder reclaimed")
     assert on_catalog(fleet, lambda catalog: catalog.repo.reclaiming()) == []
     assert served.is_dir() and (saved["folder"] / WEIGHTS).is_file()
+    newer = api.result(
+        api.post("/save_weights_for_sampler", {"model_id": rid, "path": "newer", "seq_id": 4})
+    )
+    wait_until(lambda: not served.exists(), "the superseded version's folder reclaimed")
+    assert _folder(fleet, newer["path"]).is_dir() and (saved["folder"] / WEIGHTS).is_file()
 
 
 def _folder(fleet: Any, tinker_path: str) -> Path:

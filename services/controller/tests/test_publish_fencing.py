@@ -75,13 +75,13 @@ async def test_a_deposed_leader_cannot_publish(domain: Domain, tmp_path: Path) -
         {},
     )
     with pytest.raises(StaleEpoch):
-        await old.record_live(live, fenced=True)
+        await old.record_live(live, 0.0, fenced=True)
     assert await new.live(str(AdapterId(rid, 1))) is None
     assert await new.live_ids(rec.base_model) == []
     # The new leader allocates the version the deposed one could not, once per operation.
     assert await new.allocate_version(rid, claim.operation_id, fenced=True) == 1
     assert await new.allocate_version(rid, claim.operation_id, fenced=True) == 1
-    await new.record_live(live, fenced=True)
+    await new.record_live(live, 0.0, fenced=True)
     assert await new.live(str(AdapterId(rid, 1))) == live
     # A sampler from a checkpoint is a request: any replica, unfenced, takes a new version.
     assert await old.allocate_version(rid, "", fenced=False) == 2

@@ -87,15 +87,19 @@ async def test_publish_while_sampling_keeps_versions_apart(
     assert not on_v1.done()  # ... while the v1 sample is still running
 
     assert await push(core, "reg-a", 3, adapters[3], tmp_path) == ("reg-a@3", False)
-    with pytest.raises(NotFound) as superseded:  # v1 left the 2-version window
+    # A newer version retires no older one: a snapshot sampler keeps its weights.
+    again = await core.sample("reg-a", 1, greedy(8))
+    await core.unload_adapter("reg-a", 1)  # the controller collected it: nothing holds it
+    with pytest.raises(NotFound) as collected:
         await core.sample("reg-a", 1, greedy(4))
-    assert superseded.value.field == "adapter.version"
+    assert collected.value.field == "adapter.version"
     assert "reg-a@1" in [r.adapter_id for r in core.list_adapters()]  # still draining
 
     v1 = await on_v1
     assert list(v1.sequences[0].tokens) == reference_greedy(
         reference_model(model_dir, adapters[1]), list(PROMPT), 120
     )
+    assert list(again.sequences[0].tokens) == list(v1.sequences[0].tokens)[:8]
     for result, source in ((v2, adapters[2]), (other, adapters[4])):
         assert list(result.sequences[0].tokens) == reference_greedy(
             reference_model(model_dir, source), list(PROMPT), 8

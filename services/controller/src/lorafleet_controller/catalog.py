@@ -138,7 +138,9 @@ class Catalog:
         """The record goes now; a training checkpoint's folder, when the controller can reach
         it, goes to the reclaim queue in the same step (reclaim.py removes it from disk). A
         sampler checkpoint's folder is its published version's, which rollouts load the
-        version from and samplers made from it use: it stays with the version."""
+        version from and samplers made from it use: it goes with the version, once nothing
+        else holds that (version_gc.py)."""
+        now = self.clock()
         folder = _folder(rec) if rec.type == TRAINING else None
         reclaim = (
             Reclaim(
@@ -147,13 +149,13 @@ class Catalog:
                 tenant=rec.tenant,
                 type=rec.type,
                 size_bytes=rec.size_bytes,
-                removed_at=self.clock(),
+                removed_at=now,
                 manifest=rec.manifest,
             )
             if folder is not None
             else None
         )
-        await self.repo.remove(rec, reclaim, fenced=fenced)
+        await self.repo.remove(rec, reclaim, now, fenced=fenced)
 
     async def update(
         self,

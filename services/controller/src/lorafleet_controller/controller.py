@@ -45,6 +45,7 @@ from lorafleet_controller.storage_quota import StorageQuota
 from lorafleet_controller.store import Store, connect
 from lorafleet_controller.tenancy import Tenancy
 from lorafleet_controller.usage import Usage
+from lorafleet_controller.version_gc import VersionCollector
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class Controller:
             settings.resident_versions,
             settings.shared_adapter_root,
             rollout_wait_seconds=settings.rollout_wait_seconds,
+            clock=clock,
         )
         self.scheduler = Scheduler(
             self.blocking,
@@ -162,6 +164,13 @@ class Controller:
             self.ledger,
             self.catalog,
             Reclaimer(self.store, settings.checkpoint_reclaim_grace_seconds, clock),
+            VersionCollector(
+                self.store,
+                self.registry,
+                self.pool,
+                settings.checkpoint_reclaim_grace_seconds,
+                clock,
+            ),
             self.registry,
             self.placer,
             self.pager,

@@ -74,6 +74,7 @@ class Publisher:
         shared_root: Path | None = None,
         *,
         rollout_wait_seconds: float,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.repo = AdaptersRepo(store)
         self.pusher = Pusher(self.repo, pool)
@@ -86,6 +87,7 @@ class Publisher:
         self.resident_versions = resident_versions
         self.shared_root = shared_root
         self.rollout_wait_seconds = rollout_wait_seconds
+        self.clock = clock
 
     async def publish(
         self, claim: Claim, sw: controller_pb2.SaveWeightsForSamplerPayload
@@ -130,7 +132,7 @@ class Publisher:
             payload = Payload(files=files)
         record = LiveVersion(ref, reg.base_model, reg.lora, folder, payload.refs, reg.tenant)
         if live is None:
-            await self.repo.record_live(record, fenced=True)
+            await self.repo.record_live(record, self.clock(), fenced=True)
         await self.push_home(record, payload)
         path = ""
         if sw.name:
@@ -235,7 +237,7 @@ class Publisher:
         else:
             folder = await asyncio.to_thread(self._write, ckpt.training_run_id, version, copy)
         record = LiveVersion(ref, ckpt.base_model, ckpt.lora, folder, refs, tenant)
-        await self.repo.record_live(record, fenced=False)
+        await self.repo.record_live(record, self.clock(), fenced=False, sampler_id=sampler_id)
         await self.push_home(record, await payload_of(record))
         return await self.samplers.record(
             sampler_id=sampler_id,
@@ -347,7 +349,9 @@ class Publisher:
         return None if live is None else (live.folder, await payload_of(live))
 
     async def forget(self, rid: str, base_model: str) -> None:
-        """A retired registration's versions are no longer pushed to new rollouts."""
+        """A retired registration's versions are no longer pushed to new rollouts. They stay
+        recorded, so its samplers still serve (a rollout loads a version on demand); its
+        newest stays held for its inflight samplers (version_gc.py)."""
         live = await self.repo.live_ids(base_model)
         await self.repo.unlist(base_model, [a for a in live if a.registration_id == rid])
         await self.homes.repo.forget(base_model, rid)

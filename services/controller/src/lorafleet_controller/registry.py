@@ -81,7 +81,7 @@ class Registry:
         self, store: Store, settings: ControllerSettings, clock: Callable[[], float] = time.time
     ) -> None:
         self.store = store
-        self.regs = RegistrationsRepo(store)
+        self.regs = RegistrationsRepo(store, clock)
         self.reps = ReplicasRepo(store)
         self.settings = settings
         self.clock = clock
@@ -181,6 +181,19 @@ class Registry:
     async def sweep_reservations(self) -> int:
         """Finish or undo creations whose creator died between their steps."""
         return await self.regs.sweep_reservations(self.clock())
+
+    async def expire_retired(self, retention_seconds: float, limit: int = 1000) -> int:
+        """Forget up to `limit` runs retired `retention_seconds` ago or longer that have no
+        checkpoint left (the leader's sweep); how many. A run with checkpoints stays until
+        they are deleted or expire: sampling one takes a version of the run's counter."""
+        cutoff = self.clock() - retention_seconds
+        forgotten = 0
+        for rid in await self.regs.retired_before(cutoff, limit):
+            rec = await self.get_any(rid)  # gone: its fleet step already ran, a sweep cut off
+            tenant, base = (rec.tenant, rec.base_model) if rec else ("", "")
+            code = await self.regs.forget(rid, tenant, base, cutoff)
+            forgotten += code == "forgotten"
+        return forgotten
 
     async def get(self, tenant: str, rid: str) -> RegRecord:
         rec = await self.get_any(rid)

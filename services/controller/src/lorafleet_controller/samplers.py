@@ -107,7 +107,12 @@ class Samplers:
         """Record the sampler in one script unless it exists (idempotent on its id)."""
         session = contract.SamplerId.parse(sampler_id, "sampler_id").session_id
         rec = SamplerRecord(sampler_id, tenant, base_model, model_path, ref, inflight)
-        await self.repo.record(rec, session)
+        if await self.repo.record(rec, session) == "gone":
+            raise errors.NotFound(
+                f"{ref.registration_id}@{ref.version} is no longer published: nothing held it, "
+                "so it was collected",
+                field="model_path",
+            )
         return await self.get(tenant, sampler_id)
 
     async def get(self, tenant: str, sampler_id: str) -> SamplerRecord:

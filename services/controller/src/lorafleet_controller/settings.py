@@ -83,8 +83,15 @@ class ControllerSettings:
     )
     finished_session_retention_seconds: float = setting(
         7 * 86400.0,
-        doc="A finished session's record (GetSession, ListSessions) is forgotten this long "
-        "after it finished; its runs, samplers and checkpoints stay. 0 = kept forever.",
+        doc="A finished session's record (GetSession, ListSessions) and its samplers are "
+        "forgotten this long after it finished; its runs and checkpoints stay. 0 = kept forever.",
+        min=0.0,
+        max=3650 * 86400.0,
+    )
+    retired_run_retention_seconds: float = setting(
+        30 * 86400.0,
+        doc="A retired (deleted) run's record is forgotten this long after it retired, once no "
+        "checkpoint of it is left; its newest published version goes with it. 0 = kept forever.",
         min=0.0,
         max=3650 * 86400.0,
     )
@@ -99,7 +106,8 @@ class ControllerSettings:
         600.0,
         doc="A deleted or expired checkpoint's files leave the disk this long after its record "
         "(reclaim.py), so operations dispatched before the removal finish reading them; files "
-        "a run's replay may still load stay until its next snapshot.",
+        "a run's replay may still load stay until its next snapshot. A published version "
+        "nothing holds any more is collected this long after it was let go (version_gc.py).",
         min=0.0,
         max=30 * 86400.0,
     )

@@ -123,12 +123,12 @@ class Tenancy:
 
     async def expire_finished(self, retention_seconds: float, limit: int = 1000) -> int:
         """Forget up to `limit` sessions finished `retention_seconds` ago or longer (the
-        leader's sweep); how many. Their runs, samplers and checkpoints stay."""
+        leader's sweep); how many. Their samplers go with them (a session owns its
+        sampling sessions); their runs and checkpoints stay."""
         expired = 0
-        for session_id in await self.sessions.finished_before(
-            self.clock() - retention_seconds, limit
-        ):
-            expired += await self.sessions.expire(session_id)
+        now = self.clock()
+        for session_id in await self.sessions.finished_before(now - retention_seconds, limit):
+            expired += await self.sessions.expire(session_id, now)
         return expired
 
     async def training_runs(self, session_id: str) -> list[str]:

@@ -6,10 +6,12 @@ version that is not resident, or for a registration that has been retired (its t
 perhaps already serving a new tenant), fails with NotFound naming it instead of silently
 running on whatever weights are there (vllm-project/vllm#47724, design-lessons §4.3, §10.7).
 
-The newest `versions_per_registration` versions of each registration accept new requests;
-an older one is *retiring*: in-flight samples finish on it, new ones are refused, and it is
-dropped as soon as its in-flight count drops to zero, never loaded again (the fence is exact).
-Publishing thus never pauses anyone.
+Every version published here serves until the controller takes it away: a version nothing
+holds any more (the controller's version collection) or a retired registration is
+*retiring*: in-flight samples finish on it, new ones are refused, and it is dropped as soon
+as its in-flight count drops to zero, never loaded again (the fence is exact). A newer
+version does not retire an older one: a snapshot sampler or a sampler path keeps sampling
+the weights it was made from. Publishing thus never pauses anyone.
 
 The versions held are a cache over the checkpoint store (`AdapterRegistry`): many more are
 held than the engine has loaded, and a sample loads what it needs.
@@ -131,7 +133,6 @@ class AdapterRegistry:
     """
 
     max_loaded: int
-    versions_per_registration: int = 2
     max_stored: int = 1024
     resident: dict[str, Resident] = field(default_factory=dict)
     _retired: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)
@@ -231,13 +232,6 @@ class AdapterRegistry:
                 f"{existing.adapter_id} is retiring; publish a newer version",
                 field="header.adapter.version",
             )
-        live = self._live_versions(registration_id)
-        if version not in sorted([version, *live], reverse=True)[: self.versions_per_registration]:
-            raise FailedPrecondition(
-                f"version {version} is older than the {self.versions_per_registration} "
-                f"resident versions {live}",
-                field="header.adapter.version",
-            )
         return LoadPlan(already_loaded=False)
 
     def add(self, entry: Resident) -> None:
@@ -251,12 +245,6 @@ class AdapterRegistry:
             return False
         del self.resident[entry.adapter_id]
         return True
-
-    def trim_window(self, registration_id: str) -> list[Resident]:
-        """Retire the registration's versions older than its newest `versions_per_registration`;
-        return those already idle (to drop now)."""
-        old = self._live_versions(registration_id)[self.versions_per_registration :]
-        return self.retire(tuple(adapter_id(registration_id, v) for v in old))
 
     def retire(self, engine_ids: tuple[str, ...]) -> list[Resident]:
         """Mark versions retiring; return those already idle (to drop now)."""
@@ -286,14 +274,3 @@ class AdapterRegistry:
         if engine_id not in self.resident:
             return []
         return self.retire((engine_id,))
-
-    def _live_versions(self, registration_id: str) -> list[int]:
-        """The registration's selectable versions, newest first."""
-        return sorted(
-            (
-                r.version
-                for r in self.resident.values()
-                if r.registration_id == registration_id and not r.retiring
-            ),
-            reverse=True,
-        )

@@ -66,7 +66,6 @@ def make_core(settings: RolloutSettings) -> RolloutCore:
         max_stored_adapters=settings.max_stored_adapters,
         max_queued_requests=settings.max_queued_requests,
         max_num_samples=settings.max_num_samples,
-        versions_per_registration=settings.versions_per_registration,
         max_adapter_bytes=settings.max_adapter_bytes,
     )
     return RolloutCore(make_engine(settings), limits, settings.adapter_dir / settings.replica_id)

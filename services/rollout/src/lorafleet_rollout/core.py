@@ -48,7 +48,6 @@ class Limits:
     max_stored_adapters: int = 1024
     max_queued_requests: int = 256
     max_num_samples: int = 16
-    versions_per_registration: int = 2
     max_adapter_bytes: int = MAX_ADAPTER_BYTES
 
 
@@ -57,11 +56,7 @@ class RolloutCore:
         self.engine = engine
         self.limits = limits
         self.adapter_dir = adapter_dir
-        self.registry = AdapterRegistry(
-            limits.max_loaded_adapters,
-            limits.versions_per_registration,
-            limits.max_stored_adapters,
-        )
+        self.registry = AdapterRegistry(limits.max_loaded_adapters, limits.max_stored_adapters)
         self.incarnation = uuid.uuid4().hex
         self._in_flight = 0
         #: Guards every change to what the engine holds (loads, evictions, drops, publishes);
@@ -203,8 +198,6 @@ class RolloutCore:
                 finally:
                     entry.in_flight -= 1
                     self._adapters.notify_all()
-                for old in self.registry.trim_window(registration_id):
-                    await self._drop(old)
                 for spare in self.registry.over_stored():
                     await self._drop(spare)
                 log.info("adapter %s published", engine_id)

@@ -97,12 +97,6 @@ class RolloutSettings:
         max=1 << 20,
     )
     max_num_samples: int = setting(16, doc="Largest num_samples of one request.", min=1, max=1024)
-    versions_per_registration: int = setting(
-        2,
-        doc="Recent versions of a registration kept serving so in-flight samples finish.",
-        min=1,
-        max=64,
-    )
     max_lora_rank: int = setting(64, doc="Largest LoRA rank accepted.", min=1, max=4096)
     max_adapter_bytes: int = setting(
         MAX_ADAPTER_BYTES, doc="Largest adapter upload (all files).", min=1024, max=1 << 40

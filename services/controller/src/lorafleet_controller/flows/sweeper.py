@@ -1,6 +1,6 @@
-"""The leader's periodic sweep: expiries, removed checkpoints' files, finished sessions'
-records, silent replicas and sessions, unfinished bindings, paging, stranded runs, gauges
-and usage."""
+"""The leader's periodic sweep: expiries, published versions nothing holds, removed
+checkpoints' files, finished sessions' records, silent replicas and sessions, unfinished
+bindings, paging, stranded runs, gauges and usage."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import StaleEpoch
 from lorafleet_controller.tenancy import Tenancy
 from lorafleet_controller.usage import Usage
+from lorafleet_controller.version_gc import VersionCollector
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Sweeper:
         ledger: Ledger,
         catalog: Catalog,
         reclaimer: Reclaimer,
+        versions: VersionCollector,
         registry: Registry,
         placer: Placer,
         pager: Pager,
@@ -49,6 +51,7 @@ class Sweeper:
         self.ledger = ledger
         self.catalog = catalog
         self.reclaimer = reclaimer
+        self.versions = versions
         self.registry = registry
         self.placer = placer
         self.pager = pager
@@ -87,9 +90,12 @@ class Sweeper:
     async def sweep_once(self) -> None:
         await self.ledger.sweep()
         await self.catalog.sweep_expired()
+        await self.versions.collect_due()
         await self.reclaimer.reclaim_due()
         if self.settings.finished_session_retention_seconds:
             await self.tenancy.expire_finished(self.settings.finished_session_retention_seconds)
+        if self.settings.retired_run_retention_seconds:
+            await self.registry.expire_retired(self.settings.retired_run_retention_seconds)
         now = time.monotonic()
         if now - self._swept_at > self.settings.heartbeat_interval_seconds:
             self._heard_since = self._sessions_heard_since = now

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorafleet.contract import AdapterId
+from lorafleet.contract import AdapterId, SamplerId
 from lorafleet.v1 import common_pb2, trainer_pb2
 from lorafleet_controller.store import Store, blob, named, text
 
@@ -58,7 +58,12 @@ class AdaptersRepo:
         )
         return int(out["version"])
 
-    async def record_live(self, live: LiveVersion, *, fenced: bool) -> None:
+    async def record_live(
+        self, live: LiveVersion, now: float, *, fenced: bool, sampler_id: str = ""
+    ) -> None:
+        """Without `sampler_id`: the run's own publish, which its inflight samplers follow
+        from now on (the one before is let go). With it: that sampler's own version (a
+        sampler made from a training checkpoint), held for it from this step on."""
         aid = str(AdapterId(live.ref.registration_id, live.ref.version))
         shared = trainer_pb2.WriteSharedAdapterResponse(files=live.refs).SerializeToString()
         await self.store.scripts.run(
@@ -72,6 +77,10 @@ class AdaptersRepo:
             live.lora.SerializeToString(),
             shared,
             live.tenant,
+            "0" if sampler_id else "1",
+            now,
+            sampler_id,
+            SamplerId.parse(sampler_id, "sampler_id").session_id if sampler_id else "",
             epoch=self._epoch(fenced),
         )
 
@@ -101,3 +110,23 @@ class AdaptersRepo:
         """Take versions out of the base model's live index (no longer pushed to rollouts)."""
         if aids:
             await self.store.redis.zrem(self.keys.live(base_model), *map(str, aids))
+
+    async def unheld(self, cutoff: float, limit: int) -> list[str]:
+        """Up to `limit` versions let go at or before `cutoff`, oldest first."""
+        raw = await self.store.redis.zrangebyscore(
+            self.keys.versions_unheld, "-inf", cutoff, start=0, num=limit
+        )
+        return [text(a) for a in raw]
+
+    async def collect(self, aid: str, cutoff: float, reclaim: str) -> str:
+        """Drop a version nothing holds and queue its folder (`reclaim`, an encoded entry):
+        collected | held | waiting | gone (version_collect.lua)."""
+        out = await self.store.scripts.run(
+            "version_collect",
+            [self.keys.adapter(aid), self.keys.adapter_refs(aid)],
+            aid,
+            cutoff,
+            reclaim,
+            epoch=self.store.leader_epoch(),
+        )
+        return text(named(out)["code"])

@@ -51,6 +51,14 @@ class CheckpointRecord:
         return f"{'weights' if self.type == TRAINING else 'sampler_weights'}/{self.name}"
 
 
+def holds(rec: CheckpointRecord) -> str:
+    """The published version a sampler checkpoint names (`<rid>@<version>`), which stays
+    while the checkpoint does (version_gc.py); '' for a training checkpoint."""
+    if rec.type != SAMPLER or not rec.version:
+        return ""
+    return str(contract.AdapterId(rec.training_run_id, rec.version))
+
+
 @dataclass(frozen=True)
 class Reclaim:
     """A removed checkpoint's folder, waiting to be removed from disk (reclaim.py): whose it
@@ -121,6 +129,7 @@ class CatalogRepo:
                 rec.training_run_id,
                 rec.created_at,
                 rec.expires_at,
+                holds(rec),
                 "type",
                 rec.type,
                 "size",
@@ -205,10 +214,10 @@ class CatalogRepo:
         return [text(p) for p in await self.store.redis.zrevrange(key, 0, -1)]
 
     async def remove(
-        self, rec: CheckpointRecord, reclaim: Reclaim | None, *, fenced: bool = False
+        self, rec: CheckpointRecord, reclaim: Reclaim | None, now: float, *, fenced: bool = False
     ) -> None:
         """Drop the record and its index entries and queue `reclaim` (`fenced`: the leader's
-        expiry sweep)."""
+        expiry sweep); a sampler checkpoint lets its published version go (version_gc.py)."""
         own = [
             self.keys.ckpt(rec.tinker_path),
             self.keys.tenant_ckpts(rec.tenant),
@@ -221,6 +230,8 @@ class CatalogRepo:
             rec.tenant,
             rec.training_run_id,
             reclaim.encode() if reclaim else "",
+            holds(rec),
+            now,
             epoch=self.store.leader_epoch() if fenced else None,
         )
 

@@ -63,6 +63,9 @@ KEY_FAMILIES: dict[str, tuple[str, str]] = {
     "tenant_regs": ("fleet", "regs:{id}"),  # zset: a tenant's registrations by creation time
     "session_runs": ("fleet", "session_runs:{id}"),  # set: a session's registrations
     "tenant_live": ("fleet", "live_regs:{id}"),  # set: a tenant's registrations not retired
+    # zset: registrations retired (their fleet step done) by retirement time, until their
+    # records are forgotten (registry.expire_retired)
+    "runs_retired": ("fleet", "runs_retired"),
     # hash: registration id → its reservation (tenant, session, time) until its record exists
     "reserving": ("fleet", "reserving"),
     # set: registrations placed but not yet confirmed by the trainer
@@ -84,6 +87,13 @@ KEY_FAMILIES: dict[str, tuple[str, str]] = {
     "adapter": ("fleet", "adapter:{id}"),  # hash: a published `<registration>@<version>`
     "live": ("fleet", "live:{id}"),  # zset: a base model's published adapter ids by version
     "homes": ("fleet", "homes:{id}"),  # hash: a base model's registration → its home rollout
+    # set: what holds a published version (`s:<sampler id>`, `p:<sampler checkpoint path>`)
+    "adapter_refs": ("fleet", "adapter_refs:{id}"),
+    # hash: a registration → the newest version its own publishes made (its inflight
+    # samplers follow it, so it is held)
+    "run_newest": ("fleet", "run_newest"),
+    # zset: published versions nothing holds any more, by when they were let go (version_gc.py)
+    "versions_unheld": ("fleet", "versions_unheld"),
     # checkpoints
     "ckpt": ("fleet", "ckpt:{id}"),  # hash: one checkpoint by tinker path
     "tenant_ckpts": ("fleet", "ckpts:{id}"),  # zset: a tenant's checkpoints by creation time
@@ -211,6 +221,9 @@ class Keys:
     base_models: str
     ckpt_ttl: str
     reclaim: str
+    run_newest: str
+    runs_retired: str
+    versions_unheld: str
     sessions_live: str
     sessions_finished: str
     jobs_open: str
@@ -261,6 +274,9 @@ class Keys:
 
     def adapter(self, adapter_id: str) -> str:
         return self._key("adapter", adapter_id)
+
+    def adapter_refs(self, adapter_id: str) -> str:
+        return self._key("adapter_refs", adapter_id)
 
     def live(self, base_model: str) -> str:
         return self._key("live", base_model)

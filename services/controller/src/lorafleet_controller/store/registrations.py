@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lorafleet import contract, errors
@@ -113,9 +114,10 @@ WAITING = (RegState.QUEUED, RegState.UNAVAILABLE, RegState.PAGED)
 
 
 class RegistrationsRepo:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.keys = store.keys
+        self.clock = clock
 
     async def create(self, new: NewRegistration, now: float, max_per_tenant: int) -> str:
         """Create it unless it exists: 'created', 'exists', or 'limit' (its tenant holds
@@ -162,8 +164,53 @@ class RegistrationsRepo:
         return text(out["code"])
 
     async def retired(self, rid: str, tenant: str) -> None:
-        """A run retired in its group leaves its tenant's live runs (fleet; idempotent)."""
-        await self.store.scripts.run("reg_retired", [self.keys.tenant_live(tenant)], rid, tenant)
+        """A run retired in its group leaves its tenant's live runs and is queued to be
+        forgotten after the retention (fleet; idempotent)."""
+        await self.store.scripts.run(
+            "reg_retired", [self.keys.tenant_live(tenant)], rid, tenant, self.clock()
+        )
+
+    async def retired_before(self, cutoff: float, limit: int) -> list[str]:
+        """Up to `limit` runs retired at or before `cutoff`, oldest first."""
+        raw = await self.store.redis.zrangebyscore(
+            self.keys.runs_retired, "-inf", cutoff, start=0, num=limit
+        )
+        return [text(x) for x in raw]
+
+    async def forget(self, rid: str, tenant: str, base_model: str, cutoff: float) -> str:
+        """Forget a run retired at or before `cutoff` (the leader's sweep, fenced): its
+        fleet records, then its record in its group, then its place in the queue.
+        forgotten | kept (checkpoints of it are left) | waiting (its operation records are
+        still being purged, or it retired after `cutoff`) | gone."""
+        fleet = named(
+            await self.store.scripts.run(
+                "run_forget",
+                [self.keys.tenant_regs(tenant), self.keys.run_ckpts(rid)],
+                rid,
+                tenant,
+                cutoff,
+                self.clock(),
+                base_model,
+                epoch=self.store.leader_epoch(),
+            )
+        )
+        code = text(fleet["code"])
+        if code != "forgotten":
+            return code
+        group = named(
+            await self.store.scripts.run(
+                "reg_forget",
+                [self.keys.reg(rid), self.keys.replay(rid)],
+                rid,
+                epoch=self.store.leader_epoch(),
+                group=self.keys.group_of(rid),
+            )
+        )
+        code = text(group["code"])
+        if code == "purging":
+            return "waiting"
+        await self.store.redis.zrem(self.keys.runs_retired, rid)
+        return code  # forgotten, or live: never retired in its group, so not queued
 
     async def is_live(self, rid: str, tenant: str) -> bool:
         return bool(await self.store.redis.sismember(self.keys.tenant_live(tenant), rid))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lorafleet.contract import AdapterId
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.store import OpState, Store, named, text
 from lorafleet_controller.store.quota import ADMIT_TRIES, Limits, Quota
@@ -24,6 +25,15 @@ class SamplerRecord:
     model_path: str
     ref: common_pb2.AdapterRef
     inflight: bool
+
+
+def pinned(rec: SamplerRecord) -> str:
+    """The published version a sampler holds (version_gc.py): its own, unless it is on the
+    base model or inflight (an inflight sampler follows its run's newest version, which the
+    run holds)."""
+    if rec.inflight or not rec.ref.registration_id:
+        return ""
+    return str(AdapterId(rec.ref.registration_id, rec.ref.version))
 
 
 @dataclass(frozen=True)
@@ -44,15 +54,17 @@ class SamplersRepo:
         self.keys = store.keys
         self.quota = Quota(store)
 
-    async def record(self, rec: SamplerRecord, session_id: str) -> None:
-        """Record the sampler unless it exists (an existing one is kept as it is)."""
+    async def record(self, rec: SamplerRecord, session_id: str) -> str:
+        """Record the sampler unless it exists (an existing one is kept as it is): created |
+        exists | gone (the version it would pin was collected meanwhile)."""
         own = [self.keys.sampler(rec.sampler_id), self.keys.session_samplers(session_id)]
-        await self.store.scripts.run(
+        out = await self.store.scripts.run(
             "record_sampler",
             own,
             rec.sampler_id,
             session_id,
             rec.tenant,
+            pinned(rec),
             "base_model",
             rec.base_model,
             "model_path",
@@ -64,6 +76,7 @@ class SamplersRepo:
             "inflight",
             "1" if rec.inflight else "0",
         )
+        return text(named(out)["code"])
 
     async def load(self, sampler_id: str) -> SamplerRecord | None:
         raw = await self.store.redis.hgetall(self.keys.sampler(sampler_id))

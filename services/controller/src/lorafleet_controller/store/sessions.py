@@ -125,13 +125,15 @@ class SessionsRepo:
         )
         return [text(x) for x in raw]
 
-    async def expire(self, session_id: str) -> bool:
-        """Forget a finished session's records (the leader's sweep: fenced)."""
+    async def expire(self, session_id: str, now: float) -> bool:
+        """Forget a finished session's records and its samplers (the leader's sweep:
+        fenced)."""
         out = named(
             await self.store.scripts.run(
                 "session_expire",
                 [self.keys.session(session_id)],
                 session_id,
+                now,
                 epoch=self.store.leader_epoch(),
             )
         )

@@ -212,3 +212,16 @@ local function claim_op(id, now)
     'payload', f[5] or '', 'replica', r[3] or '', 'slot', r[4] or '', 'dirty', r[5] or '0',
     'base_model', r[6] or '', 'tenant', f[7], 'submitted_at', f[8], 'claim', number)
 end
+
+-- A published version that nothing may hold any more (no sampler pins it, no sampler
+-- checkpoint names it, and it is not its run's newest) is queued for the leader's version
+-- collection (version_gc.py), which checks all of that again a grace later, in one script,
+-- before the version leaves the rollouts and the disk.
+local function let_go(aid, now)
+  local ak = keys.adapter(aid)
+  if redis.call('EXISTS', ak) == 0 then return end
+  if redis.call('SCARD', keys.adapter_refs(aid)) > 0 then return end
+  local rid, version = unpack(redis.call('HMGET', ak, 'rid', 'version'))
+  if redis.call('HGET', keys.run_newest, rid) == version then return end
+  redis.call('ZADD', keys.versions_unheld, now, aid)
+end
