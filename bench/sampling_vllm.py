@@ -21,8 +21,9 @@ so neither engine's idle threads nor the scheduler's choice between them decide 
 seconds, > 1 = we are faster; the verdict (`<side>_vs_vllm`) is the worst round's, beside the
 median and the spread (best / worst round). The GEMM peak is measured in the
 same run (torch.mm, same thread count); the achieved GFLOP/s counts every linear layer (and
-lm_head) plus attention score/value products for prompt and generated tokens, prompts once
-per request (so with prefix caching, (c) and (d) count work the cache saved).
+lm_head) plus attention score/value products of the work our engine did: generated tokens,
+and only the prompt tokens it computed (each result's `cached_prompt_tokens` say how many
+came from the prefix cache: those cost nothing, and counting them read 1.6-2.7x the peak).
 
 Where our time goes: `py-spy record -f raw -o prof.txt -- .venv/bin/python bench/sampling.py
 --vs-vllm --workloads a --skip-base` (py-spy is in requirements-dev.txt).
@@ -250,18 +251,20 @@ def gemm_peak(threads: int) -> float:
     return best
 
 
-def workload_flops(model_dir: Path, workload: Workload) -> float:
-    """Linear-layer and attention FLOPs of prefilling every prompt once per request and
-    generating every token (what a cache-less engine would do minus the repeated prompts)."""
+def workload_flops(model_dir: Path, workload: Workload, results: list[SampleResult]) -> float:
+    """Linear-layer and attention FLOPs of what the engine computed for `results`: each
+    prompt once per request, from its first token not served by the prefix cache (a cached
+    prefix is the prompt's start), and every generated token."""
     cfg = AutoConfig.from_pretrained(model_dir)
     h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     head = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head, cfg.num_key_value_heads * head
     per_token = 2 * (layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * cfg.vocab_size)
     total = 0.0
-    for r in workload.requests:
-        p, n = len(r.prompt_tokens), r.params.max_tokens
-        total += p * per_token + layers * 4 * q * p * (p + 1) / 2  # prompt
+    for r, result in zip(workload.requests, results, strict=True):
+        p, n, c = len(r.prompt_tokens), r.params.max_tokens, result.cached_prompt_tokens
+        # prompt positions c..p-1, position i attending to i + 1 keys
+        total += (p - c) * per_token + layers * 4 * q * ((p - c) * (p + c + 1) / 2)
         ctx = sum(range(p, p + n))
         total += r.num_samples * (n * per_token + layers * 4 * q * ctx)
     return total
@@ -277,7 +280,7 @@ async def compare(
     for load in loads:
         seconds: dict[str, list[float]] = {name: [] for name in sides}
         cpu: dict[str, list[float]] = {name: [] for name in sides}
-        firsts: dict[str, list[SampleResult]] = {}
+        answers: dict[str, list[list[SampleResult]]] = {name: [] for name in sides}
         try:
             for side in sides.values():
                 await side.run(load.requests[0])  # warm-up (allocations, prefix caches)
@@ -287,7 +290,7 @@ async def compare(
                         elapsed, used, results = await timed(side, load)
                     seconds[name].append(elapsed)
                     cpu[name].append(used)
-                    firsts.setdefault(name, results)
+                    answers[name].append(results)
         except LorafleetError as exc:  # vLLM failed: say so, measure the rest
             report[load.name] = {"error": str(exc)[:400]}
             print(f"({load.name}) failed: {exc}", file=sys.stderr, flush=True)
@@ -307,17 +310,18 @@ async def compare(
             entry[f"{name}_vs_vllm_per_round"] = [round(x, 3) for x in ratios]
             cpu_ratios = [v / o for o, v in zip(cpu[name], cpu["vllm"], strict=True)]
             entry[f"{name}_vs_vllm_cpu_time"] = round(statistics.median(cpu_ratios), 3)
-        ours_first = firsts[next(iter(ours))]
+        ours_first = answers[next(iter(ours))][0]
         if load.requests[0].params.temperature == 0:
             same = sum(
                 a.tokens == b.tokens
-                for x, y in zip(ours_first, firsts["vllm"], strict=True)
+                for x, y in zip(ours_first, answers["vllm"][0], strict=True)
                 for a, b in zip(x.sequences, y.sequences, strict=True)
             )
             total = sum(len(x.sequences) for x in ours_first)
             entry["greedy_sequences_identical"] = f"{same}/{total}"
         report[load.name] = entry
         report[f"_{load.name}_seconds"] = seconds
+        report[f"_{load.name}_answers"] = answers
         print(f"({load.name}) {json.dumps(entry)}", file=sys.stderr, flush=True)
     return report
 
@@ -374,11 +378,19 @@ async def side(
                         lines = log.read_text().splitlines()
                         entry["vllm_log_errors"] = [x for x in lines if "Error" in x][-15:]
                         continue
-                    flops = workload_flops(model_dir, load)
                     seconds = result[f"_{load.name}_seconds"]
-                    assert isinstance(seconds, dict)
+                    answers = result.pop(f"_{load.name}_answers")
+                    assert isinstance(seconds, dict) and isinstance(answers, dict)
                     entry["torch_gflop_s"] = round(
-                        flops / statistics.median(seconds["torch"]) / 1e9, 1
+                        statistics.median(
+                            workload_flops(model_dir, load, results) / t
+                            for t, results in zip(seconds["torch"], answers["torch"], strict=True)
+                        )
+                        / 1e9,
+                        1,
+                    )
+                    entry["torch_prompt_tokens_cached"] = sum(
+                        r.cached_prompt_tokens for r in answers["torch"][-1]
                     )
                     if "torch_no_prefix_cache" in seconds:
                         entry["prefix_sharing_speedup"] = round(

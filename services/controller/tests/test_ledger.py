@@ -390,7 +390,7 @@ async def test_a_long_run_keeps_no_record_per_released_step(domain: Domain) -> N
         await run_one(domain, (await pop_ready(domain))[-1])
         await domain.ledger.ack("t1", adm.operation_id)
     samples = SamplersRepo(domain.store)
-    limits = Limits(10_000, 10_000, 10_000, 10_000)
+    limits = Limits(10_000, 10_000, 10_000, 10_000, 1 << 20, 1 << 20, 1 << 20, 1 << 20)
     for n in range(40):
         opid = f"sess:sampler:0#s{n}"
         out = await samples.submit(opid, "t1", f"d{n}", b"body", domain.clock.now, rid, limits)

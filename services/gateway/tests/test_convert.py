@@ -246,6 +246,22 @@ def test_unknown_loss_missing_inputs_and_non_text_chunks_are_rejected() -> None:
         )
 
 
+def test_rows_and_tokens_of_one_operation_are_capped_naming_data() -> None:
+    """Limits.max_rows / max_tokens (the gateway's MAX_ROWS_PER_OPERATION and
+    MAX_TOKENS_PER_OPERATION); 0 = no cap."""
+    target = {"data": [2, 3, 4], "dtype": "int64"}
+    body = fb_json([datum_json([1, 2, 3], target_tokens=target)] * 4)  # 4 rows, 12 tokens
+    for limits in (Limits(max_rows=3), Limits(max_tokens=11)):
+        with raises("fb.data"):
+            convert.fb_input_from_json(body, "fb", False, limits)
+    for limits in (Limits(max_rows=4, max_tokens=12), Limits()):
+        assert len(convert.fb_input_from_json(body, "fb", False, limits).data) == 4
+    raw = _proto_request().SerializeToString()
+    _, _, convert_input = convert.fb_request_parts_from_proto(raw)
+    with raises("data"):
+        convert_input(Limits(max_tokens=1))
+
+
 def _proto_request(**kw: object) -> tpb.ForwardBackwardRequest:
     req = tpb.ForwardBackwardRequest(model_id="s:train:0", seq_id=4, loss_fn="ppo", **kw)
     d = req.data.add()

@@ -380,3 +380,41 @@ async def test_topk_prompt_logprobs_imply_the_flat_ones(
 
     plain = await core.sample("", 0, SampleRequest(None, PROMPT, spec, num_samples))
     assert plain.prompt_logprobs == () and plain.topk_prompt_logprobs == ()
+
+
+async def test_eviction_prefers_the_incoming_adapters_rank_class_among_the_oldest(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """With the torch engine's rank classes, making room for an adapter evicts the oldest
+    idle one of its class when that is in the least recently used third, so the class's
+    slot is reused (no resize, no hole elsewhere); outside that third, plain LRU. A class
+    left more than an eighth empty is compacted."""
+    engine = TorchEngine(model_dir, max_batch_size=8)
+    core = RolloutCore(engine, Limits(max_loaded_adapters=6, max_queued_requests=8), tmp_path)
+    await core.start()
+    try:
+        ranks = [4, 4, 8, 4, 4, 4, 8, 8]
+        for i, rank in enumerate(ranks):
+            folder = make_adapter(model_dir, tmp_path / f"src{i}", seed=50 + i, rank=rank)
+            staged = tmp_path / f"staged{i}"
+            shutil.copytree(folder, staged)
+            lora = LoraSpec(rank, 2 * rank)
+            await core.load_adapter(f"r{i}", 1, lora, staged, file_digests(folder))
+
+        def loaded() -> list[str]:
+            return sorted(r.registration_id for r in core.list_adapters() if r.loaded)
+
+        # r0..r5 filled the six slots (r2 the only rank 8). r6 (rank 8) evicted r0: no rank
+        # 8 among the oldest third (r0, r1). r7 (rank 8) evicted r2, the rank 8 in the
+        # oldest third (r1, r2), not r1: class 8 reuses r2's slot.
+        assert loaded() == ["r1", "r3", "r4", "r5", "r6", "r7"]
+        slots = engine._model()
+        assert slots.capacity == {4: 5, 8: 2}
+        await core.sample("r2", 1, greedy(4))  # no rank 8 among r1, r3: evicts r1
+        assert loaded() == ["r2", "r3", "r4", "r5", "r6", "r7"]
+        assert slots.capacity == {4: 3, 8: 3}  # class 4 held 3 of 5: compacted
+        await core.sample("r1", 1, greedy(4))  # r3, rank 4, the oldest: its slot reused
+        assert loaded() == ["r1", "r2", "r4", "r5", "r6", "r7"]
+        assert slots.capacity == {4: 3, 8: 3}
+    finally:
+        await core.close()

@@ -440,3 +440,38 @@ async def test_lm_head_lora_matches_peft_in_prefill_and_decode(
         assert list(mixed[1].sequences[0].tokens) == base
     finally:
         await eng.close()
+
+
+async def test_a_rank_class_compacted_mid_decode_keeps_each_row_on_its_adapter(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Removals that leave a rank class more than an eighth empty compact it: the adapters
+    past the end move into the holes and the stacks shrink (adapter_slots.py). A request
+    decoding on a moved adapter goes on with its own weights: its tokens and logprobs equal
+    the same request alone, bit for bit."""
+    eng = TorchEngine(model_dir, max_batch_size=16)
+    await eng.start()
+    try:
+        for i in range(4):
+            folder = make_adapter(model_dir, tmp_path / f"c{i}", seed=30 + i)
+            await eng.load_adapter(f"c{i}@1", folder, LoraSpec(4, 8))
+        model = eng._model()
+        assert model.capacity == {4: 4}
+        request = SampleRequest("c3@1", PROMPT, SamplingSpec(400, 0.0, disable_eos_stop=True))
+        alone = await eng.sample(request)
+        name = eng._names["c3@1"]  # the engine's own name for it
+        slot, layout = model.slot(name), model.layout
+        running = asyncio.ensure_future(eng.sample(request))
+        await wait_until_async(lambda: bool(eng._batch.seqs), "the request decoding")
+        for i in range(3):
+            await eng.unload_adapter(f"c{i}@1")
+        assert not running.done()  # the move happened while it decoded
+        assert model.layout > layout and model.slot(name) != slot
+        assert model.capacity == {4: 2}  # 1 held, one slot spare (an eighth, at least 1)
+        moved = await running
+        assert [s.tokens for s in moved.sequences] == [s.tokens for s in alone.sequences]
+        assert [s.logprobs for s in moved.sequences] == [s.logprobs for s in alone.sequences]
+        await eng.unload_adapter("c3@1")
+        assert model.capacity == {} and model.stack_bytes() == 0
+    finally:
+        await eng.close()

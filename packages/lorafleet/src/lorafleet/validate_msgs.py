@@ -12,7 +12,9 @@ whichever hop caught it. The proto3 defaults are read as the rollout reads them:
 Deployment limits (vocabulary, context length, num_samples) are arguments, never constants:
 the gateway takes them from the controller's capabilities, the acting service from its own
 model and settings. A limit of 0 means "not known at this hop" and skips that rule; the
-acting service always knows all of them. Torch-free on purpose: the gateway imports this.
+acting service always knows all of them. The caps on one operation's size (rows, tokens)
+are the gateway's settings, checked there before admission. Torch-free on purpose: the
+gateway imports this.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Limits:
     vocab_size: int = 0
     max_context_length: int = 0
     max_num_samples: int = 0
+    max_rows: int = 0  # data rows of one forward(_backward)
+    max_tokens: int = 0  # their tokens, context included
 
 
 # Nothing known at this hop: only the rules that need no deployment limit are checked.
@@ -107,6 +111,7 @@ def check_forward_backward(
         )
     if not fb.data:
         raise InvalidArgument("at least one datum is required", field=f"{prefix}data")
+    _check_size(fb.data, limits, f"{prefix}data")
     for i, datum in enumerate(fb.data):
         where = f"{prefix}data[{i}]"
         n = len(datum.tokens)
@@ -121,6 +126,24 @@ def check_forward_backward(
         _check_ids(datum.tokens, limits.vocab_size, f"{where}.tokens")
         _check_ids(datum.context, limits.vocab_size, f"{where}.context")
         _check_inputs(spec, datum.loss_fn_inputs, n, limits, f"{where}.loss_fn_inputs", as_array)
+
+
+def _check_size(data: Sequence[DatumLike], limits: Limits, field: str) -> None:
+    """At most `max_rows` rows and `max_tokens` tokens in one operation: one step's work
+    and memory on a trainer stay bounded whatever fits in a payload."""
+    if limits.max_rows and len(data) > limits.max_rows:
+        raise InvalidArgument(
+            f"{len(data)} rows exceed the {limits.max_rows} one operation may carry; split the "
+            "batch",
+            field=field,
+        )
+    tokens = sum(len(d.tokens) + len(d.context) for d in data)
+    if limits.max_tokens and tokens > limits.max_tokens:
+        raise InvalidArgument(
+            f"{tokens} tokens (context included) exceed the {limits.max_tokens} one operation "
+            "may carry; split the batch",
+            field=field,
+        )
 
 
 def _check_inputs(

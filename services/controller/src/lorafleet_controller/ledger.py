@@ -31,7 +31,7 @@ from lorafleet_controller.notify import Notifier
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import TERMINAL, OpState, RegState, Store, named, text
 from lorafleet_controller.store.operations import OperationsRepo, StoredOp
-from lorafleet_controller.store.quota import ADMIT_TRIES, Limits, Quota
+from lorafleet_controller.store.quota import ADMIT_TRIES, Limits, Quota, lease_needs
 
 WaitingFor: TypeAlias = controller_pb2.WaitingFor.ValueType
 BACKPRESSURE_SCOPES = {
@@ -40,6 +40,14 @@ BACKPRESSURE_SCOPES = {
     "global": "open operations of the fleet",
     "tenant_results": "unacknowledged results of this tenant",
     "results": "unacknowledged results of the fleet",
+    "tenant_bytes": "payload bytes in this tenant's open operations "
+    "(LORAFLEET_CONTROLLER_MAX_PENDING_BYTES_PER_TENANT)",
+    "global_bytes": "payload bytes in the fleet's open operations "
+    "(LORAFLEET_CONTROLLER_MAX_PENDING_BYTES_GLOBAL)",
+    "tenant_result_bytes": "bytes in this tenant's unacknowledged results "
+    "(LORAFLEET_CONTROLLER_MAX_UNACKED_BYTES_PER_TENANT)",
+    "result_bytes": "bytes in the fleet's unacknowledged results "
+    "(LORAFLEET_CONTROLLER_MAX_UNACKED_BYTES_GLOBAL)",
     "rate": "admissions per second for this tenant",
 }
 
@@ -195,12 +203,7 @@ class Ledger:
             raise errors.InvalidArgument(
                 f"seq_id must be >= 1, got {seq_id}", field="seq_id", reason="SEQ_OUT_OF_RANGE"
             )
-        if len(payload) > s.max_payload_bytes:
-            raise errors.InvalidArgument(
-                f"payload is {len(payload)} bytes, over the {s.max_payload_bytes}-byte limit",
-                field="payload",
-                reason="PAYLOAD_TOO_LARGE",
-            )
+        check_size(len(payload), s, "payload")
         self.store.room.admit("operation")
         return await self._admit(tenant, registration_id, seq_id, kind, payload, digest, rejection)
 
@@ -240,14 +243,7 @@ class Ledger:
         born = error_json(rejection) if rejection is not None else ""
         own = [self.keys.reg(registration_id), self.keys.op(operation_id(registration_id, seq_id))]
         group = self.keys.group_of(registration_id)
-        limits = Limits(
-            s.max_pending_per_tenant,
-            s.max_pending_global,
-            s.max_unacked_results_per_tenant,
-            s.max_unacked_results,
-            s.admission_rate_per_tenant if bucket else 0.0,
-            s.admission_burst_per_tenant,
-        )
+        limits = admission_limits(s, bucket)
         for _ in range(ADMIT_TRIES):
             now = self.clock()
             out = named(
@@ -272,15 +268,12 @@ class Ledger:
             code = text(out["code"])
             if code != "need_lease":
                 break
-            needs = [text(x) for x in out["need"]]
-            tokens = float(text(out["tokens"]))
-            refusal = await self.quota.provide(
-                tenant, group, needs, limits, registration_id, now, tokens
-            )
+            needs = lease_needs(out)
+            refusal = await self.quota.provide(tenant, group, needs, limits, registration_id, now)
             if refusal is not None:
                 raise backpressure(refusal.scope, refusal.retry_after)
         else:
-            raise backpressure(needs[0])
+            raise backpressure(needs[0][0])
         if code in ("created", "duplicate"):
             return Admission(
                 text(out["operation_id"]),
@@ -608,14 +601,47 @@ class Ledger:
         return await self.operations.gap_stalls()
 
     async def fleet_load(self) -> dict[str, int]:
-        """The fleet's open operations and unacknowledged results (summed over the groups)."""
+        """The fleet's open operations and unacknowledged results, and their bytes (summed
+        over the groups)."""
         return await self.quota.load("")
 
     async def tenant_load(self, tenant: str) -> dict[str, int]:
-        """A tenant's open operations and unacknowledged results (summed over the groups)
-        and its live registrations."""
+        """A tenant's open operations and unacknowledged results, and their bytes (summed
+        over the groups), and its live registrations."""
         live = await self.operations.live_registrations(tenant)
         return {**await self.quota.load(tenant), "registrations": live}
+
+
+def admission_limits(s: ControllerSettings, bucket: bool = True) -> Limits:
+    """The tenant's and the fleet's limits an admission is held to; `bucket` False spends no
+    admission tokens (samples, the controller's own seq 0 load)."""
+    return Limits(
+        pending_per_tenant=s.max_pending_per_tenant,
+        pending_global=s.max_pending_global,
+        unacked_per_tenant=s.max_unacked_results_per_tenant,
+        unacked_global=s.max_unacked_results,
+        pending_bytes_per_tenant=s.max_pending_bytes_per_tenant,
+        pending_bytes_global=s.max_pending_bytes_global,
+        unacked_bytes_per_tenant=s.max_unacked_bytes_per_tenant,
+        unacked_bytes_global=s.max_unacked_bytes_global,
+        rate=s.admission_rate_per_tenant if bucket else 0.0,
+        burst=s.admission_burst_per_tenant,
+    )
+
+
+def check_size(size: int, s: ControllerSettings, field: str) -> None:
+    """A payload no admission could ever take is the caller's error, not backpressure:
+    larger than MAX_PAYLOAD_BYTES, or than all the payload bytes a tenant (or the fleet) may
+    have open at once."""
+    for name in ("max_payload_bytes", "max_pending_bytes_per_tenant", "max_pending_bytes_global"):
+        limit = getattr(s, name)
+        if size > limit:
+            raise errors.InvalidArgument(
+                f"{field} is {size} bytes, over the {limit}-byte limit "
+                f"LORAFLEET_CONTROLLER_{name.upper()}",
+                field=field,
+                reason="PAYLOAD_TOO_LARGE",
+            )
 
 
 def backpressure(scope: str, retry_after: float = 1.0) -> errors.ResourceExhausted:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from lorafleet import contract, errors
 from lorafleet.v1 import common_pb2, controller_pb2, rollout_pb2
 from lorafleet_controller.clients import Pool
-from lorafleet_controller.ledger import Claim, Ledger, backpressure
+from lorafleet_controller.ledger import Claim, Ledger, admission_limits, backpressure, check_size
 from lorafleet_controller.placement import route
 from lorafleet_controller.registry import ROLLOUT, Registry, Replica
 from lorafleet_controller.residency import Homes, Pusher
@@ -27,7 +27,6 @@ from lorafleet_controller.sample_queue import FairQueue
 from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store import OpState, Store
 from lorafleet_controller.store.adapters import AdaptersRepo
-from lorafleet_controller.store.quota import Limits
 from lorafleet_controller.store.samplers import SamplerRecord, SamplersRepo
 from lorafleet_controller.usage import sample_effects
 
@@ -126,18 +125,11 @@ class Samplers:
         sampler = await self.get(sub.tenant, sub.sampler_id)
         if sub.seq_id < 0:
             raise errors.InvalidArgument("seq_id must be >= 0", field="seq_id")
-        if len(sub.body) > self.settings.max_payload_bytes:
-            raise errors.InvalidArgument("sample request too large", field="prompt_tokens")
+        check_size(len(sub.body), self.settings, "prompt_tokens")
         opid = f"{sub.sampler_id}#s{sub.seq_id}"
         digest = hashlib.sha256(sub.body).hexdigest()
         self.room.admit("sample")
-        s = self.settings
-        limits = Limits(  # sampling spends no admission tokens
-            s.max_pending_per_tenant,
-            s.max_pending_global,
-            s.max_unacked_results_per_tenant,
-            s.max_unacked_results,
-        )
+        limits = admission_limits(self.settings, bucket=False)  # sampling spends no tokens
         now = self.ledger.clock()
         out = await self.repo.submit(
             opid, sub.tenant, digest, sub.body, now, sampler.ref.registration_id, limits

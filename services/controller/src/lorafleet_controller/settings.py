@@ -137,6 +137,24 @@ class ControllerSettings:
         min=1,
         max=10_000_000,
     )
+    max_unacked_bytes_per_tenant: int = setting(
+        256 << 20,
+        doc="Bytes of one tenant's terminal, unacknowledged results (bodies and errors), "
+        "which Redis keeps up to RESULT_TTL_SECONDS: a tenant that never retrieves large "
+        "results (forward logprobs of long sequences) is refused with backpressure once they "
+        "hold this much. A result's size is known only when it finishes, which is never "
+        "refused, so the use can pass this by what was open. 256 MiB, as "
+        "MAX_PENDING_BYTES_PER_TENANT.",
+        min=1024,
+        max=1 << 40,
+    )
+    max_unacked_bytes_global: int = setting(
+        512 << 20,
+        doc="Bytes of the fleet's terminal, unacknowledged results (the fleet's ceiling); "
+        "512 MiB, see MAX_PENDING_BYTES_GLOBAL.",
+        min=1024,
+        max=1 << 40,
+    )
     max_pending_global: int = setting(
         65536,
         doc="Open operations across every tenant (the fleet's ceiling).",
@@ -145,6 +163,26 @@ class ControllerSettings:
     )
     max_pending_per_tenant: int = setting(
         4096, doc="Open operations of one tenant.", min=1, max=10_000_000
+    )
+    max_pending_bytes_per_tenant: int = setting(
+        256 << 20,
+        doc="Payload bytes of one tenant's open operations (admitted, not finished), which "
+        "Redis holds until they run: a tenant queueing large forward_backward batches is "
+        "refused with backpressure once they hold this much, however few they are. 256 MiB "
+        "is 16 operations of the default MAX_PAYLOAD_BYTES (16 MiB), far more than a "
+        "client stepping a few runs keeps open; one operation larger than this is refused as "
+        "invalid, since no wait would admit it.",
+        min=1024,
+        max=1 << 40,
+    )
+    max_pending_bytes_global: int = setting(
+        512 << 20,
+        doc="Payload bytes of the fleet's open operations (the fleet's ceiling). 512 MiB, "
+        "with MAX_UNACKED_BYTES_GLOBAL, is half of the chart's 2 GB Redis maxmemory, leaving "
+        "the rest to acknowledged results in their grace, the records and Redis itself; raise "
+        "both with the Redis's memory.",
+        min=1024,
+        max=1 << 40,
     )
     admission_rate_per_tenant: float = setting(
         200.0,

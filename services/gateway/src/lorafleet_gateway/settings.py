@@ -47,6 +47,23 @@ class GatewaySettings:
         min=1024,
         max=1024 * 1024 * 1024,
     )
+    max_rows_per_operation: int = setting(
+        4096,
+        doc="Data rows one forward or forward_backward may carry (400 naming `data` above, "
+        "before it is admitted), so one step's work and memory on a trainer stay bounded "
+        "whatever fits in a body. 4096 is far above the batches SDK recipes send (32 to 1024 "
+        "rows); 0 = no cap.",
+        min=0,
+        max=1 << 30,
+    )
+    max_tokens_per_operation: int = setting(
+        1 << 20,
+        doc="Tokens one forward or forward_backward may carry over all its rows, context "
+        "included (400 naming `data` above). 1,048,576 is about what the controller's 16 MiB "
+        "payload cap holds with int64 targets and float weights; 0 = no cap.",
+        min=0,
+        max=1 << 40,
+    )
     max_small_body_bytes: int = setting(
         1024 * 1024,
         doc="Largest body of every other route (sessions, telemetry, saves, futures; 413 "

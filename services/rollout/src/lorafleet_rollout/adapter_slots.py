@@ -37,16 +37,24 @@ class LaidOut:
 
 class AdapterSlots:
     """The slots of the LoRA stacks `targets` names (PEFT target: module path, or
-    "<experts module>.<bank>" -> its stacks, index within the fused projection). Each rank
-    class's slots grow by a quarter (a resize copies the class's stacks: rare next to decode
-    steps; doubling left up to half of a class's memory unused) and go with the class's last
-    adapter."""
+    "<experts module>.<bank>" -> its stacks, index within the fused projection).
+
+    A rank class's stacks are sized to what it holds, within an eighth: a full class grows by
+    an eighth, and a removal that leaves more than an eighth free compacts it (the adapters
+    past the end move into the holes, then the stacks shrink). Why: the cache evicts whatever
+    is least recently used, so each class's count drifts, and stacks that only grew held
+    twice the resident adapters' own bytes after a Zipf run (bench/many_adapters.py); the
+    cache's eviction prefers a victim of the incoming adapter's class (`rank_class`), so
+    resizes stay rare. A resize copies the class's stacks once; a move is one copy per
+    stack. Moves change slot numbers, so `layout` counts them: a decode batch's route is
+    rebuilt when it changes."""
 
     def __init__(self, targets: dict[str, tuple[Stacks, int]]) -> None:
         self.targets = targets
         self._stacks = list(dict.fromkeys(stacks for stacks, _ in targets.values()))
         self.capacity: dict[int, int] = {}  # rank class -> its slots
         self._slots: dict[str, int] = {}  # adapter -> slot number
+        self.layout = 0  # bumped whenever a resident adapter's slot number changes
 
     def check_targets(self, adapter: AdapterWeights) -> None:
         for module in adapter.modules:
@@ -81,7 +89,7 @@ class AdapterSlots:
         taken = {i for r, i in map(slot_place, self._slots.values()) if r == rank}
         index = min(set(range(capacity + 1)) - taken)
         if index == capacity:
-            self._resize(rank, capacity + max(1, capacity // 4))
+            self._resize(rank, capacity + _slack(capacity))
         slot = slot_number(rank, index)
         for stacks in self._stacks:
             stacks.put(slot, adapter.stacks.get(stacks))
@@ -96,8 +104,29 @@ class AdapterSlots:
         for stacks in self._stacks:
             stacks.release(slot)
         rank = slot_place(slot)[0]
-        if all(slot_place(s)[0] != rank for s in self._slots.values()):
-            self._resize(rank, 0)
+        held = sorted(
+            (slot_place(s)[1], other)
+            for other, s in self._slots.items()
+            if slot_place(s)[0] == rank
+        )
+        if not held or self.capacity[rank] - len(held) > _slack(self.capacity[rank]):
+            self._compact(rank, held)
+
+    def _compact(self, rank: int, held: list[tuple[int, str]]) -> None:
+        """Move class `rank`'s adapters `held` ((index, name), by index) past the end of
+        their count into its holes, then shrink it to that count (0: its stacks go)."""
+        size = len(held)
+        holes = iter(sorted(set(range(size)) - {index for index, _ in held}))
+        for index, name in held:
+            if index < size:
+                continue
+            old, new = self._slots[name], slot_number(rank, next(holes))
+            for stacks in self._stacks:
+                stacks.put(new, stacks.weights(old))
+                stacks.release(old)
+            self._slots[name] = new
+            self.layout += 1
+        self._resize(rank, size)
 
     def _resize(self, rank: int, capacity: int) -> None:
         if capacity:
@@ -106,3 +135,8 @@ class AdapterSlots:
             del self.capacity[rank]
         for stacks in self._stacks:
             stacks.resize(rank, capacity)
+
+
+def _slack(capacity: int) -> int:
+    """Free slots a rank class of `capacity` may keep: an eighth, at least one."""
+    return max(1, capacity // 8)

@@ -233,7 +233,7 @@ class RolloutCore:
             if entry.retiring or self.registry.resident.get(entry.adapter_id) is not entry:
                 # Superseded or retired while this request waited: never loaded again.
                 raise self.registry.not_resident(entry.registration_id, entry.version)
-            if await self._make_room(entry.tenant):
+            if await self._make_room(entry):
                 await self._load(entry, cause)
                 return
             self._waiting += 1
@@ -242,13 +242,14 @@ class RolloutCore:
             finally:
                 self._waiting -= 1
 
-    async def _make_room(self, tenant: str) -> bool:
-        """Free one engine slot if none is free, for a version of `tenant`; False when every
-        loaded version is pinned. Called with `_adapters` held."""
-        for entry in self.registry.idle_retiring():
-            await self._drop(entry)
+    async def _make_room(self, entry: Resident) -> bool:
+        """Free one engine slot if none is free, for `entry`; False when every loaded version
+        is pinned. Called with `_adapters` held."""
+        for idle in self.registry.idle_retiring():
+            await self._drop(idle)
+        rank_class = self.engine.info().rank_class
         while self.registry.loaded_count() >= self.registry.max_loaded:
-            victim = self.registry.victim(tenant)
+            victim = self.registry.victim(entry.tenant, entry.rank, rank_class)
             if victim is None:
                 return False
             await self._evict(victim)

@@ -38,6 +38,7 @@ class DecodeBatch:
         self._shared: list[tuple[Segment, torch.Tensor]] = []  # segment, its rows
         self._shared_rows = 0
         self._route_stale = True  # route and _shared need rebuilding (rows changed)
+        self._layout = -1  # the slots' layout the route was built for (`AdapterSlots.layout`)
         self._kv_pool = kv_pool
         self._prefixes = SharedPrefixes(prefix_cache, kv_pool)
 
@@ -69,14 +70,15 @@ class DecodeBatch:
             self._route_stale = True
         if segment is None or not aliases(segment, job.kv):
             self._kv_pool.give(job.kv)
-        job.kv, job.cached = None, 0
+        job.kv = None
         if not live:
             job.resolve(result(job))
 
     def step(self, model: Decoder) -> None:
         """Decode one token for every row, then retire the rows that finished."""
-        if self._route_stale:
+        if self._route_stale or self._layout != model.layout:
             self._route = make_route([model.slot(s.job.adapter) for s in self.seqs])
+            self._layout = model.layout
             groups: dict[Segment, list[int]] = {}
             for row, seq in enumerate(self.seqs):
                 if seq.segment is not None:

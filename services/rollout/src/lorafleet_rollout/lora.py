@@ -129,6 +129,12 @@ def slot_place(slot: int) -> tuple[int, int]:
     return 1 << (slot & _CLASS_MASK), slot >> _CLASS_BITS
 
 
+def _kept(slot: int, rank: int, capacity: int) -> bool:
+    """Whether `slot` survives rank class `rank` being resized to `capacity` slots."""
+    slot_rank, index = slot_place(slot)
+    return slot_rank != rank or index < capacity
+
+
 @dataclass(frozen=True, eq=False)
 class SlotWeights:
     """An adapter's weights for one projection's stacks (`LoraStacks.lay_out`): the whole slot
@@ -137,6 +143,15 @@ class SlotWeights:
     rank: int
     a: torch.Tensor
     b: torch.Tensor
+
+
+def _slot_weights(
+    a: dict[int, torch.Tensor], b: dict[int, torch.Tensor], used: set[int], slot: int
+) -> SlotWeights | None:
+    if slot not in used:
+        return None
+    rank, index = slot_place(slot)
+    return SlotWeights(rank, a[rank][index], b[rank][index])
 
 
 @dataclass(frozen=True, eq=False)
@@ -246,7 +261,7 @@ class LoraStacks:
         n = len(self.outs)
         old_a, old_b = self.a.pop(rank, None), self.b.pop(rank, None)
         self.columns.pop(rank, None)
-        self.stale = {s for s in self.stale if slot_place(s)[0] != rank or capacity}
+        self.stale = {s for s in self.stale if _kept(s, rank, capacity)}
         self._cached = None
         if not capacity:
             return
@@ -285,6 +300,11 @@ class LoraStacks:
         for j, (off, size) in enumerate(zip(self.offsets, self.outs, strict=True)):
             cols = slice(j * rank, (j + 1) * rank)
             out[..., off : off + size] += h[..., cols] @ b[..., cols, :size]
+
+    def weights(self, slot: int) -> SlotWeights | None:
+        """Slot's weights, as views (None: its adapter does not target this projection), for
+        moving it to another slot of its class with `put`."""
+        return _slot_weights(self.a, self.b, self.used, slot)
 
     def put(self, slot: int, weights: SlotWeights | None) -> None:
         """Write slot's weights (None: the adapter does not target this projection)."""
@@ -381,7 +401,7 @@ class ExpertStacks:
     def resize(self, rank: int, capacity: int) -> None:
         """As `LoraStacks.resize`."""
         old_a, old_b = self.a.pop(rank, None), self.b.pop(rank, None)
-        self.stale = {s for s in self.stale if slot_place(s)[0] != rank or capacity}
+        self.stale = {s for s in self.stale if _kept(s, rank, capacity)}
         if capacity:
             a = torch.zeros(capacity, self.experts, self.in_features, rank)
             b = torch.zeros(capacity, self.experts, rank, self.out_features)
@@ -406,6 +426,10 @@ class ExpertStacks:
         a[:, :, : pa.shape[-1]] = pa
         b[:, : pb.shape[1]] = pb
         return SlotWeights(rank, a, b)
+
+    def weights(self, slot: int) -> SlotWeights | None:
+        """As `LoraStacks.weights`."""
+        return _slot_weights(self.a, self.b, self.used, slot)
 
     def put(self, slot: int, weights: SlotWeights | None) -> None:
         """Write slot's weights (None: the adapter does not target this bank)."""

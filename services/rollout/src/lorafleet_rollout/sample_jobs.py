@@ -106,4 +106,5 @@ def result(job: Job) -> SampleResult:
         ),
         prompt_logprobs=tuple(job.prompt_logprobs) if job.request.prompt_logprobs else (),
         topk_prompt_logprobs=tuple(job.topk) if job.request.topk_prompt_logprobs else (),
+        cached_prompt_tokens=job.cached,
     )

@@ -52,7 +52,7 @@ from lorafleet_rollout.decode_batch import DecodeBatch
 from lorafleet_rollout.decoder import Decoder
 from lorafleet_rollout.engine import AdapterSource
 from lorafleet_rollout.kv_pool import KvPool
-from lorafleet_rollout.lora import adapter_weights
+from lorafleet_rollout.lora import adapter_weights, rank_class
 from lorafleet_rollout.pacing import PUBLISH_BURST, PublishPacer
 from lorafleet_rollout.peft_io import (
     Banks,
@@ -185,6 +185,7 @@ class TorchEngine:
             max_context_length=self._decoder.max_positions,
             vocab_size=int(self._decoder.embed.shape[0]),
             max_lora_rank=self.max_lora_rank,
+            rank_class=rank_class,
         )
 
     async def close(self) -> None:

@@ -6,6 +6,7 @@ only these, so engines never see protobufs and the validation rules live in one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -54,6 +55,9 @@ class SampleResult:
     prompt_logprobs: tuple[float, ...] = ()
     #: One per prompt token, the first empty; each a tuple of (token_id, logprob), best first.
     topk_prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    #: Prompt tokens served from the engine's prefix cache, not computed (the torch engine's
+    #: count; 0 where an engine does not say). What a FLOP count of the work done needs.
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -75,3 +79,6 @@ class EngineInfo:
     #: Adapters the engine can hold at once by its own configuration (SGLang's
     #: --max-loaded-loras); 0 when only the service's setting bounds it.
     max_loaded_adapters: int = 0
+    #: How the engine groups loaded adapters by rank in memory (the torch engine's
+    #: `lora.rank_class`), so the cache evicts within a group where it can; None: one group.
+    rank_class: Callable[[int], int] | None = None

@@ -41,8 +41,9 @@ KEY_FAMILIES: dict[str, tuple[str, str]] = {
     "claimed": ("index", "claimed"),  # zset: CLAIMED operation ids by claim time
     "results": ("index", "results"),  # zset: terminal, unacknowledged results by finish time
     "depth": ("index", "depth"),  # hash: operation state number → count
-    # hash: a group's share of a tenant's limits: its use (pending, unacked: exact, summed
-    # over the groups for the tenant's) and what it holds leased (lp, lu, tokens; quota.py)
+    # hash: a group's share of a tenant's limits: its use (pending, unacked and their bytes:
+    # exact, summed over the groups for the tenant's) and what it holds leased (lp, lu, lb,
+    # lr, tokens; quota.py)
     "share": ("index", "share:{id}"),
     "fleet_share": ("index", "share_fleet"),  # hash: the same for the fleet's limits
     # hash: the fleet's limits leased to the groups (quota.py), as `tenant` is a tenant's

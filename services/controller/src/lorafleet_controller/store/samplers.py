@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from lorafleet.contract import AdapterId
 from lorafleet.v1 import common_pb2
 from lorafleet_controller.store import OpState, Store, named, text
-from lorafleet_controller.store.quota import ADMIT_TRIES, Limits, Quota
+from lorafleet_controller.store.quota import ADMIT_TRIES, Limits, Quota, lease_needs
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,12 @@ class SamplersRepo:
             )
             if text(out["code"]) != "need_lease":
                 break
-            needs = [text(x) for x in out["need"]]
+            needs = lease_needs(out)
             refusal = await self.quota.provide(tenant, group, needs, limits, opid, now)
             if refusal is not None:
                 return SampleAdmission("backpressure", None, refusal.scope)
         else:
-            return SampleAdmission("backpressure", None, needs[0])
+            return SampleAdmission("backpressure", None, needs[0][0])
         state = out.get("state")
         return SampleAdmission(
             code=text(out["code"]),

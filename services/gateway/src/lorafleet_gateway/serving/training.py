@@ -9,6 +9,7 @@ user_metadata (`lorafleet.contract.split_lora_options`); the other keys are the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -44,6 +45,10 @@ class TrainingServing:
         self._ledger = ledger
         self._max_body = settings.max_body_bytes
         self._lora_defaults = settings.lora_option_defaults
+        self._caps = {
+            "max_rows": settings.max_rows_per_operation,
+            "max_tokens": settings.max_tokens_per_operation,
+        }
 
     async def create_model(self, tenant: str, body: CreateModelRequest) -> UntypedAPIFuture:
         if body.optimizer_config and body.optimizer_config.type not in contract.OPTIMIZERS:
@@ -130,14 +135,15 @@ class TrainingServing:
 
     async def _limits(self, tenant: str, model_id: str) -> validate_msgs.Limits:
         """What the run's base model accepts (vocabulary, context length), from capabilities,
-        so a token id or a datum the trainer would refuse is a 400 before it is admitted. An
-        unknown run or model gives no limits here; the ledger or the trainer answers it."""
+        so a token id or a datum the trainer would refuse is a 400 before it is admitted, and
+        this gateway's caps on one operation's rows and tokens. An unknown run or model gives
+        no model limits here; the ledger or the trainer answers it."""
         request = cpb.GetRegistrationRequest(tenant=tenant, registration_id=model_id)
         try:
             base_model = (await self._controller.get_registration(request)).registration.base_model
         except errors.LorafleetError:
-            return validate_msgs.UNKNOWN
-        return await model_limits(self._controller, base_model)
+            return dataclasses.replace(validate_msgs.UNKNOWN, **self._caps)
+        return dataclasses.replace(await model_limits(self._controller, base_model), **self._caps)
 
     async def optim_step(self, tenant: str, body: OptimStepRequest) -> UntypedAPIFuture:
         def payload() -> cpb.OperationPayload:

@@ -35,26 +35,54 @@ local function depth(state, delta)
   redis.call('HINCRBY', keys.depth, tostring(state), delta)
 end
 
--- Open operations and unacknowledged results, per tenant and for the fleet: the call's
--- group counts its share (store/quota.py sums them and leases the limits to the groups).
+-- Open operations and unacknowledged results, and their bytes (an open operation's payload,
+-- an unacknowledged result's body and error), per tenant and for the fleet: the call's group
+-- counts its share (store/quota.py sums them and leases the limits to the groups). The bytes
+-- an operation added are kept on its record (`bytes`, `rbytes`), so what goes back is exactly
+-- what came in, once (each decrement sits beside a state change that happens once).
 local function count(tenant, field, delta)
+  if delta == 0 then return end
   redis.call('HINCRBY', keys.fleet_share, field, delta)
   redis.call('HINCRBY', keys.share(tenant), field, delta)
 end
 
+-- The leased limits by their letter (lease_*.lua, store/quota.py): the use each one bounds.
+local LEASES = { p = 'pending', u = 'unacked', b = 'pending_bytes', r = 'unacked_bytes' }
+
 -- The limits a new operation needs leased in the call's group, as the backpressure scopes
--- they refuse with (in the order they are checked): empty when the group holds enough.
--- `pending` false for a born-FAILED record (it only needs room for its result).
-local function needs(tenant, pending)
-  local t = redis.call('HMGET', keys.share(tenant), 'pending', 'unacked', 'lp', 'lu')
-  local f = redis.call('HMGET', keys.fleet_share, 'pending', 'unacked', 'lp', 'lu')
-  local function short(s, use, lease) return tonumber(s[use] or '0') >= tonumber(s[lease] or '0') end
-  local out = {}
-  if short(t, 2, 4) then table.insert(out, 'tenant_results') end
-  if short(f, 2, 4) then table.insert(out, 'results') end
-  if pending and short(t, 1, 3) then table.insert(out, 'tenant') end
-  if pending and short(f, 1, 3) then table.insert(out, 'global') end
-  return out
+-- they refuse with (in the order they are checked) and the lease of each the group must
+-- hold: empty when it holds enough. A result needs room for one more (its count, and a byte
+-- of its size, known only when it finishes: finishing is never refused); an open operation
+-- needs room for one more and for its whole payload, `size` bytes (nil for a born-FAILED
+-- record, which only needs room for its result). `counts` false checks the bytes alone (a
+-- hole-filling seq_id behind its run's head: submit.lua).
+local function needs(tenant, size, counts)
+  local fields = { 'pending', 'unacked', 'pending_bytes', 'unacked_bytes', 'lp', 'lu', 'lb', 'lr' }
+  local t = redis.call('HMGET', keys.share(tenant), unpack(fields))
+  local f = redis.call('HMGET', keys.fleet_share, unpack(fields))
+  local scopes, want = {}, {}
+  local function check(scope, s, use, add)  -- s[use + 4] is the lease of s[use]
+    local lease = tonumber(s[use] or '0') + add
+    if lease > tonumber(s[use + 4] or '0') then
+      table.insert(scopes, scope)
+      table.insert(want, lease)
+    end
+  end
+  if counts then
+    check('tenant_results', t, 2, 1)
+    check('results', f, 2, 1)
+  end
+  check('tenant_result_bytes', t, 4, 1)
+  check('result_bytes', f, 4, 1)
+  if size then
+    if counts then
+      check('tenant', t, 1, 1)
+      check('global', f, 1, 1)
+    end
+    check('tenant_bytes', t, 3, size)
+    check('global_bytes', f, 3, size)
+  end
+  return scopes, want
 end
 
 local function error_json(category, field, message, reason)
@@ -108,13 +136,14 @@ end
 -- Make an open (QUEUED or CLAIMED) operation terminal. False when it was not open.
 local function finish(opid, state, result_body, err, now)
   local ok = keys.op(opid)
-  local f = redis.call('HMGET', ok, 'state', 'tenant', 'ordered', 'rid')
+  local f = redis.call('HMGET', ok, 'state', 'tenant', 'ordered', 'rid', 'bytes')
   local st = tonumber(f[1] or '0')
   if st ~= OP.QUEUED and st ~= OP.CLAIMED then return false end
-  redis.call('HSET', ok, 'state', state, 'finished_at', now)
+  local rbytes = #result_body + #err
+  redis.call('HSET', ok, 'state', state, 'finished_at', now, 'rbytes', rbytes)
   if result_body ~= '' then redis.call('HSET', ok, 'result', result_body) end
   if err ~= '' then redis.call('HSET', ok, 'error', err) end
-  redis.call('HDEL', ok, 'payload', 'pushed')
+  redis.call('HDEL', ok, 'payload', 'pushed', 'bytes')
   redis.call('ZREM', keys.claimed, opid)
   redis.call('SREM', keys.open_samples, opid)
   redis.call('ZADD', keys.results, now, opid)
@@ -123,7 +152,9 @@ local function finish(opid, state, result_body, err, now)
     redis.call('HSET', keys.reg(f[4]), 'last_done', now)
   end
   count(f[2], 'pending', -1)
+  count(f[2], 'pending_bytes', -tonumber(f[5] or '0'))
   count(f[2], 'unacked', 1)
+  count(f[2], 'unacked_bytes', rbytes)
   depth(st, -1)
   depth(state, 1)
   table.insert(DONE, opid)
@@ -147,17 +178,20 @@ end
 -- (ack.lua) no longer counts as unacked.
 local function expire(opid)
   local ok = keys.op(opid)
-  local f = redis.call('HMGET', ok, 'state', 'tenant', 'acked', 'ordered', 'rid', 'seq')
+  local f = redis.call('HMGET', ok, 'state', 'tenant', 'acked', 'ordered', 'rid', 'seq', 'rbytes')
   local st = tonumber(f[1] or '0')
   if st ~= OP.SUCCEEDED and st ~= OP.FAILED and st ~= OP.CANCELLED then return false end
   redis.call('ZREM', keys.results, opid)
-  if f[3] ~= '1' then count(f[2], 'unacked', -1) end
+  if f[3] ~= '1' then
+    count(f[2], 'unacked', -1)
+    count(f[2], 'unacked_bytes', -tonumber(f[7] or '0'))
+  end
   depth(st, -1)
   if compactable(f[4], f[5], f[6]) then
     redis.call('DEL', ok)
   else
     redis.call('HSET', ok, 'state', OP.EXPIRED)
-    redis.call('HDEL', ok, 'result', 'error', 'payload', 'acked')
+    redis.call('HDEL', ok, 'result', 'error', 'payload', 'acked', 'rbytes')
     depth(OP.EXPIRED, 1)
   end
   return true

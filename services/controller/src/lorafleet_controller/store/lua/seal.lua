@@ -22,10 +22,12 @@ for seq = head, max_seq do
   local id = opid_of(rid, seq)
   local st = op_state(id)
   if st == 0 then
+    local err = seq == head and sealed or blocked
     redis.call('HSET', keys.op(id), 'rid', rid, 'tenant', tenant, 'seq', seq, 'kind', '0',
       'digest', '', 'submitted_at', now, 'ordered', '1', 'state', OP.FAILED,
-      'error', seq == head and sealed or blocked, 'finished_at', now, 'sealed', '1')
+      'error', err, 'finished_at', now, 'sealed', '1', 'rbytes', #err)
     count(tenant, 'unacked', 1)
+    count(tenant, 'unacked_bytes', #err)
     redis.call('ZADD', keys.results, now, id)
     depth(OP.FAILED, 1)
   elseif st == OP.QUEUED then
