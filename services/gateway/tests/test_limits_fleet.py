@@ -167,7 +167,7 @@ def test_a_flood_of_large_payloads_gets_429s_while_another_tenant_steps(fleet: o
     assert body["reason"] == "BACKPRESSURE", body
     assert "BYTES_PER_TENANT" in body["detail"], body
     assert int(refused.headers["Retry-After"]) >= 1
-    for _ in range(3):  # the other tenant's steps meanwhile
+    for _ in range(3):  # three steps of the other tenant, each awaited to its result
         step = other.forward_backward(1, 4)
         assert step.status_code == 200, step.text
         assert "loss_fn_outputs" in other.result(step.json()["request_id"])
