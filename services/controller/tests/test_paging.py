@@ -227,6 +227,30 @@ async def test_more_runs_than_slots_all_finish_each_as_it_would_alone(procs) -> 
         await client.close()
 
 
+@pytest.mark.parametrize("procs", [{"PAGE_IDLE_SECONDS": "0.3"}], indirect=True)
+async def test_an_idle_run_with_un_stepped_gradients_yields_its_slot_and_replays_exactly(
+    procs,
+) -> None:
+    """A client that ran forward_backward and went quiet does not hold its slot: the sweep
+    pages it out for the waiting run (restored by replay, as the trainer cannot save pending
+    gradients), and its optim_step later is exactly the one it would have taken bound."""
+    root, _, controller, _ = procs
+    client = Client(controller.port)
+    try:
+        quiet, reference = await start_runs(client, [5, 5])  # the 2 slots
+        await quiet.op(fb_payload(tokens(5, 0)))
+        await reference.steps(range(1))
+        (waiting,) = await start_runs(client, [7], first=2)
+        # The quiet run is the least recently active idle one: it is the one paged out.
+        await asyncio.wait_for(waiting.steps(range(1)), 120)
+        assert (await quiet.registration()).state == K.REGISTRATION_STATE_PAGED  # type: ignore[attr-defined]
+        await quiet.op(optim_payload())  # paged in by replay of its forward_backward
+        same(await quiet.state(root), await reference.state(root))
+        assert f"paged out {quiet.rid} (idle)" in controller.log.read_text()
+    finally:
+        await client.close()
+
+
 async def test_a_controller_sigkilled_mid_page_out_loses_nothing_and_applies_nothing_twice(
     procs,
 ) -> None:

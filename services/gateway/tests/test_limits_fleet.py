@@ -84,7 +84,12 @@ def test_num_samples_is_bounded_by_the_rollouts_setting(fleet: object) -> None:
 
 
 class Tenant:
-    """One tenant's HTTP client, with a training run of its own."""
+    """One tenant's HTTP client, with a training run of its own. Like the SDKs, it
+    heartbeats its session every 10 s while it works: a client silent for
+    `SESSION_TIMEOUT_SECONDS` (120 s) is finished, and on a loaded machine the flood below
+    can take that long."""
+
+    HEARTBEAT_SECONDS = 10.0
 
     def __init__(self, base_url: str, key: str) -> None:
         self.http = httpx.Client(
@@ -106,9 +111,19 @@ class Tenant:
             },
         )
         assert created.status_code == 200, created.text
+        self.session_id = session["session_id"]
+        self.beat_at = time.monotonic()
         self.model_id = created.json()["model_id"]
         self.result(created.json()["request_id"])
         self.seq = 0
+
+    def heartbeat(self) -> None:
+        """Heartbeat the session when the last one is 10 s old."""
+        if time.monotonic() - self.beat_at < self.HEARTBEAT_SECONDS:
+            return
+        beat = self.http.post("/session_heartbeat", json={"session_id": self.session_id})
+        assert beat.status_code == 200, beat.text
+        self.beat_at = time.monotonic()
 
     def forward_backward(self, rows: int, tokens: int, again: bool = False) -> httpx.Response:
         """The next seq_id's forward_backward (`again`: the last one's, retried): `rows`
@@ -122,6 +137,7 @@ class Tenant:
             },
         }
         body = {"loss_fn": "cross_entropy", "data": [datum] * rows}
+        self.heartbeat()
         return self.http.post(
             "/forward_backward",
             json={"forward_backward_input": body, "model_id": self.model_id, "seq_id": self.seq},
@@ -129,6 +145,7 @@ class Tenant:
 
     def result(self, request_id: str) -> dict:
         def answered() -> dict | None:
+            self.heartbeat()
             reply = self.http.post("/retrieve_future", json={"request_id": request_id}).json()
             return None if reply.get("type") == "try_again" else reply
 

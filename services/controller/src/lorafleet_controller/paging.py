@@ -13,7 +13,11 @@ SDK sees only latency: operations queue meanwhile and keep their order and ids.
 `page_out(rid)` (PageOutRegistration, `lorafleet page-out RUN`) pages a run out at once,
 waiting only for its operation in flight. A run with un-stepped gradients cannot be saved by
 the trainer: it is refused, or with `replay=True` (`--force`) paged out all the same and
-restored by replay from its last snapshot, as after a trainer loss.
+restored by replay from its last snapshot, as after a trainer loss. The sweep's idle
+page-outs always take that way: a client that ran forward_backward and went quiet (sampling
+before its optim_step, or gone until its session expires) would otherwise hold its slot
+while every waiting run waits, and its restore replays only the operations since its last
+automatic snapshot (a few optimizer steps, the trainer's snapshots.py).
 
 The protocol, and the invariants that make a controller or trainer death at any point lose
 nothing and apply nothing twice:
@@ -261,7 +265,9 @@ class Pager:
             await self.placer.fill(base)
             victims = await self._victims(base)
             if victims:
-                await asyncio.gather(*(self.page_out(rid, idle=True) for rid in victims))
+                await asyncio.gather(
+                    *(self.page_out(rid, idle=True, replay=True) for rid in victims)
+                )
 
     async def _victims(self, base_model: str) -> list[str]:
         """Idle bound runs to page out for the registrations waiting on `base_model`: one per
