@@ -281,11 +281,44 @@ def test_cursor_round_trips_through_json():
 # --- parameters and data --------------------------------------------------------------------
 
 
+# juno's defaults (ml-cab/juno `LoraCliOptions`, its LoRA guide): name here → juno's value.
+JUNO = {
+    "learning_rate": 1e-4,
+    "rank": 8,
+    "alpha": 8.0,  # juno's alpha -1: the rank
+    "gradient_accumulation": 1,
+    "max_grad_norm": 1.0,
+    "schedule": Schedule.CONSTANT,
+    "warmup_steps": 0,
+    "min_lr": 0.0,
+    "weight_decay": 0.01,
+    "lora_plus_ratio": 1.0,
+    "dropout": 0.0,
+    "seed": 42,
+    "validation_split": 0.0,
+    "min_delta": 0.0,
+    "early_stop": 0.25,
+    "max_iters": 50,
+    "max_train_tokens": 0,
+}
+
+
 def test_defaults_follow_juno():
     qa = params.parse(JobKind.QA, {})
     text = params.parse(JobKind.TEXT, {})
-    assert (qa.loss_target, text.loss_target) == (1.2, 1.8)
-    assert (qa.max_iters, qa.early_stop, text.chunk_tokens, qa.max_grad_norm) == (50, 0.25, 32, 1.0)
+    assert {name: getattr(qa, name) for name in JUNO} == JUNO
+    assert {name: getattr(text, name) for name in JUNO} == JUNO
+    assert (qa.loss_target, text.loss_target, text.chunk_tokens) == (1.2, 1.8, 32)
+    # Every other training parameter is either in the table or a documented deviation.
+    others = params.TRAINING - set(JUNO) - {"loss_target", "name"}
+    assert others == set(params.JUNO_DEVIATIONS), others
+
+
+def test_alpha_defaults_to_the_rank_and_cosine_is_warmup_cosine():
+    assert params.parse(JobKind.QA, {"rank": "16"}).alpha == 16.0
+    assert params.parse(JobKind.QA, {"rank": "16", "alpha": "32"}).alpha == 32.0
+    assert params.parse(JobKind.QA, {"schedule": "cosine"}).schedule == Schedule.WARMUP_COSINE
+    assert params.parse(JobKind.QA, {"schedule": "Cosine"}).schedule == Schedule.WARMUP_COSINE
 
 
 @pytest.mark.parametrize(

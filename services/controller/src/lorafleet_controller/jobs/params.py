@@ -3,9 +3,11 @@
 Parameters arrive as text (a query string, or JSON scalars the gateway turned into text) and
 are parsed here, the one owner of their names, defaults and ranges, before anything is
 written or trained: an unknown name, a value of the wrong type or out of range is an
-`InvalidArgument` naming the parameter. Defaults follow juno (design-lessons §11.5) where it
-has one: loss targets 1.2 for Q&A and 1.8 for text, 50 passes, the 0.25 low-loss guard,
-32-token windows, clipping at 1.0.
+`InvalidArgument` naming the parameter. Defaults are juno's (its `LoraCliOptions`, design
+-lessons §11): learning rate 1e-4, rank 8 with alpha = rank, A-only weight decay 0.01, seed
+42, loss targets 1.2 for Q&A and 1.8 for text, 50 passes, the 0.25 low-loss guard, 32-token
+windows, clipping at 1.0, a constant schedule (juno's `cosine` is our `warmup_cosine`). Two
+differ on purpose, listed in `JUNO_DEVIATIONS`.
 
 Some parameters shape the adapter (rank, alpha, targets, dropout, LoRA+ ratio): they apply
 when the job creates its run, and a job on an existing run may not ask for different ones
@@ -35,6 +37,11 @@ class Schedule(StrEnum):
     WARMUP_COSINE = "warmup_cosine"
 
 
+# Other names a schedule is accepted by: juno's `--lora-lr-schedule cosine` is warmup-cosine
+# (with `warmup_steps` 0 by default, a plain half cosine).
+SCHEDULE_ALIASES: Mapping[str, Schedule] = {"cosine": Schedule.WARMUP_COSINE}
+
+
 ALL_TARGETS = "all"
 
 
@@ -42,14 +49,14 @@ ALL_TARGETS = "all"
 class JobParams:
     """Every parameter of a job, defaults filled in (see `parse`)."""
 
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-4
     rank: int = 8
-    alpha: float = contract.DEFAULT_ALPHA
+    alpha: float = 8.0  # `parse` makes an unset alpha the rank (juno: scale 1)
     targets: tuple[str, ...] = (ALL_TARGETS,)
     dropout: float = 0.0
-    seed: int = 0
+    seed: int = 42
     lora_plus_ratio: float = 1.0
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     gradient_accumulation: int = 1
     schedule: Schedule = Schedule.CONSTANT
@@ -78,6 +85,14 @@ class JobParams:
         """The targets as a LoraConfig's target_modules ("all" → every linear layer)."""
         return [contract.ALL_LINEAR] if self.targets == (ALL_TARGETS,) else list(self.targets)
 
+
+# Where a default is not juno's, and why (juno's value, ours).
+JUNO_DEVIATIONS: Mapping[str, str] = {
+    "targets": "juno: qv (its llama-family wq, wv); ours: every linear layer, the one default "
+    "valid on every architecture a fleet serves (module names differ per model)",
+    "validation_patience": "juno: 0; ours: 3 (at least 1): with a validation_split, stop "
+    "after three passes without improvement",
+}
 
 # Parameters that shape the adapter: applied when the job creates its run.
 LORA_SHAPE = ("rank", "alpha", "targets", "dropout", "lora_plus_ratio")
@@ -112,9 +127,12 @@ def _number(
 
 def _choice(enum: type[Choice]) -> Callable[[str, str], Choice]:
     def parse(name: str, raw: str) -> Choice:
+        value = raw.strip().lower()
         try:
-            return enum(raw.strip().lower())
+            return enum(value)
         except ValueError:
+            if name == "schedule" and value in SCHEDULE_ALIASES:
+                return SCHEDULE_ALIASES[value]  # type: ignore[return-value]
             known = ", ".join(e.value for e in enum)
             raise InvalidArgument(f"must be one of {known}, got {raw!r}", field=name) from None
 
@@ -176,6 +194,8 @@ def parse(kind: JobKind, raw: Mapping[str, str]) -> JobParams:
         values[name] = PARSERS[name](name, str(text))
     if kind == JobKind.TEXT and "loss_target" not in values:
         values["loss_target"] = LOSS_TARGET_TEXT
+    if kind != JobKind.SAVE and "alpha" not in values:
+        values["alpha"] = float(values.get("rank", JobParams.rank))
     params = JobParams(**values)
     if params.min_lr > params.learning_rate:
         raise InvalidArgument(
