@@ -104,10 +104,12 @@ def run_pass(
     # This call's gradients alone: they are summed over ranks before joining what earlier
     # calls accumulated, and slots that only ran forward keep theirs untouched.
     earlier = {slot: [p.grad for p in b.optimizer.params] for slot, b in bindings.items()}
-    for b in bindings.values():
-        b.optimizer.clear_gradients()
-    # A group sums each slot's gradients over ranks in float64 (_join_gradients).
-    router.residuals = {} if share.world > 1 else None
+    for b in bindings.values():  # (the optimizers keep their float64 sums meanwhile)
+        for p in b.optimizer.params:
+            p.grad = None
+    # Each call's gradients join the earlier ones in float64 (_join_gradients), and a group
+    # sums them over ranks in float64 first: what each lost in its rounding is collected.
+    router.residuals = {}
     local_tokens = sum(len(d.tokens) for _, d, _ in windows)
     try:
         with torch.set_grad_enabled(need_grad):
@@ -213,31 +215,35 @@ def _join_gradients(
     gradients, replicated on every rank) and add them to the earlier accumulation; slots
     that only ran forward get their earlier gradients back, untouched.
 
-    The all-reduce is in float64, each gradient with what its rounding to float32 lost
-    (`Router.residuals`), so a slot whose rows were split between ranks gets the float32
-    rounding of the same sum over its rows as in one process (lora.py), bit for bit."""
+    This pass's gradient of each tensor is taken in float64, with what its rounding to
+    float32 lost (`Router.residuals`): the all-reduce sums those, so a slot whose rows were
+    split between ranks gets the same sum over its rows as in one process (lora.py), and
+    the slot's optimizer adds it to the float64 sum of its earlier calls (optim.py), so
+    calls accumulate as one call would, bit for bit."""
     residuals, router.residuals = router.residuals or {}, None
     trained = [p for slot in sorted(summed) for p in bindings[slot].optimizer.params]
+
+    def exact(p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:
+            return p.new_zeros(p.shape, dtype=torch.float64)
+        g = p.grad.to(torch.float64, copy=True)
+        if id(p) in residuals:
+            g += residuals[id(p)]
+        return g
+
+    calls: dict[int, torch.Tensor] = {}  # id(parameter) -> this pass's float64 gradient
     if share.world > 1 and trained:
-
-        def exact(p: torch.Tensor) -> torch.Tensor:
-            if p.grad is None:
-                return p.new_zeros(p.numel(), dtype=torch.float64)
-            g = p.grad.to(torch.float64, copy=True)
-            if id(p) in residuals:
-                g += residuals[id(p)]
-            return g.reshape(-1)
-
-        flat = torch.cat([exact(p) for p in trained])
+        flat = torch.cat([exact(p).reshape(-1) for p in trained])
         share.sum_gradients(flat)
         for p, g in zip(trained, flat.split([p.numel() for p in trained]), strict=True):
-            p.grad = g.view_as(p).to(p.dtype)
+            calls[id(p)] = g.view_as(p)
+    else:
+        calls = {id(p): exact(p) for p in trained if p.grad is not None}
     for slot, b in bindings.items():
-        for p, old in zip(b.optimizer.params, earlier[slot], strict=True):
-            if slot not in summed or p.grad is None:
-                p.grad = old
-            elif old is not None:
-                p.grad = old + p.grad
+        for i, (p, old) in enumerate(zip(b.optimizer.params, earlier[slot], strict=True)):
+            p.grad = old
+            if slot in summed and id(p) in calls:
+                b.optimizer.accumulate(i, calls[id(p)])
 
 
 def _to_device(d: PreparedDatum, dev: torch.device) -> PreparedDatum:
