@@ -105,8 +105,8 @@ def run_pass(
     # calls accumulated, and slots that only ran forward keep theirs untouched.
     earlier = {slot: [p.grad for p in b.optimizer.params] for slot, b in bindings.items()}
     for b in bindings.values():  # (the optimizers keep their float64 sums meanwhile)
-        for p in b.optimizer.params:
-            p.grad = None
+        for param in b.optimizer.params:
+            param.grad = None
     # Each call's gradients join the earlier ones in float64 (_join_gradients), and a group
     # sums them over ranks in float64 first: what each lost in its rounding is collected.
     router.residuals = {}
