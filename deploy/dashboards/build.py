@@ -355,6 +355,20 @@ def ledger() -> dict:
                 description="Submissions refused with RESOURCE_EXHAUSTED (0 when there are none).",
             ),
             Panel(
+                "Admission load against the fleet's limits",
+                [
+                    (
+                        "max by (kind) (lorafleet_admission_load) "
+                        "/ max by (kind) (lorafleet_admission_limit)",
+                        "{{kind}}",
+                    )
+                ],
+                "percentunit",
+                description="Open operations, unacknowledged results and their bytes, as a "
+                "fraction of the MAX_*_GLOBAL settings: at 1 every tenant's next submission of "
+                "that kind is refused with backpressure.",
+            ),
+            Panel(
                 "Slots by replica",
                 [("sum by (replica, state) (lorafleet_registry_slots)", "{{replica}} {{state}}")],
             ),

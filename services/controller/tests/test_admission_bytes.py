@@ -214,3 +214,26 @@ async def test_holes_are_held_to_the_byte_limits_except_at_the_head(domain: Doma
     await d.ledger.submit("t1", rid, 3, FB, b"x" * 2 * KIB, "three")
     assert (await d.ledger.tenant_load("t1"))["pending_bytes"] == 5 * KIB
     await d.notifier.stop()
+
+
+async def test_the_sweeps_gauges_show_the_fleets_load_against_its_limits(domain: Domain) -> None:
+    """lorafleet_admission_load / lorafleet_admission_limit (the ledger dashboard's panel):
+    what the fleet holds of each kind, and the MAX_*_GLOBAL setting it is refused at."""
+    from prometheus_client import REGISTRY
+
+    from lorafleet_controller.flows import gauges
+
+    d = await domain.restart(max_pending_bytes_global=64 * KIB, max_unacked_results=1000)
+    rid = await d.ready_registration(tenant="g", session="sg")
+    await d.ledger.submit("g", rid, 1, FB, b"x" * 3 * KIB, "g1")
+    await d.ledger.submit("g", rid, 2, FB, b"x" * KIB, "g2")
+    await run(d, "g", rid, 1, b"r" * 500)
+    await gauges.update(d.ledger, d.registry, d.settings)
+
+    def gauge(name: str, kind: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"kind": kind})
+
+    want = {"pending": 1, "pending_bytes": KIB, "unacked": 1, "unacked_bytes": 500}
+    assert {k: gauge("lorafleet_admission_load", k) for k in want} == want
+    assert gauge("lorafleet_admission_limit", "pending_bytes") == 64 * KIB
+    assert gauge("lorafleet_admission_limit", "unacked") == 1000

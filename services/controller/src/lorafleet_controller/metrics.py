@@ -21,6 +21,18 @@ REGISTRY_SLOTS = Gauge(
     "lorafleet_registry_slots", "Trainer slots per replica and state.", ["replica", "state"]
 )
 REGISTRY_QUEUED = Gauge("lorafleet_registry_queued", "Registrations waiting for a trainer slot.")
+ADMISSION_LOAD = Gauge(
+    "lorafleet_admission_load",
+    "What the fleet holds against its admission limits: open operations (pending), "
+    "unacknowledged results (unacked) and their bytes (pending_bytes, unacked_bytes).",
+    ["kind"],
+)
+ADMISSION_LIMIT = Gauge(
+    "lorafleet_admission_limit",
+    "The fleet's admission limit of each kind of lorafleet_admission_load (the MAX_*_GLOBAL "
+    "settings); a submission past one is refused with backpressure.",
+    ["kind"],
+)
 PUBLISH_LATENCY = Histogram(
     "lorafleet_publish_latency_seconds",
     "save_weights_for_sampler: export plus every rollout acknowledging.",

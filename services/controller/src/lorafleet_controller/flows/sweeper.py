@@ -130,6 +130,6 @@ class Sweeper:
             for tenant, session_id in await self.tenancy.silent_sessions(timeout):
                 log.info("session %s missed heartbeats for %gs: finishing it", session_id, timeout)
                 await self.sessions.finish(tenant, session_id, "heartbeat timeout")
-        await gauges.update(self.ledger, self.registry)
+        await gauges.update(self.ledger, self.registry, self.settings)
         await self.usage.tick()
         self._swept_at = time.monotonic()
