@@ -139,10 +139,19 @@ def main() -> None:
 
         def inflight():
             sampler = tc.save_weights_and_get_sampling_client(kind="inflight").result()
-            result = sampler.sample(
-                types.ModelInput.from_ints(ids[:4]), 1, types.SamplingParams(max_tokens=2)
-            ).result()
-            return {"tokens": list(result.sequences[0].tokens)}
+            params = types.SamplingParams(max_tokens=3, seed=5)
+
+            def draw(client):
+                got = client.sample(types.ModelInput.from_ints(ids[:4]), 1, params).result()
+                return list(got.sequences[0].tokens), list(got.sequences[0].logprobs)
+
+            first = draw(sampler)
+            # A step, then a new version: the inflight sampler follows it (a pinned one would not).
+            tc.forward_backward([datum(weights=[1.0] * n)], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+            newest = draw(tc.save_weights_and_get_sampling_client().result())
+            after = draw(sampler)
+            return {"tokens": first[0], "follows": after == newest, "moved": after != first}
 
         attempt(out, "inflight", inflight)
     attempt(

@@ -324,3 +324,29 @@ def test_dropout_in_a_mixed_batch_equals_dropout_alone(make_engine, h) -> None:
     for key in alone:
         assert_close(mixed[key], alone[key])
     assert any((alone[k] - no_dropout[k]).abs().max() > 1e-3 for k in alone)
+
+
+def test_forward_only_passes_run_without_dropout(make_engine, h) -> None:
+    """Dropout is train-only (juno §11.4): a forward-only pass (validation, `forward`) of a
+    slot with dropout 0.5 gives the logprobs of the same adapter without dropout, bit for
+    bit, while its forward_backward's logprobs show the masks."""
+    gen = torch.Generator().manual_seed(8)
+    data = [make_datum(gen, n, "cross_entropy") for n in (7, 7)]
+    engine = make_engine()
+    for slot, dropout in ((0, 0.5), (1, 0.0)):
+        engine.bind(slot, f"r{slot}", LoraSpec(rank=4, seed=21, dropout=dropout))
+        h.perturb(engine, slot, seed=77)
+
+    calls = iter(range(100))
+
+    def logprobs(slot: int, forward_only: bool) -> list[torch.Tensor]:
+        fbi = ForwardBackwardInput(data, "cross_entropy", forward_only=forward_only)
+        item = ForwardBackwardItem(f"op{next(calls)}", slot, f"r{slot}", fbi)
+        (out,) = engine.forward_backward([item])
+        assert not isinstance(out, Exception)
+        return out.logprobs
+
+    for got, want in zip(logprobs(0, True), logprobs(1, True), strict=True):
+        assert torch.equal(got, want)
+    trained = logprobs(0, False)
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(trained, logprobs(1, True), strict=True))
