@@ -108,9 +108,26 @@ def state(engine) -> dict:
     return out
 
 
+def veto(engine) -> dict:
+    """One more step whose last slot-3 row has an infinite importance ratio (sampling
+    logprobs of -1e30). In a group that row is rank 1's (rows go largest rank first, split by
+    tokens), so the driver sees the non-finite gradient only through the all-reduce: slot 3's
+    step is vetoed on every rank and nothing of it moves, while the other slots step."""
+    items = batch(STEPS + 1, engine.vocab_size)  # (STEPS is the resumed step's)
+    poisoned = items[3].input.data[-1].loss_fn_inputs
+    poisoned["logprobs"] = torch.full_like(poisoned["logprobs"], -1e30)
+    engine.forward_backward(items)
+    before = state(engine)[3]
+    applied = {
+        slot: engine.optim_step(f"veto{slot}", slot, f"r{slot}", HP).applied for slot in SPECS
+    }
+    return {"applied": applied, "before": before, "state": state(engine)}
+
+
 def run(engine) -> dict:
     """Bind; import where refused (slot 1 takes slot 0's export: another rank) and where
-    accepted (slot 0 its own); train STEPS steps; save each slot as "after"."""
+    accepted (slot 0 its own); train STEPS steps, then the vetoed step; save each slot as
+    "after"."""
     for slot, spec in SPECS.items():
         engine.bind(slot, f"r{slot}", spec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,6 +138,7 @@ def run(engine) -> dict:
             refused = exc.reason
         engine.import_adapter("import", 0, "r0", Path(tmp))
     record = train(engine, 0, STEPS)
+    record["veto"] = veto(engine)
     record["refused_import"] = refused
     record["refs"] = {
         slot: engine.save_state("save", slot, f"r{slot}", "after", True) for slot in SPECS

@@ -102,7 +102,7 @@ def test_two_ranks_equal_one_process_and_resume_in_one(model, request, engine_fo
     fractions = [s["fraction"] for s in shares]
     assert all(f <= 0.6 for f in fractions), fractions
     assert abs(sum(fractions) - 1.0) < 0.01, fractions
-    batch = group_scenario.STEPS * group_scenario.batch_tokens()
+    batch = (group_scenario.STEPS + 1) * group_scenario.batch_tokens()  # and the vetoed step
     forward = [s["forward_tokens"] for s in shares]
     assert all(f <= 0.6 * batch for f in forward), (forward, batch)
     assert sum(forward) == batch, (forward, batch)  # every row once, on one rank
@@ -118,6 +118,13 @@ def test_two_ranks_equal_one_process_and_resume_in_one(model, request, engine_fo
         for key in want_step:
             assert close(got_step[key], want_step[key]), key
     assert_same_state(group["state"], want["state"])
+    # A non-finite gradient on rank 1's rows vetoes that slot's step on every rank, as in
+    # one process: its weights, moments and step count stay exactly as they were.
+    assert (
+        group["veto"]["applied"] == want["veto"]["applied"] == {0: True, 1: True, 2: True, 3: False}
+    )
+    assert_same_state({3: group["veto"]["state"][3]}, {3: group["veto"]["before"]})
+    assert_same_state(group["veto"]["state"], want["veto"]["state"])
     assert group["refused_import"] == want["refused_import"] == "R_MISMATCH"  # rank 8 vs 4
 
     # The group's saved state resumes in one process and continues like the uninterrupted run.
