@@ -386,3 +386,37 @@ def test_train_file_trains_a_document_in_bptt_windows(shared_fleet, tiny_model_d
     assert job["finalTrainLoss"] < job["initialLoss"] and "pairCount" not in job
     assert plain["state"] == "succeeded"
     assert plain["initialLoss"] < job["initialLoss"]  # resumes the run already trained on it
+
+
+def test_lorafleet_train_qa_file_runs_a_job_and_jobs_show_reads_it(shared_fleet, tmp_path) -> None:
+    """The CLI as the README runs it: `lorafleet train qa-file facts.json -p ...` uploads the
+    file, follows the job to its end and prints its result and loss curve; `lorafleet jobs
+    show` reads the same job; a missing file is refused before anything is sent."""
+    key = shared_fleet.create_api_key(f"cli-{uuid.uuid4().hex[:8]}", "test_jobs")
+    env = {**os.environ, "TINKER_BASE_URL": shared_fleet.base_url, "TINKER_API_KEY": key}
+    facts = tmp_path / "facts.json"
+    facts.write_text(json.dumps(FACTS))
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "lorafleet_cli.main", *args]
+        return subprocess.run(
+            argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
+
+    params = ["-p", "max_iters=2", "-p", "loss_target=0", "-p", "early_stop=0"]
+    done = cli("train", "qa-file", str(facts), *params)
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0].split()
+    assert first[0] == "job" and first[2] == "succeeded", done.stdout
+    job_id = first[1]
+    assert "  pairCount: 3" in done.stdout and "  passCount: 2" in done.stdout, done.stdout
+    curve = next(line for line in done.stdout.splitlines() if "loss curve:" in line)
+    assert Path(tmp_path, curve.split("loss curve: ")[1]).is_file(), curve
+    shown = cli("jobs", "show", job_id)
+    assert shown.returncode == 0 and shown.stdout.splitlines()[0] == done.stdout.splitlines()[0]
+    missing = cli("train", "qa-file", str(tmp_path / "nope.json"))
+    assert missing.returncode == 1 and "no file" in missing.stderr, missing.stderr
+    # The CLI's tenant trained its default run: give its slot back to the fleet the tests share.
+    headers = {"X-API-Key": key}
+    with httpx.Client(base_url=shared_fleet.base_url, headers=headers, timeout=60) as c:
+        assert c.post("/v1/lora/reset").status_code == 200
