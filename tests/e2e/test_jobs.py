@@ -202,6 +202,16 @@ def test_validation_split_restores_the_best_snapshot(shared_fleet) -> None:
     assert adapter_bytes(shared_fleet, job["checkpoint"]) == adapter_bytes(
         shared_fleet, job["restoredCheckpoint"]
     )
+    # juno resets the optimizer with the best weights: the best snapshot kept its moments and
+    # step count, the job's final state (what the next job on the run continues) has none.
+    from safetensors.torch import load_file
+
+    best, final = (adapter_dir(shared_fleet, job[k]) for k in ("restoredCheckpoint", "checkpoint"))
+    steps = [
+        json.loads((d / "trainer_state.json").read_text())["optim_steps"] for d in (best, final)
+    ]
+    moments = [len(load_file(d / "optimizer.safetensors")) for d in (best, final)]
+    assert steps[0] > 0 and moments[0] > 0 and (steps[1], moments[1]) == (0, 0), (steps, moments)
 
 
 def test_warmup_cosine_lr_follows_the_formula_per_update(shared_fleet) -> None:
