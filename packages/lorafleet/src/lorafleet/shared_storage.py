@@ -14,13 +14,13 @@ Torch- and gRPC-free: the three services share these rules.
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from lorafleet import durable
 from lorafleet.digests import sha256_file
 from lorafleet.errors import FailedPrecondition, InvalidArgument
 from lorafleet.settings import SettingsError
@@ -77,11 +77,8 @@ def publish_folder(staged: Path, final: Path) -> dict[str, FileRef]:
     """Blocking: move a fully written folder to `final` unless a previous attempt already put
     one there (then `staged` is dropped and the existing files are described)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    for p in staged.iterdir():
-        with p.open("rb") as f:
-            os.fsync(f.fileno())
     try:
-        os.rename(staged, final)
+        durable.commit_folder(staged, final)
     except OSError:
         if not final.is_dir():
             raise

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lorafleet import errors
+from lorafleet import durable, errors
 from lorafleet.contract import AdapterId, CheckpointKind, TinkerPath
 from lorafleet.shared_storage import FileRef, adapter_folder, common_folder, publish_folder
 from lorafleet.v1 import common_pb2, controller_pb2
@@ -210,7 +210,7 @@ class Publisher:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        tmp.rename(folder)
+        durable.commit_folder(tmp, folder)
         return str(folder)
 
     async def sampler_from_checkpoint(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lorafleet import manifests, names
+from lorafleet import durable, manifests, names
 from lorafleet.digests import FileDigest, sha256_file
 from lorafleet.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from lorafleet.manifests import MANIFEST, STATE_FORMAT
@@ -104,10 +103,7 @@ def save_state(
         _write_json(tmp / TRAINER_STATE, {"format": STATE_FORMAT, **trainer_state})
         files = {p.name: FileDigest(sha256_file(p), p.stat().st_size) for p in tmp.iterdir()}
         _write_json(tmp / MANIFEST, manifests.render(files))
-        for p in tmp.iterdir():
-            with p.open("rb") as f:
-                os.fsync(f.fileno())
-        os.rename(tmp, final)
+        durable.commit_folder(tmp, final)
     except (OSError, SafetensorError) as exc:
         if not out_of_space(exc):
             raise
