@@ -4,6 +4,7 @@
         [--admission-rate 0]
     .venv/bin/python bench/ledger.py --cluster [--masters 3] [--workers 4] [--rounds 2]
         [--groups 24]
+    .venv/bin/python bench/ledger.py --durability [--rounds 2]
 
 Producers submit forward_backward ops for many registrations (each registration's ops in
 seq order, as the SDK sends them); consumers do what the scheduler does (BLPOP the ready
@@ -21,6 +22,12 @@ own p50/p99, sustained completed ops/s, the idle submit→claimed latency, and t
 One Python process cannot load three masters, so each side drives the ledger from
 `--workers` processes; the registrations are split among them, and each group's ready
 queues are claimed by one loop in one worker (as the scheduler runs one per group).
+
+`--durability` (issue 37 item 1) runs the pipelined workload on three redis-servers side by
+side, alternating `--rounds` times: no AOF, `appendfsync everysec` and `appendfsync always`
+(the chart's default: a write is on disk before it is acknowledged), and prints each one's
+ops/s and latencies and the ratios always / everysec and always / no AOF: what durable
+acknowledgement costs on this machine's disk.
 """
 
 from __future__ import annotations
@@ -399,6 +406,45 @@ def cluster_main(args: argparse.Namespace) -> None:
     )
 
 
+AOF_MODES = {
+    "no_aof": ["--appendonly", "no"],
+    "everysec": ["--appendonly", "yes", "--appendfsync", "everysec"],
+    "always": ["--appendonly", "yes", "--appendfsync", "always"],
+}
+
+
+def durability_main(args: argparse.Namespace) -> None:
+    """The pipelined workload against each AOF policy, alternating rounds (see the docstring)."""
+    load = os.getloadavg()[0]
+    rounds: dict[str, list[dict[str, object]]] = {name: [] for name in AOF_MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        servers = {
+            name: start_redis(Path(tmp) / name, extra=extra) for name, extra in AOF_MODES.items()
+        }
+        try:
+            for r in range(args.rounds):
+                for name, server in servers.items():
+                    rounds[name].append(asyncio.run(run(args, server.url, True, f"lf-{r}:")))
+        finally:
+            for server in servers.values():
+                server.stop()
+
+    def best(name: str, key: str) -> float:
+        return max(float(x[key]) for x in rounds[name])  # type: ignore[arg-type]
+
+    out: dict[str, object] = {"rounds": rounds}
+    for other in ("everysec", "no_aof"):
+        out[f"always_over_{other}_ops_ratio"] = round(
+            best("always", "ops_per_second") / best(other, "ops_per_second"), 3
+        )
+    out["submit_call_p50_ms"] = {
+        name: [x["submit_call_ms"]["p50"] for x in rounds[name]]  # type: ignore[index]
+        for name in AOF_MODES
+    }
+    out["loadavg_1m"] = {"before": round(load, 2), "after": round(os.getloadavg()[0], 2)}
+    print(json.dumps(out, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--registrations", type=int, default=64)
@@ -423,8 +469,16 @@ def main() -> None:
         help="--cluster: the fleet's ledger_groups on both sides (store/keys.py); about 8 "
         "per master, since claims and outcomes batch per group",
     )
+    parser.add_argument(
+        "--durability",
+        action="store_true",
+        help="no AOF vs appendfsync everysec vs always, side by side (see the docstring)",
+    )
     args = parser.parse_args()
     args.lockstep = False
+    if args.durability:
+        durability_main(args)
+        return
     if args.cluster:
         cluster_main(args)
         return
