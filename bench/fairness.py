@@ -12,15 +12,17 @@ and stands in for the trainer with a batch cost of `--batch-ms` plus `--op-ms` p
 operation. The ledger is the real one on a private
 redis-server with the default per-tenant limits (B is refused once it holds
 `max_unacked_results_per_tenant` unretrieved results) and each tenant's admission bucket at
-`--rate`/`--burst` (default: the controller's defaults). The flood runs four times, side by
+`--rate`/`--burst` (default: the controller's defaults). The flood runs five times, side by
 side: `fifo` batches everything claimed (no per-tenant cap: the scheduler before fair
 batches), `no_light_share` caps each tenant at `--per-tenant` per batch (default: the
 scheduler's BATCH_PER_TENANT) and nothing more (the scheduler before the light share),
 `fair_no_bucket` is the scheduler's batching (`--per-tenant`, and `--contended` per tenant
-while a light tenant was batched within `--recent-ms`) with no admission bucket, and `fair`
-has both. A alone runs with and without the bucket: what the bucket costs a single tenant. A
+while a light tenant was batched within `--recent-ms`) with no admission bucket, `fair`
+has both, and `fair_large` is `fair` with B's payloads and results `--large-bytes` each
+(`--flood-bytes` otherwise), so the byte limits refuse B (issue 36 item 3).
+A alone runs with and without the bucket: what the bucket costs a single tenant. A
 refused submission (A's or B's) is retried after its Retry-After, as the SDK does.
-`--rounds` repeats all six back to back (p99s on a shared, loaded machine swing with the
+`--rounds` repeats all seven back to back (p99s on a shared, loaded machine swing with the
 load). Prints JSON: per round, A's step p50/p99 alone and under each flood; B's operations
 completed per second of flood (`b_ops_per_s`) and admitted but not run when A finished
 (`b_backlog_at_end`); and where A's steps spent their time (`a_phases_ms`, for the median
@@ -91,6 +93,7 @@ async def run(
     flood: bool,
     shares: tuple[int, int],
     rate: float,
+    flood_bytes: int,
 ) -> dict[str, Any]:
     settings = ControllerSettings(
         redis_url=url,
@@ -137,13 +140,15 @@ async def run(
         seq = 1
         while not stop.is_set():
             try:
-                await ledger.submit("b", rid, seq, FORWARD, b"x" * 256, f"f{seq}")
+                await ledger.submit("b", rid, seq, FORWARD, b"x" * flood_bytes, f"f{seq}")
             except errors.ResourceExhausted as exc:
                 refused += 1
                 await asyncio.sleep(exc.retry_after or 1.0)
                 continue
             admitted += 1
             seq += 1
+
+    result_bytes = {"a": 1, "b": flood_bytes}
 
     async def dispatcher() -> None:
         nonlocal b_done
@@ -169,8 +174,11 @@ async def run(
             start = time.perf_counter()
             await asyncio.sleep((args.batch_ms + args.op_ms * len(batch)) / 1000)
             ran = time.perf_counter()
-            await ledger.complete_many(
-                [L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r") for c in batch]
+            await ledger.complete_many(  # B's results as large as its payloads
+                [
+                    L.Outcome(c.operation_id, OpState.SUCCEEDED, b"r" * result_bytes[c.tenant])
+                    for c in batch
+                ]
             )
             batcher.finished()
             flood_ops = sum(c.tenant == "b" for c in batch)
@@ -252,6 +260,15 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=defaults.admission_rate_per_tenant)
     parser.add_argument("--burst", type=int, default=defaults.admission_burst_per_tenant)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--flood-bytes", type=int, default=256, help="B's payload and result size per operation"
+    )
+    parser.add_argument(
+        "--large-bytes",
+        type=int,
+        default=1 << 20,
+        help="flooded_fair_large: B's payload and result size, so B meets the byte limits",
+    )
     args = parser.parse_args()
     load = os.getloadavg()[0]
     out: dict[str, Any] = {"bench": "fairness", **vars(args)}
@@ -259,13 +276,17 @@ def main() -> None:
     # name -> (flood, (per-tenant share, share while a light tenant is about), bucket rate);
     # fifo: no cap, every claimed operation in the next batch (as before fair batches);
     # no_light_share: each tenant's share stays `--per-tenant` (as before the light share)
-    configs: dict[str, tuple[bool, tuple[int, int], float]] = {
-        "alone": (False, fair, rate),
-        "alone_no_bucket": (False, fair, 0.0),
-        "flooded_fifo": (True, (1 << 30, 1 << 30), rate),
-        "flooded_no_light_share": (True, (args.per_tenant, args.per_tenant), rate),
-        "flooded_fair_no_bucket": (True, fair, 0.0),
-        "flooded_fair": (True, fair, rate),
+    # flooded_fair_large: the scheduler's batching and bucket, B's operations `--large-bytes`
+    # each, so B is refused by the byte limits (MAX_*_BYTES_PER_TENANT) before the counts
+    small = args.flood_bytes
+    configs: dict[str, tuple[bool, tuple[int, int], float, int]] = {
+        "alone": (False, fair, rate, small),
+        "alone_no_bucket": (False, fair, 0.0, small),
+        "flooded_fifo": (True, (1 << 30, 1 << 30), rate, small),
+        "flooded_no_light_share": (True, (args.per_tenant, args.per_tenant), rate, small),
+        "flooded_fair_no_bucket": (True, fair, 0.0, small),
+        "flooded_fair": (True, fair, rate, small),
+        "flooded_fair_large": (True, fair, rate, args.large_bytes),
     }
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -299,7 +320,7 @@ def main() -> None:
 
     # p50 ratios too: on a loaded machine a p99 of a few hundred steps is the machine's tail
     for q in ("p99", "p50"):
-        for name in ("fifo", "no_light_share", "fair_no_bucket", "fair"):
+        for name in ("fifo", "no_light_share", "fair_no_bucket", "fair", "fair_large"):
             out[f"{q}_ratio_{name}_over_alone"] = ratio(f"flooded_{name}", "alone", q)
         out[f"{q}_ratio_alone_bucket_over_no_bucket"] = ratio("alone", "alone_no_bucket", q)
     # B's throughput with the light share over without it (with --rate 0: no bucket on both)
