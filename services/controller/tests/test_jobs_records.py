@@ -49,6 +49,10 @@ async def test_runs_queue_jobs_in_order_and_finishing_takes_them_out(domain) -> 
     done = await records.get("t1", "job-1")
     assert done.finished and done.result == {"pass_count": 2} and done.cursor == {"seq": 3}
     assert done.version > first.version and done.finished_at > 0
+    # Its data was needed only to run it: a finished job keeps its result, not its data.
+    assert first.data and done.data == {}
+    assert not await domain.client.hexists(domain.store.keys.job("job-1"), "data")
+    assert (await records.get("t1", "job-2")).data == second.data  # unfinished: kept
     assert await records.run_queue("s:train:0") == [second.job_id]
     assert await records.open_ids() == ["job-2", "job-3"]
     jobs, total = await records.list_jobs("t1", 10, 0)
