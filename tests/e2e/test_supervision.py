@@ -16,11 +16,13 @@ from pathlib import Path
 
 import grpc
 import httpx
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet.testing import child_env, wait_until
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 from lorafleet_cli.status import render_status
+from lorafleet_controller.store.keys import Keys
 
 LORAFLEET = [sys.executable, "-m", "lorafleet_cli.main"]
 SERVICE = {
@@ -85,6 +87,16 @@ def _trainer_down(fleet: object) -> bool:
             controller_pb2.GetFleetStatusRequest(), timeout=10
         )
     return any(r.replica_id == "trainer-0" and not r.healthy for r in status.replicas)
+
+
+def _open_operations(fleet: object, run: str) -> int:
+    """The run's open operations, from its registration record in the fleet's Redis."""
+    client = redis.Redis.from_url(fleet.redis_url)  # type: ignore[attr-defined]
+    try:
+        # the controller's default key prefix and ledger groups, as `lorafleet up` runs it
+        return int(client.hget(Keys("lf:", 1).reg(run), "pending") or 0)
+    finally:
+        client.close()
 
 
 def _model_name(fleet: object) -> str:
@@ -196,6 +208,11 @@ def test_killed_processes_come_back_and_a_spent_budget_degrades_the_fleet(
         waiting.stdin.write("go\n")
         waiting.stdin.flush()
         _line(waiting, "WAITING")
+        # The SDK prints WAITING once it has queued the call, not once the fleet admitted it:
+        # kill the trainer only when the operation is open, or on a loaded machine the call
+        # arrives after the trainer failed for good and is refused at submission (503, which
+        # the SDK retries) instead of failing while it waits, which is what this checks.
+        wait_until(lambda: _open_operations(fleet, run) > 0, "the waiting call admitted")
         os.kill(trainer.proc.pid, signal.SIGKILL)
         wait_until(lambda: "trainer-0" in fleet.failures, "supervision gives up on trainer-0")
         failed_at = time.time()
