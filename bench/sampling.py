@@ -32,6 +32,13 @@ keeps torch's default.
    same run (see `sampling_vllm.py`; replaces 1 and 2 in that run).
 
     .venv/bin/python bench/sampling.py --vs-vllm [--threads 1] [--rounds 3] [--workloads abcd]
+
+4. `--vs-llama-cpp`: TorchEngine against llama.cpp (llama-cpp-python from `.venvs/llama-cpp`,
+   bench/setup_llama_cpp_venv.sh) on single-adapter decode: the `--requests` prompts one at a
+   time on one adapter, greedy, at equal thread counts, each side alone (see
+   `sampling_llama_cpp.py`; replaces 1 and 2 in that run).
+
+    .venv/bin/python bench/sampling.py --vs-llama-cpp [--threads 1] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ from pathlib import Path
 import grpc
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from sampling_llama_cpp import add_arguments as add_llama_cpp_arguments
+from sampling_llama_cpp import vs_llama_cpp
 from sampling_vllm import add_arguments, vs_vllm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -381,6 +390,7 @@ def main() -> None:
     parser.add_argument("--skip-publish", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     add_arguments(parser)
+    add_llama_cpp_arguments(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -388,7 +398,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir, report["model"] = bench_model(work)
-        adapters = make_adapters(model_dir, work, args.adapters)
+        adapters = make_adapters(model_dir, work, 1 if args.vs_llama_cpp else args.adapters)
         gen = torch.Generator().manual_seed(0)
         prompts = [
             torch.randint(3, 2000, (args.prompt_tokens,), generator=gen).tolist()
@@ -396,6 +406,12 @@ def main() -> None:
         ]
         if args.vs_vllm:
             report["vs_vllm"] = asyncio.run(vs_vllm(model_dir, adapters, args, work))
+            print(json.dumps(report, indent=2))
+            return
+        if args.vs_llama_cpp:
+            report["vs_llama_cpp"] = asyncio.run(
+                vs_llama_cpp(model_dir, adapters[0], prompts, args, work)
+            )
             print(json.dumps(report, indent=2))
             return
         report.update(
