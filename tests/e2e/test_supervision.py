@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.testing import child_env, wait_until
 from lorafleet.v1 import controller_pb2, controller_pb2_grpc
 from lorafleet_cli.status import render_status
+from lorafleet_controller.settings import ControllerSettings
 from lorafleet_controller.store.keys import Keys
 
 LORAFLEET = [sys.executable, "-m", "lorafleet_cli.main"]
@@ -93,8 +94,9 @@ def _open_operations(fleet: object, run: str) -> int:
     """The run's open operations, from its registration record in the fleet's Redis."""
     client = redis.Redis.from_url(fleet.redis_url)  # type: ignore[attr-defined]
     try:
-        # the controller's default key prefix and ledger groups, as `lorafleet up` runs it
-        return int(client.hget(Keys("lf:", 1).reg(run), "pending") or 0)
+        defaults = ControllerSettings()  # the key prefix and groups `lorafleet up` runs with
+        keys = Keys(defaults.key_prefix, defaults.ledger_groups)
+        return int(client.hget(keys.reg(run), "pending") or 0)
     finally:
         client.close()
 

@@ -43,6 +43,7 @@ SCHEDULE_ALIASES: Mapping[str, Schedule] = {"cosine": Schedule.WARMUP_COSINE}
 
 
 ALL_TARGETS = "all"
+DEFAULT_RANK = 8  # juno's
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ class JobParams:
     """Every parameter of a job, defaults filled in (see `parse`)."""
 
     learning_rate: float = 1e-4
-    rank: int = 8
-    alpha: float = 8.0  # `parse` makes an unset alpha the rank (juno: scale 1)
+    rank: int = DEFAULT_RANK
+    alpha: float = float(DEFAULT_RANK)  # `parse` makes an unset alpha the rank (juno: scale 1)
     targets: tuple[str, ...] = (ALL_TARGETS,)
     dropout: float = 0.0
     seed: int = 42
